@@ -1,0 +1,270 @@
+"""The ``linearize`` command line: info, convert, generate, demo.
+
+Spec flags (``--attention``, ``--window``, ...) are generated from the ConversionSpec dataclass, so
+the CLI, YAML spec files and the Python API share one definition (and its documentation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import json
+import logging
+import sys
+import time
+import typing
+from pathlib import Path
+
+from . import spec as spec_module
+from .spec import ConversionSpec, LayerSpec
+
+EXIT_USAGE = 2
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
+DEMO_PROMPT = (
+    "Read this passage, then answer the question.\n\n"
+    "The Amazon rainforest covers much of the Amazon basin of South America. The basin spans about seven "
+    "million square kilometres, of which about five and a half million are covered by the rainforest. The "
+    "region includes territory belonging to nine nations: the majority of the forest lies in Brazil, "
+    "followed by Peru with thirteen percent and Colombia with ten percent, with smaller amounts in Venezuela, "
+    "Ecuador, Bolivia, Guyana, Suriname and French Guiana. The rainforest represents over half of the "
+    "planet's remaining rainforests and is the largest and most biodiverse tract of tropical rainforest in "
+    "the world, with an estimated 390 billion individual trees divided into 16,000 species.\n\n"
+    "Question: Which country holds the majority of the Amazon rainforest, and how many tree species does it have?"
+)
+
+
+# --- spec flags from the dataclass -------------------------------------------------------------
+def _field_docs(cls) -> dict[str, str]:
+    """Attribute docstrings (the string literal right after each field) of a dataclass."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        body = ast.parse(inspect.getsource(klass)).body[0].body
+        for node, nxt in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def _parse_layers(text: str):
+    if text == "all":
+        return "all"
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"layers must be 'all' or comma-separated indices like 0,1,-1; got {text!r}") from None
+
+
+def _parse_optional_int(text: str):
+    return None if text.lower() == "none" else int(text)
+
+
+def add_spec_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per ConversionSpec field (default None = keep the spec file's or the default value)."""
+    group = parser.add_argument_group("conversion spec (each overrides --spec)")
+    docs = _field_docs(ConversionSpec)
+    hints = typing.get_type_hints(ConversionSpec, vars(spec_module))
+    for f in dataclasses.fields(ConversionSpec):
+        if f.name == "overrides":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        kwargs: dict = {"default": None, "help": f"{docs.get(f.name, '')} (default: {_default(f)})"}
+        if f.name == "layers":
+            kwargs.update(type=_parse_layers, metavar="all|I,J,...")
+        elif hint is bool:
+            kwargs.update(type=_parse_bool, metavar="true|false")
+        elif hint is int:
+            kwargs.update(type=int)
+        elif hint is float:
+            kwargs.update(type=float)
+        elif f.name == "feature_dim":
+            kwargs.update(type=_parse_optional_int)
+        else:
+            kwargs.update(type=str)
+        group.add_argument(flag, dest=f"spec_{f.name}", **kwargs)
+    group.add_argument("--spec", dest="spec_file", help="YAML/JSON spec file (flags above override its values)")
+
+
+def _default(f: dataclasses.Field):
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def spec_from_args(args: argparse.Namespace) -> ConversionSpec | None:
+    """The spec the flags describe, or None when no spec flag was given."""
+    base = ConversionSpec.from_file(args.spec_file).to_dict() if args.spec_file else None
+    flags = {k[5:]: v for k, v in vars(args).items() if k.startswith("spec_") and k != "spec_file" and v is not None}
+    if base is None and not flags:
+        return None
+    return ConversionSpec.from_dict({**(base or {}), **flags})
+
+
+# --- commands ----------------------------------------------------------------------------------
+def cmd_info(args) -> int:
+    from .summary import model_info
+
+    model, _ = _load(args.model, args)
+    print(model_info(model, as_json=args.json))
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from .api import save_adapter
+    from .convert import convert
+    from .io import atomic_dir
+
+    spec = spec_from_args(args) or ConversionSpec()
+    model, tokenizer = _load(args.model, args)
+    convert(model, spec)
+    if args.adapter:
+        save_adapter(model, args.out, base_model=args.model)
+    else:
+        with atomic_dir(args.out) as tmp:
+            model.save_pretrained(tmp)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+    print(f"wrote {'adapter' if args.adapter else 'checkpoint'} to {args.out}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from .convert import convert, set_mode
+    from .generate import generate_text
+
+    model, tokenizer = _load(args.model, args)
+    if tokenizer is None:
+        raise ValueError(f"model {args.model!r} has no tokenizer; generate needs one")
+    spec = spec_from_args(args)
+    if spec is not None:
+        convert(model, spec)
+    if args.mode:
+        set_mode(model, args.mode)
+    result = generate_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, chat=not args.no_chat)
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2))
+    else:
+        print(result.text)
+        print(f"\n[{result.new_tokens} tokens in {result.seconds:.2f} s = {result.tokens_per_second:.1f} tok/s; "
+              f"memory held for this request: {_mib(result.memory_bytes)}]")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """The main job: teacher vs converted model, side by side, with the memory each holds."""
+    from .convert import convert
+    from .generate import generate_text
+
+    model, tokenizer = _load(args.model, args)
+    teacher = generate_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, chat=True)
+    spec = spec_from_args(args) or ConversionSpec(attention="hybrid", layers="all", window=64)
+    convert(model, spec)
+    student = generate_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, chat=True)
+    width = 60
+    print(f"prompt: {args.prompt}\n")
+    print(f"{'TEACHER (softmax attention)':<{width}} | CONVERTED ({spec.attention}, window {spec.window}, untrained)")
+    print("-" * width + "-+-" + "-" * width)
+    for left, right in _side_by_side(teacher.text, student.text, width):
+        print(f"{left:<{width}} | {right}")
+    print("-" * width + "-+-" + "-" * width)
+    for label, r in (("teacher", teacher), ("converted", student)):
+        print(f"{label:>9}: {r.new_tokens} tokens, {r.tokens_per_second:.1f} tok/s, memory held: {_mib(r.memory_bytes)} "
+              f"for {r.context_tokens} tokens of context (measured)")
+    from .memory import request_memory
+
+    dtype_bytes = next(model.parameters()).element_size()
+    for tokens in (1024, 8192):
+        t_bytes, s_bytes = request_memory(None, model, tokens, dtype_bytes), request_memory(spec, model, tokens, dtype_bytes)
+        print(f"  at {tokens:>5} tokens (formula): teacher {_mib(t_bytes)}, converted {_mib(s_bytes)} ({t_bytes / s_bytes:.1f}x less)")
+    note = "the converted model is untrained (identity feature maps): expect degraded text until trained"
+    print(f"\nnote: {note}")
+    return 0
+
+
+def _side_by_side(a: str, b: str, width: int):
+    import textwrap
+
+    la = [line for para in a.splitlines() for line in (textwrap.wrap(para, width) or [""])]
+    lb = [line for para in b.splitlines() for line in (textwrap.wrap(para, width) or [""])]
+    n = max(len(la), len(lb))
+    return zip(la + [""] * (n - len(la)), lb + [""] * (n - len(lb)))
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def _load(name: str, args):
+    from .api import load_model
+
+    return load_model(name, device=getattr(args, "device", None))
+
+
+# --- parser ------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="linearize", description="Turn a Transformer LLM into a hybrid linear-attention model.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO level)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("info", help="layers, spec, parameter counts, memory per layer")
+    p.add_argument("model", help="alias (smollm2-135m), checkpoint dir, adapter dir or hub id")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("convert", help="convert a model (untrained new parameters) and save it")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"model to convert (default: {DEFAULT_MODEL})")
+    p.add_argument("--out", required=True, help="output directory (written atomically)")
+    p.add_argument("--adapter", action="store_true", help="write only the new parameters + the base model's name")
+    add_spec_flags(p)
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("generate", help="generate text; shows tokens/s and memory held per request")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--prompt", default=DEFAULT_PROMPT)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text (no chat template)")
+    p.add_argument("--mode", help="component mode of converted layers (hybrid, swa_only, la_only, sinks_only, none, ...)")
+    p.add_argument("--json", action="store_true")
+    add_spec_flags(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("demo", help="main job: teacher vs converted model side by side, with memory held")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--prompt", default=DEMO_PROMPT)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    add_spec_flags(p)
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if not args.verbose:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # weight-loading bars; our own long work keeps its progress bars
+    if getattr(args, "max_new_tokens", 1) < 1:
+        parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, NotADirectoryError) as err:
+        print(f"linearize {args.command}: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""convert(), set_mode() and what a conversion holds in memory."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from .layers.attention import GENERIC_MODES, ConvertedAttention
+from .modeling import apply_spec, check_spec, decoder_layers
+from .spec import ConversionSpec, SpecError
+
+logger = logging.getLogger(__name__)
+
+MODES = ("hybrid", "swa_only", "la_only", "sinks_only", "none", "no_state", "no_sparse", "window_only")
+"""Component modes: hybrid (normal), swa_only (LA output zeroed), la_only (window removed, LA over all
+positions), sinks_only (softmax over the first 8 tokens), none (attention output zeroed); LoLA read
+ablations: no_state, no_sparse, window_only. Each layer kind supports a subset (see set_mode)."""
+
+
+def convert(model: PreTrainedModel, spec: ConversionSpec | dict[str, Any] | None = None) -> PreTrainedModel:
+    """Swap the attention of the layers ``spec`` chooses, in place; returns the model.
+
+    The teacher's q/k/v/o projections are reused (not copied). The spec is stored in
+    ``model.config.linearize`` so ``save_pretrained`` keeps it. Converting an already converted model
+    applies the new spec (layers left out get the teacher's attention back; new parameters of
+    layers that stay converted are kept where names and shapes match).
+    """
+    spec = ConversionSpec.coerce(spec)
+    check_spec(model, spec)
+    apply_spec(model, spec)
+    logger.info("converted layers %s to %s attention", spec.resolve_layers(len(decoder_layers(model))), spec.attention)
+    return model
+
+
+def converted_layers(model: PreTrainedModel) -> dict[int, ConvertedAttention]:
+    return {i: layer.self_attn for i, layer in enumerate(decoder_layers(model)) if isinstance(layer.self_attn, ConvertedAttention)}
+
+
+def set_mode(model: PreTrainedModel, mode: str, layers: Sequence[int] | None = None) -> PreTrainedModel:
+    """Switch the component mode of converted layers (all of them when ``layers`` is None)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; valid modes: {', '.join(MODES)}")
+    converted = converted_layers(model)
+    n = len(decoder_layers(model))
+    targets = sorted(converted) if layers is None else [int(i) for i in layers]
+    for i in targets:
+        if not -n <= i < n:
+            raise SpecError(f"layer index {i} out of range: the model has {n} layers")
+        if i % n not in converted:
+            raise SpecError(f"layer {i} is not converted; converted layers: {sorted(converted)}")
+    for i in targets:
+        converted[i % n].set_mode(mode)
+    return model
+
+
+def layer_modes(model: PreTrainedModel) -> dict[int, str]:
+    return {i: m.mode for i, m in converted_layers(model).items()}
+
+
+def new_parameters(model: PreTrainedModel) -> dict[str, torch.nn.Parameter]:
+    """The parameters a conversion adds (feature maps, window factors, gates, gamma), by name."""
+    teacher = {id(p) for layer in decoder_layers(model) for p in _teacher_params(layer.self_attn)}
+    return {
+        name: p
+        for name, p in model.named_parameters()
+        if ".self_attn." in name and id(p) not in teacher
+    }
+
+
+def _teacher_params(attn) -> list[torch.nn.Parameter]:
+    teacher = attn.teacher if isinstance(attn, ConvertedAttention) else attn
+    return list(teacher.parameters())
+
+
+__all__ = ["convert", "set_mode", "layer_modes", "converted_layers", "new_parameters", "MODES", "GENERIC_MODES"]

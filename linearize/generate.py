@@ -1,0 +1,62 @@
+"""Text generation with the model's cache, reporting speed and the memory a request holds."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .cache import cache_nbytes
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    context_tokens: int  # prompt + generated tokens the cache has seen
+    new_tokens: int
+    seconds: float
+    memory_bytes: int  # KV + state bytes the request holds at the end
+    memory_by_layer: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else float("nan")
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "tokens_per_second": self.tokens_per_second}
+
+
+def encode_prompt(tokenizer, prompt: str, *, chat: bool) -> list[int]:
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return tokenizer(prompt)["input_ids"]
+
+
+@torch.inference_mode()
+def generate_text(model, tokenizer, prompt: str, *, max_new_tokens: int = 64, chat: bool = True) -> GenerationResult:
+    """Greedy generation of one prompt; memory is what the cache holds after the last token."""
+    ids = encode_prompt(tokenizer, prompt, chat=chat)
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([ids], device=device)
+    start = time.perf_counter()
+    out = model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        return_dict_in_generate=True,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+    )
+    seconds = time.perf_counter() - start
+    new = out.sequences[0, input_ids.shape[1]:]
+    by_layer = cache_nbytes(out.past_key_values)
+    return GenerationResult(
+        text=tokenizer.decode(new, skip_special_tokens=True).strip(),
+        context_tokens=int(out.sequences.shape[1]),
+        new_tokens=int(new.numel()),
+        seconds=seconds,
+        memory_bytes=sum(by_layer.values()),
+        memory_by_layer=by_layer,
+    )

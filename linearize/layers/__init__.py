@@ -1,0 +1,1 @@
+"""nn.Modules that replace a model's attention, reusing its q/k/v/o projections."""

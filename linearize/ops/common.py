@@ -1,0 +1,43 @@
+"""Small tensor helpers shared by the attention ops (no model knowledge)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+FeatureFn = Callable[[Tensor], Tensor]
+"""A feature map: (B, H, T, D) -> (B, H, T, F), applied per head (after GQA repetition)."""
+
+
+def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
+    """(B, Hkv, T, D) -> (B, Hkv * n_rep, T, D), each KV head repeated for its query heads (HF order)."""
+    if n_rep == 1:
+        return x
+    return x.repeat_interleave(n_rep, dim=1)
+
+
+def gqa_groups(q: Tensor, k: Tensor) -> int:
+    """Number of query heads per KV head; raises if the head counts do not divide."""
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq % hkv != 0:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    return hq // hkv
+
+
+def default_valid(x: Tensor, valid: Tensor | None) -> Tensor:
+    """A (B, T) bool mask of real tokens; all True when ``valid`` is None."""
+    b, t = x.shape[0], x.shape[2]
+    if valid is None:
+        return torch.ones(b, t, dtype=torch.bool, device=x.device)
+    if valid.shape != (b, t):
+        raise ValueError(f"valid mask has shape {tuple(valid.shape)}, expected {(b, t)}")
+    return valid.to(device=x.device, dtype=torch.bool)
+
+
+def safe_divide(num: Tensor, den: Tensor) -> Tensor:
+    """num / den with 0 where den == 0 (den broadcast over the last axis of num)."""
+    den = den.unsqueeze(-1)
+    zero = den == 0
+    return torch.where(zero, torch.zeros_like(num), num / torch.where(zero, torch.ones_like(den), den))

@@ -1,0 +1,246 @@
+"""DSLA: dual-state gated linear attention (methods.md section 3; arXiv 2506.09316).
+
+Two GLA states share the write k v^T and differ only in their data-dependent forget gates:
+
+    S1_t = diag(alpha1_t) S1_{t-1} + k_t v_t^T        (history: slow forgetting)
+    S2_t = diag(alpha2_t) S2_{t-1} + k_t v_t^T        (recent: fast forgetting)
+    o_t  = scale * q_t^T (gamma S1_t + (1 - gamma) S2_t)
+
+alpha is per key dimension, broadcast over the value axis (GLA style). Callers pass log-gates
+``log_alpha = logsigmoid(x W + b) / 16`` of shape (B, Hq, T, Dk), exactly what fla's ``chunk_gla``
+takes as ``g``. The output is linear in S, so o = gamma * o1 + (1 - gamma) * o2 with o_i plain GLA
+under gate i: every backend runs single-state GLA twice.
+
+Padding (``valid`` False) is a no-op: q, k, v are zeroed there (no write, zero output) and the
+log-gates set to 0 (no decay), so a left-padded row equals the row alone and garbage (even NaN) at
+padded positions never reaches outputs or gradients.
+
+Backends of ``dsla_attention`` (``BACKENDS``): "torch" (chunked, pure PyTorch, autograd, any device)
+and "fla" (flash-linear-attention 0.6.0 Triton kernels, CUDA only). ``dsla_attention_reference`` is
+the plain float32 loop that specifies both.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .common import default_valid, gqa_groups, repeat_kv
+from .states import DslaState
+
+GATE_LOGIT_NORMALIZER = 16
+"""log_alpha = logsigmoid(z) / 16: fla's GLA default, and this package's gate parameterisation."""
+
+FLA_RECURRENT_MAX_LEN = 64
+"""fla's GLA layer runs ``fused_recurrent_gla`` for sequences of at most 64 tokens, ``chunk_gla`` above."""
+
+GlaFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor | None, float, int], tuple[Tensor, Tensor]]
+"""(q, k, v, log_alpha, initial state | None, scale, chunk) -> (o, final state); all (B, H, T, D), GQA repeated."""
+
+
+def init_gate_bias(alpha: float) -> float:
+    """Pre-activation z with exp(logsigmoid(z) / 16) = alpha, i.e. z = logit(alpha ** 16).
+
+    0.999 -> 4.13 (history gate), 0.9 -> -1.48 (recent gate).
+    """
+    if not 0.0 < alpha < 1.0:
+        raise ValueError(f"gate value alpha must lie in (0, 1), got {alpha}")
+    p = alpha**GATE_LOGIT_NORMALIZER
+    return math.log(p) - math.log1p(-p)
+
+
+def gate_half_life(alpha: float) -> float:
+    """Tokens until a constant gate alpha halves the state: log(1/2) / log(alpha) (0.999 -> 693, 0.9 -> 6.6)."""
+    if not 0.0 < alpha < 1.0:
+        raise ValueError(f"gate value alpha must lie in (0, 1), got {alpha}")
+    return math.log(0.5) / math.log(alpha)
+
+
+def gla_reference(
+    q: Tensor, k: Tensor, v: Tensor, log_alpha: Tensor, state: Tensor | None = None, scale: float | None = None
+) -> tuple[Tensor, Tensor]:
+    """Single-state GLA as a plain loop over t (float32, float64 for float64 inputs): the specification.
+
+    q/log_alpha (B, Hq, T, Dk), k (B, Hkv, T, Dk), v (B, Hkv, T, Dv), state (B, Hq, Dk, Dv).
+    Returns o (B, Hq, T, Dv) in q's dtype and the final state (B, Hq, Dk, Dv) in the compute dtype.
+    """
+    n_rep = gqa_groups(q, k)
+    dtype = _compute_dtype(q)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    qf, gf = q.to(dtype), log_alpha.to(dtype)  # (B, H, T, Dk)
+    kf = repeat_kv(k.to(dtype), n_rep)  # (B, H, T, Dk)
+    vf = repeat_kv(v.to(dtype), n_rep)  # (B, H, T, Dv)
+    b, h, t, dk = qf.shape
+    s = qf.new_zeros(b, h, dk, vf.shape[-1]) if state is None else state.to(dtype)  # (B, H, Dk, Dv)
+    outs = []
+    for i in range(t):
+        kv = kf[:, :, i, :, None] * vf[:, :, i, None, :]  # (B, H, Dk, Dv)
+        s = gf[:, :, i, :, None].exp() * s + kv  # (B, H, Dk, Dv)
+        outs.append(scale * (qf[:, :, i, :, None] * s).sum(-2))  # (B, H, Dv)
+    return torch.stack(outs, dim=2).to(q.dtype), s  # (B, H, T, Dv), (B, H, Dk, Dv)
+
+
+def dsla_attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    log_alpha_history: Tensor,
+    log_alpha_recent: Tensor,
+    gamma: Tensor,
+    *,
+    valid: Tensor | None = None,
+    state: DslaState | None = None,
+    scale: float | None = None,
+) -> tuple[Tensor, DslaState]:
+    """DSLA as two ``gla_reference`` loops; same arguments and results as ``dsla_attention``."""
+    q, k, v, g1, g2 = _mask_padding(q, k, v, log_alpha_history, log_alpha_recent, valid)
+    o1, s1 = gla_reference(q, k, v, g1, None if state is None else state.history, scale)
+    o2, s2 = gla_reference(q, k, v, g2, None if state is None else state.recent, scale)
+    return _mix(o1, o2, gamma, q), DslaState(history=s1, recent=s2)
+
+
+def dsla_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    log_alpha_history: Tensor,
+    log_alpha_recent: Tensor,
+    gamma: Tensor,
+    *,
+    valid: Tensor | None = None,
+    state: DslaState | None = None,
+    scale: float | None = None,
+    backend: str = "torch",
+    chunk: int = 32,
+) -> tuple[Tensor, DslaState]:
+    """Dual-state gated linear attention continuing from ``state``.
+
+    q (B, Hq, T, Dk) with RoPE applied, k (B, Hkv, T, Dk), v (B, Hkv, T, Dv); log-gates (B, Hq, T, Dk),
+    <= 0 and finite; gamma a 0-dim or (Hq,) tensor in [0, 1] (weight of the history state); valid
+    (B, T) bool (False = padding); state holds history/recent (B, Hq, Dk, Dv), zeros when None;
+    scale defaults to Dk ** -0.5 (multiplies q, as in fla). ``chunk`` is the block length of the
+    "torch" backend (fla picks its own). Returns o (B, Hq, T, Dv) in q's dtype (zeros at padding) and
+    the state after the last token (float32; float64 for float64 inputs on "torch").
+    Calling again with the returned state continues the sequence exactly (prefill in pieces, decode).
+    """
+    gla = BACKENDS.get(backend)
+    if gla is None:
+        raise ValueError(f"unknown DSLA backend {backend!r}; expected one of {tuple(BACKENDS)}")
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    n_rep = gqa_groups(q, k)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q, k, v, g1, g2 = _mask_padding(q, k, v, log_alpha_history, log_alpha_recent, valid)
+    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, Hq, T, Dk), (B, Hq, T, Dv)
+    o1, s1 = gla(q, k, v, g1, None if state is None else state.history, scale, chunk)
+    o2, s2 = gla(q, k, v, g2, None if state is None else state.recent, scale, chunk)
+    return _mix(o1, o2, gamma, q), DslaState(history=s1, recent=s2)
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    """float32 accumulation for half/float inputs; float64 stays float64."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _mask_padding(
+    q: Tensor, k: Tensor, v: Tensor, g1: Tensor, g2: Tensor, valid: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Check shapes; make padded positions no-ops: q, k, v zero (no write, zero output), gates 0 (no decay)."""
+    if k.shape != (q.shape[0], k.shape[1], *q.shape[2:]) or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"inconsistent q/k/v shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    for name, g in (("log_alpha_history", g1), ("log_alpha_recent", g2)):
+        if g.shape != q.shape:
+            raise ValueError(f"{name} has shape {tuple(g.shape)}, expected q's shape {tuple(q.shape)}")
+    if valid is None:
+        return q, k, v, g1, g2
+    pad = ~default_valid(q, valid)[:, None, :, None]  # (B, 1, T, 1)
+    return tuple(x.masked_fill(pad, 0.0) for x in (q, k, v, g1, g2))  # type: ignore[return-value]
+
+
+def _mix(o1: Tensor, o2: Tensor, gamma: Tensor, q: Tensor) -> Tensor:
+    """gamma * o1 + (1 - gamma) * o2 in float32 (or wider), gamma 0-dim or per query head; q's dtype out."""
+    gamma = torch.as_tensor(gamma, device=q.device)
+    if gamma.numel() not in (1, q.shape[1]):
+        raise ValueError(f"gamma must be a scalar or have one value per query head ({q.shape[1]}), got {tuple(gamma.shape)}")
+    dtype = torch.promote_types(torch.promote_types(o1.dtype, gamma.dtype), torch.float32)
+    gamma = gamma.to(dtype).reshape(-1, 1, 1)  # (Hq or 1, 1, 1): broadcasts over (B, Hq, T, Dv)
+    return (gamma * o1.to(dtype) + (1 - gamma) * o2.to(dtype)).to(q.dtype)  # (B, Hq, T, Dv)
+
+
+def _gla_chunked(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, h0: Tensor | None, scale: float, chunk: int
+) -> tuple[Tensor, Tensor]:
+    """Chunked GLA in PyTorch, stable for any gate strength: every exponent taken is <= 0.
+
+    Within a chunk the log decay from s to t, sum_{s<j<=t} g_j, is summed pairwise for s <= t as a
+    segment sum (as Mamba2's ``segsum``): never q * exp(b), k * exp(-b), which overflows, nor the
+    difference of two cumulative sums, which cancels badly after a strong gate. Across chunks the
+    state carries everything: q_t reads it decayed from the chunk start, k_s writes into it decayed
+    to the chunk end. Memory: the pairwise decays hold B H T chunk Dk values.
+    """
+    dtype = _compute_dtype(q)
+    b, h, t, dk = q.shape
+    dv = v.shape[-1]
+    n = -(-t // chunk)
+    pad = n * chunk - t  # padded tail: k = 0 (no write), g = 0 (no decay); its outputs are dropped
+    q, k, g = (F.pad(x.to(dtype), (0, 0, 0, pad)).reshape(b, h, n, chunk, dk) for x in (q, k, g))  # (B, H, N, C, Dk)
+    v = F.pad(v.to(dtype), (0, 0, 0, pad)).reshape(b, h, n, chunk, dv)  # (B, H, N, C, Dv)
+
+    ones = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device)
+    after_s = ones.tril(-1)[:, :, None]  # (C_j, C_s, 1): j > s
+    causal = ones.tril()[:, :, None]  # (C_t, C_s, 1): s <= t
+    g_js = g[:, :, :, :, None].expand(b, h, n, chunk, chunk, dk)  # (B, H, N, C_j, C_s, Dk): g_j
+    pair = g_js.masked_fill(~after_s, 0.0).cumsum(dim=3)  # (B, H, N, C_t, C_s, Dk): sum_{s<j<=t} g_j
+    decay = pair.masked_fill(~causal, float("-inf")).exp()  # (B, H, N, C_t, C_s, Dk), <= 1, 0 above the diagonal
+    scores = torch.einsum("bhntk,bhntsk->bhnts", q, k[:, :, :, None] * decay)  # (B, H, N, C_t, C_s)
+    o_intra = scores @ v  # (B, H, N, C, Dv)
+
+    from_start = g.cumsum(dim=3)  # (B, H, N, C, Dk): log decay from the chunk start through t
+    to_end = pair[:, :, :, -1]  # (B, H, N, C, Dk): log decay after s through the chunk end
+    q_read = q * from_start.exp()  # (B, H, N, C, Dk)
+    writes = (k * to_end.exp()).transpose(-1, -2) @ v  # (B, H, N, Dk, Dv): the chunk's write, decayed to its end
+    chunk_decay = from_start[:, :, :, -1, :, None].exp()  # (B, H, N, Dk, 1)
+    s = q.new_zeros(b, h, dk, dv) if h0 is None else h0.to(dtype)  # (B, H, Dk, Dv)
+    o_inter = []
+    for i in range(n):
+        o_inter.append(q_read[:, :, i] @ s)  # (B, H, C, Dv)
+        s = chunk_decay[:, :, i] * s + writes[:, :, i]  # (B, H, Dk, Dv)
+    o = scale * (o_intra + torch.stack(o_inter, dim=2))  # (B, H, N, C, Dv)
+    return o.reshape(b, h, n * chunk, dv)[:, :, :t], s
+
+
+def _import_fla():
+    try:
+        from fla.ops.gla import chunk_gla, fused_recurrent_gla
+    except ImportError as e:
+        raise RuntimeError(
+            "DSLA backend 'fla' needs flash-linear-attention (pip install fla-core==0.6.0) and a CUDA GPU; "
+            "use backend='torch' otherwise"
+        ) from e
+    return chunk_gla, fused_recurrent_gla
+
+
+def _gla_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, h0: Tensor | None, scale: float, chunk: int) -> tuple[Tensor, Tensor]:
+    """fla 0.6.0 GLA kernels; ``chunk`` is unused (fla picks its own).
+
+    fla takes (B, T, H, D) tensors, gates of q's shape, a float32 initial state (B, H, Dk, Dv), and
+    multiplies q by ``scale``. Gates go in float32 whatever q's dtype (their cumulative sums need it).
+    Like fla's GLA layer: fused_recurrent_gla up to FLA_RECURRENT_MAX_LEN tokens, chunk_gla above.
+    """
+    chunk_gla, fused_recurrent_gla = _import_fla()
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # (B, T, H, D)
+    gt = g.float().transpose(1, 2)  # (B, T, H, Dk)
+    h0 = None if h0 is None else h0.float()  # (B, H, Dk, Dv)
+    if q.shape[2] <= FLA_RECURRENT_MAX_LEN:
+        o, s = fused_recurrent_gla(qt, kt, vt, gk=gt, scale=scale, initial_state=h0, output_final_state=True)
+    else:
+        o, s = chunk_gla(qt, kt, vt, g=gt, scale=scale, initial_state=h0, output_final_state=True)
+    return o.transpose(1, 2), s  # (B, H, T, Dv), (B, H, Dk, Dv)
+
+
+BACKENDS: dict[str, GlaFn] = {"torch": _gla_chunked, "fla": _gla_fla}
+"""Name -> single-state GLA implementation used by ``dsla_attention``."""

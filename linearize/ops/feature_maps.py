@@ -1,0 +1,53 @@
+"""Feature maps phi for linear attention, applied per head over the feature axis.
+
+Hedgehog (LoLCATs): phi(x) = [softmax(x W + b), softmax(-(x W + b))], softmax over the feature
+axis (not over tokens). W is a learned per-head (d x f) matrix: square f = d gives 2d features,
+rectangular f = d/2 gives d features. The fixed maps (exp, relu, elu = 1 + elu, identity) keep d
+features and exist for ablations.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def hedgehog(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    """x (B, H, T, d), weight (H, d, f), bias (H, f) -> (B, H, T, 2f)."""
+    proj = torch.einsum("bhtd,hdf->bhtf", x, weight) + bias[:, None, :]  # (B, H, T, f)
+    return torch.cat([torch.softmax(proj, dim=-1), torch.softmax(-proj, dim=-1)], dim=-1)
+
+
+def hedgehog_reference(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    """The same map as a plain float32 loop over heads and tokens (the specification)."""
+    b, h, t, _ = x.shape
+    out = []
+    for bi in range(b):
+        heads = []
+        for hi in range(h):
+            rows = []
+            for ti in range(t):
+                p = x[bi, hi, ti].float() @ weight[hi].float() + bias[hi].float()  # (f,)
+                rows.append(torch.cat([p.exp() / p.exp().sum(), (-p).exp() / (-p).exp().sum()]))
+            heads.append(torch.stack(rows))
+        out.append(torch.stack(heads))
+    return torch.stack(out)
+
+
+def elu_plus_one(x: Tensor) -> Tensor:
+    return F.elu(x) + 1.0
+
+
+FIXED_FEATURE_MAPS: dict[str, Callable[[Tensor], Tensor]] = {
+    "exp": torch.exp,
+    "relu": torch.relu,
+    "elu": elu_plus_one,
+    "identity": lambda x: x,
+}
+"""Parameter-free feature maps, by name (d -> d features)."""
+
+LEARNED_FEATURE_MAPS = ("hedgehog",)
+FEATURE_MAP_NAMES = LEARNED_FEATURE_MAPS + tuple(FIXED_FEATURE_MAPS)

@@ -1,0 +1,312 @@
+"""In-head hybrid: sliding-window softmax + linear attention (LoLCATs / HedgeCATs).
+
+For query t, W_t = the last ``window`` real tokens up to and including t (padding does not take
+window slots); "older" = the real tokens before W_t. With s_j = scale * q_t.k_j and m_t = max_{j in W_t} s_j:
+
+- mix "joint" (LoLCATs): one shared denominator,
+      o_t = (f sum_{W_t} e^{s_j - m_t} v_j + phi(q_t)^T S) / (f sum_{W_t} e^{s_j - m_t} + phi(q_t)^T z)
+  with f = window_factor per head and (S, z) the linear sums over the older tokens ("overlap":
+  over all tokens up to t).
+- mix "gate" (HedgeCATs Eq. 3): o_t = g SWA_t + (1 - g) LA_t, each branch normalised on its own;
+  an empty LA branch (nothing older than the window yet, without overlap) reads as 0.
+
+``branches`` ablates components: "window" = SWA only (normalised window softmax; LA zeroed),
+"linear" = LA only over all tokens up to t (window removed), normalised; "both" = the hybrid.
+
+Layout: q (B, Hq, T, D), k/v (B, Hkv, T, D) after RoPE; keys/values are repeated for GQA here,
+then featurised by ``phi_k`` (queries by ``phi_q``). ``valid`` (B, T) marks real tokens: padding
+keys contribute nothing and never enter a state; outputs at padded queries are zero.
+
+State (``HybridState``, float32, or float64 for float64 inputs): the window holds the last
+``window`` real tokens (pre-feature-map keys, Hkv heads), compacted and right-aligned (empty slots
+only on the left); the linear state sums phi(k) v^T and phi(k) over the real tokens OLDER than the
+window, whatever the mode, so modes can be switched at run time (overlap / "linear" add the window
+tokens' linear part on the fly).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .common import FeatureFn, default_valid, gqa_groups, repeat_kv, safe_divide
+from .linear_attn import accumulation_dtype, linear_attention_numden
+from .states import HybridState, LinearState, WindowState
+
+MIXES = ("joint", "gate")
+BRANCHES = ("both", "window", "linear")
+
+
+def hybrid_state_empty(
+    batch: int,
+    kv_heads: int,
+    heads: int,
+    window: int,
+    dk: int,
+    dv: int,
+    features: int,
+    *,
+    device=None,
+    dtype: torch.dtype = torch.float32,
+) -> HybridState:
+    """The state before any token: an empty window and zero linear sums."""
+    return HybridState(
+        window=WindowState.empty(batch, kv_heads, window, dk, dv, device=device, dtype=dtype),
+        linear=LinearState.zeros(batch, heads, features, dv, device=device, dtype=dtype),
+    )
+
+
+def _per_head(x: Tensor, heads: int, name: str, default: float, like: Tensor) -> Tensor:
+    """A (Hq,) per-head parameter as ``like``'s dtype; ``default`` everywhere when None."""
+    if x is None:
+        return torch.full((heads,), default, dtype=like.dtype, device=like.device)
+    if x.shape != (heads,):
+        raise ValueError(f"{name} has shape {tuple(x.shape)}, expected ({heads},) (one value per query head)")
+    return x.to(like.dtype)
+
+
+def _check_args(q: Tensor, k: Tensor, window: int, mix: str, branches: str) -> int:
+    if mix not in MIXES:
+        raise ValueError(f"unknown mix {mix!r}; valid: {MIXES}")
+    if branches not in BRANCHES:
+        raise ValueError(f"unknown branches {branches!r}; valid: {BRANCHES}")
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be an int >= 1, got {window!r}")
+    return gqa_groups(q, k)
+
+
+def _heads_view(x: Tensor, ndim: int) -> Tensor:
+    """(H,) -> (1, H, 1, ...) broadcasting against an ndim tensor with heads on dim 1."""
+    return x.view(1, -1, *([1] * (ndim - 2)))
+
+
+def _mix(
+    scores: Tensor | None,
+    in_window: Tensor,
+    values: Tensor,
+    lin_num: Tensor,
+    lin_den: Tensor,
+    *,
+    mix: str,
+    branches: str,
+    window_factor: Tensor,
+    gate: Tensor,
+) -> Tensor:
+    """Combine the window softmax with the linear term.
+
+    scores (B, H, ..., Q, S) scaled q.k, in_window (B, 1, ..., Q, S) bool, values (B, H, ..., S, Dv),
+    lin_num (B, H, ..., Q, Dv) and lin_den (B, H, ..., Q): the linear term already summed over the
+    keys the LA branch covers. Returns (B, H, ..., Q, Dv).
+    """
+    if branches == "linear":
+        return safe_divide(lin_num, lin_den)
+    s = scores.masked_fill(~in_window, float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)  # (..., Q, 1); not detached, as in the LoLCATs code
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # empty window (padded query)
+    e = torch.exp(s - m)  # (..., Q, S), 0 outside the window
+    sw_num = e @ values  # (..., Q, Dv)
+    sw_den = e.sum(dim=-1)  # (..., Q)
+    if branches == "window":
+        return safe_divide(sw_num, sw_den)
+    if mix == "joint":
+        # The linear term is NOT rescaled by exp(-m_t): the published LoLCATs convention (the
+        # window terms carry exp(-m_t) and f, the linear term neither).
+        f_num, f_den = _heads_view(window_factor, sw_num.dim()), _heads_view(window_factor, sw_den.dim())
+        return safe_divide(f_num * sw_num + lin_num, f_den * sw_den + lin_den)
+    g = _heads_view(gate, sw_num.dim())
+    return g * safe_divide(sw_num, sw_den) + (1 - g) * safe_divide(lin_num, lin_den)
+
+
+def hybrid_attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    phi_q: FeatureFn,
+    phi_k: FeatureFn,
+    window: int,
+    mix: str = "joint",
+    overlap: bool = False,
+    window_factor: Tensor | None = None,
+    gate: Tensor | None = None,
+    branches: str = "both",
+    valid: Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[Tensor, HybridState]:
+    """Plain quadratic form over the full sequence (the specification).
+
+    window_factor None means f = 1; gate None means g = 0.5. Returns (out (B, Hq, T, Dv) in v's
+    dtype, the HybridState after the sequence).
+    """
+    n_rep = _check_args(q, k, window, mix, branches)
+    valid = default_valid(q, valid)
+    b, hq, t, d = q.shape
+    dt = accumulation_dtype(v.dtype)
+    scale = d**-0.5 if scale is None else scale
+    kr, vr = repeat_kv(k, n_rep), repeat_kv(v, n_rep).to(dt)  # (B, Hq, T, D|Dv)
+    qf, kf = phi_q(q).to(dt), phi_k(kr).to(dt)  # (B, Hq, T, F)
+    pos = valid.long().cumsum(dim=1) - 1  # (B, T) real-token index
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()  # (T, T)
+    seen = causal & valid[:, None, :] & valid[:, :, None]  # (B, T, T) real keys up to the real query
+    dist = pos[:, :, None] - pos[:, None, :]  # (B, T, T) real tokens between query and key
+    in_window = seen & (dist < window)  # (B, T, T)
+    linear_keys = seen if (overlap or branches == "linear") else seen & (dist >= window)  # (B, T, T)
+    lin = torch.einsum("bhtf,bhsf->bhts", qf, kf) * linear_keys[:, None]  # (B, Hq, T, T)
+    scores = torch.einsum("bhtd,bhsd->bhts", q.to(dt), kr.to(dt)) * scale  # (B, Hq, T, T)
+    out = _mix(
+        scores,
+        in_window[:, None],
+        vr,
+        lin @ vr,
+        lin.sum(dim=-1),
+        mix=mix,
+        branches=branches,
+        window_factor=_per_head(window_factor, hq, "window_factor", 1.0, vr),
+        gate=_per_head(gate, hq, "gate", 0.5, vr),
+    )
+    out = torch.where(valid[:, None, :, None], out, torch.zeros_like(out))  # (B, Hq, T, Dv)
+
+    # Final state: window = last `window` real tokens (right-aligned); linear = the real tokens before them.
+    n_real = valid.sum(dim=1)  # (B,)
+    older = valid & (pos < (n_real - window)[:, None])  # (B, T)
+    kf_old = kf * older[:, None, :, None]  # (B, Hq, T, F)
+    linear = LinearState(kv=torch.einsum("bhtf,bhtd->bhfd", kf_old, vr), k_sum=kf_old.sum(dim=2))
+    ws = WindowState.empty(b, k.shape[1], window, d, v.shape[-1], device=q.device, dtype=dt)
+    for row in range(b):
+        idx = valid[row].nonzero().flatten()[-window:]  # (n,) indices of the kept real tokens
+        n = idx.numel()
+        ws.keys[row, :, window - n :] = k[row, :, idx].to(dt)
+        ws.values[row, :, window - n :] = v[row, :, idx].to(dt)
+        ws.valid[row, window - n :] = True
+        ws.positions[row, window - n :] = pos[row, idx]
+    return out.to(v.dtype), HybridState(window=ws, linear=linear)
+
+
+def _gather_tokens(x: Tensor, index: Tensor) -> Tensor:
+    """x (B, H, L, X), index (B, L') -> (B, H, L', X): per-row token gather."""
+    return x.gather(2, index[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
+
+
+def hybrid_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    phi_q: FeatureFn,
+    phi_k: FeatureFn,
+    window: int,
+    mix: str = "joint",
+    overlap: bool = False,
+    window_factor: Tensor | None = None,
+    gate: Tensor | None = None,
+    branches: str = "both",
+    valid: Tensor | None = None,
+    state: HybridState | None = None,
+    scale: float | None = None,
+    backend: str = "torch",
+    chunk: int = 64,
+) -> tuple[Tensor, HybridState]:
+    """The exact hybrid in O(T (chunk + window)) memory, continuing from ``state``.
+
+    Splitting a sequence into calls (prefill pieces, token-by-token decode) gives the same outputs
+    and state as one call. ``backend`` ("torch" or "fla") runs the linear part over the older
+    tokens; ``chunk`` is the query-chunk length. Differentiable on the torch backend. As in the
+    reference, window_factor None means f = 1 and gate None means g = 0.5.
+    Returns (out (B, Hq, T, Dv) in v's dtype, the new HybridState).
+    """
+    n_rep = _check_args(q, k, window, mix, branches)
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    b, hq, t, d = q.shape
+    dt = accumulation_dtype(v.dtype)
+    scale = d**-0.5 if scale is None else scale
+    if state is None:
+        ws, lin_state = WindowState.empty(b, k.shape[1], window, d, v.shape[-1], device=q.device, dtype=dt), None
+    else:
+        ws, lin_state = state.window, state.linear
+    if ws.keys.shape[2] != window:
+        raise ValueError(f"state window has {ws.keys.shape[2]} slots, expected window={window}")
+
+    # Extended sequence (L = window + T): the state's window slots, then the new tokens.
+    new_valid = default_valid(q, valid)  # (B, T)
+    seen = ws.positions.amax(dim=1) + 1  # (B,) real tokens before this call
+    new_pos = (seen[:, None] + new_valid.long().cumsum(dim=1) - 1).masked_fill(~new_valid, -1)  # (B, T)
+    ext_valid = torch.cat([ws.valid, new_valid], dim=1)  # (B, L)
+    ext_pos = torch.cat([ws.positions, new_pos], dim=1)  # (B, L)
+    keys = torch.cat([ws.keys.to(k.dtype), k], dim=2)  # (B, Hkv, L, D)
+    values = torch.cat([ws.values.to(v.dtype), v], dim=2)  # (B, Hkv, L, Dv)
+    queries = q  # query slot i holds extended token window + i
+    if valid is not None:
+        # Move padding to the left of each row (stable). Real tokens then sit at consecutive
+        # indices, so the window is the last `window` indices. (The state's window is already
+        # compacted, so without a mask nothing moves.) Query slots that now hold an old window
+        # token or padding get a zero query; their outputs are dropped.
+        order = torch.sort(ext_valid.to(torch.int8), dim=1, stable=True).indices  # (B, L)
+        ext_valid, ext_pos = ext_valid.gather(1, order), ext_pos.gather(1, order)
+        keys, values = _gather_tokens(keys, order), _gather_tokens(values, order)
+        queries = _gather_tokens(F.pad(q, (0, 0, window, 0)), order[:, window:])  # (B, Hq, T, D)
+    keys = torch.where(ext_valid[:, None, :, None], keys, torch.zeros_like(keys))
+    values = torch.where(ext_valid[:, None, :, None], values, torch.zeros_like(values))
+
+    kr, vr = repeat_kv(keys, n_rep), repeat_kv(values, n_rep).to(dt)  # (B, Hq, L, D|Dv)
+    kf = phi_k(kr).to(dt) * ext_valid[:, None, :, None]  # (B, Hq, L, F); padding/empty slots -> 0
+    qf = phi_q(queries).to(dt)  # (B, Hq, T, F)
+
+    # Older than the window: query slot i (extended index window + i) has older keys 0..i, i.e.
+    # causal LA over the extended keys shifted right by `window`, continuing the lagged state.
+    # Its final state covers extended tokens 0..T-1 = everything before the new window.
+    old_num, old_den, new_linear = linear_attention_numden(
+        qf, kf[:, :, :t], vr[:, :, :t], lin_state, backend=backend, chunk=chunk
+    )
+
+    # Window: query slot i sees extended keys i+1 .. i+window. Chunks of c queries take blocks of
+    # c + window - 1 keys; key u of the block is in query s's window iff 0 <= u - s < window.
+    c = max(1, min(chunk, t))
+    n = -(-t // c)
+    pad = n * c - t
+    span = c + window - 1
+
+    def key_blocks(x: Tensor) -> Tensor:  # (B, H, L, X) -> (B, H, N, span, X)
+        return F.pad(x[:, :, 1:], (0, 0, 0, pad)).unfold(2, span, c).transpose(-1, -2)
+
+    def query_blocks(x: Tensor) -> Tensor:  # (B, H, T, X) -> (B, H, N, c, X)
+        return F.pad(x, (0, 0, 0, pad)).view(*x.shape[:2], n, c, x.shape[-1])
+
+    offset = torch.arange(span, device=q.device)[None, :] - torch.arange(c, device=q.device)[:, None]  # (c, span)
+    key_ok = F.pad(ext_valid[:, 1:], (0, pad)).unfold(1, span, c)  # (B, N, span)
+    in_window = ((offset >= 0) & (offset < window)) & key_ok[:, None, :, None, :]  # (B, 1, N, c, span)
+    vb = key_blocks(vr)  # (B, Hq, N, span, Dv)
+    lin_num, lin_den = query_blocks(old_num), query_blocks(old_den[..., None])[..., 0]  # (B, Hq, N, c, Dv|)
+    if overlap or branches == "linear":  # the window tokens' linear part, on the fly
+        a = torch.einsum("bhncf,bhnsf->bhncs", query_blocks(qf), key_blocks(kf)) * in_window  # (B, Hq, N, c, span)
+        lin_num, lin_den = lin_num + a @ vb, lin_den + a.sum(dim=-1)
+    scores = None
+    if branches != "linear":
+        scores = (
+            torch.einsum("bhncd,bhnsd->bhncs", query_blocks(queries.to(dt)), key_blocks(kr.to(dt))) * scale
+        )  # (B, Hq, N, c, span)
+    out = _mix(
+        scores,
+        in_window,
+        vb,
+        lin_num,
+        lin_den,
+        mix=mix,
+        branches=branches,
+        window_factor=_per_head(window_factor, hq, "window_factor", 1.0, vr),
+        gate=_per_head(gate, hq, "gate", 0.5, vr),
+    )
+    out = out.reshape(b, hq, n * c, -1)[:, :, :t]  # (B, Hq, T, Dv), by query slot
+    if valid is not None:  # back from query slots to the new tokens' order
+        slot = (order.argsort(dim=1)[:, window:] - window).clamp(min=0)  # (B, T)
+        out = _gather_tokens(out, slot)
+    out = torch.where(new_valid[:, None, :, None], out, torch.zeros_like(out))
+
+    new_window = WindowState(
+        keys=keys[:, :, t:].to(dt),  # (B, Hkv, window, D)
+        values=values[:, :, t:].to(dt),  # (B, Hkv, window, Dv)
+        valid=ext_valid[:, t:],
+        positions=ext_pos[:, t:],
+    )
+    return out.to(v.dtype), HybridState(window=new_window, linear=new_linear)

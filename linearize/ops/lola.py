@@ -1,0 +1,336 @@
+"""LoLA: sliding window + sparse global cache + linear state, one shared softmax denominator.
+
+Inference-only op on top of the joint-mode in-head hybrid (methods.md sections 1 and 2). Per head
+the memory holds exactly ``window`` (eta) KV, ``sparse`` (lambda) KV and the linear state (H, s).
+
+Per-token step for a real token t ("evict before attend"):
+  1. append (k_t, v_t) to the window; if it now holds eta + 1 real tokens, the oldest one leaves;
+  2. candidates = sparse cache G  U  {the leaving KV}, in position order; score each by its
+     self-recall error against the state BEFORE this step's update; a stable descending sort keeps
+     the top lambda as the new G (ties: the earlier position wins); the rest go into (H, s) for good;
+  3. attend: window U G (explicit, one softmax with the window factor f and a shared max m_t)
+     plus the linear state, all over one denominator.
+
+Chunked prefill (chunk C): the window tokens that will have left by the end of the chunk are the
+candidates, scored once against the state before the chunk; then every query of the chunk attends
+to the remaining window, the chunk tokens up to itself, G and the updated state. C = 1 is the
+per-token step.
+
+``lola_attention_reference`` is the specification (plain float32 loop); ``lola_attention`` is the
+vectorised op (loop over chunks only) that continues from a ``LolaState``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from linearize.ops.common import FeatureFn, default_valid, gqa_groups, repeat_kv, safe_divide
+from linearize.ops.states import LinearState, LolaState, SparseCacheState, WindowState
+
+logger = logging.getLogger(__name__)
+
+
+def self_recall_error(k_phi: Tensor, v: Tensor, linear: LinearState) -> Tensor:
+    """SRE(k, v | H, s) = || H^T phi(k) / (phi(k)^T s) - v ||_2 per candidate (L2, not squared).
+
+    ``k_phi`` (..., N, F), ``v`` (..., N, Dv), ``linear.kv`` (..., F, Dv), ``linear.k_sum`` (..., F)
+    -> (..., N). The readout is 0 where phi(k)^T s == 0, so an empty state gives ||v||.
+    """
+    num = k_phi @ linear.kv  # (..., N, Dv)
+    den = (k_phi @ linear.k_sum.unsqueeze(-1)).squeeze(-1)  # (..., N)
+    return torch.linalg.vector_norm(safe_divide(num, den) - v, dim=-1)  # (..., N)
+
+
+def lola_attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    phi_q: FeatureFn,
+    phi_k: FeatureFn,
+    window: int,
+    sparse: int,
+    window_factor: Tensor,
+    valid: Tensor | None = None,
+    scale: float | None = None,
+    read_state: bool = True,
+    read_sparse: bool = True,
+) -> tuple[Tensor, LolaState]:
+    """The specification: a per-token loop over each row and query head, in float32.
+
+    q (B, Hq, T, D), k (B, Hkv, T, D), v (B, Hkv, T, Dv) -> output (B, Hq, T, Dv) and the final state.
+    Memories are tracked as lists of sequence indices; positions in the state count real tokens.
+    """
+    _check_args(q, k, v, window=window, sparse=sparse, chunk=1, window_factor=window_factor)
+    n_rep = gqa_groups(q, k)
+    batch, hq, _, d = q.shape
+    hkv, dv = k.shape[1], v.shape[-1]
+    scale = d**-0.5 if scale is None else scale
+    valid = default_valid(q, valid)
+    dtype = q.dtype
+    q, k, v = q.float(), k.float(), v.float()
+    f = window_factor.to(q.device, torch.float32)  # (Hq,)
+    q_phi = phi_q(q).float()  # (B, Hq, T, F)
+    k_phi = phi_k(repeat_kv(k, n_rep)).float()  # (B, Hq, T, F)
+    feats = k_phi.shape[-1]
+
+    out = torch.zeros(batch, hq, q.shape[2], dv, device=q.device)  # (B, Hq, T, Dv)
+    final = _empty_state(batch, hq, hkv, window, sparse, d, dv, feats, q.device)
+    for b in range(batch):
+        real = valid[b].nonzero().flatten().tolist()  # sequence index of each real token
+        position = {t: i for i, t in enumerate(real)}
+        for h in range(hq):
+            g = h // n_rep
+            win: list[int] = []  # sequence indices, oldest first
+            cache: list[int] = []  # sequence indices, ascending (all older than the window)
+            linear = LinearState(kv=torch.zeros(feats, dv, device=q.device), k_sum=torch.zeros(feats, device=q.device))
+            for t in real:
+                win.append(t)
+                if len(win) > window:
+                    cands = cache + [win.pop(0)]  # position ascending
+                    err = self_recall_error(k_phi[b, h, cands], v[b, g, cands], linear)  # (N,)
+                    ranked = torch.sort(err, descending=True, stable=True).indices.tolist()
+                    cache = sorted(cands[i] for i in ranked[:sparse])
+                    for i in ranked[sparse:]:
+                        j = cands[i]
+                        linear = LinearState(
+                            kv=linear.kv + torch.outer(k_phi[b, h, j], v[b, g, j]),
+                            k_sum=linear.k_sum + k_phi[b, h, j],
+                        )
+                explicit = win + (cache if read_sparse else [])
+                scores = k[b, g, explicit] @ q[b, h, t] * scale  # (N,)
+                p = f[h] * torch.exp(scores - scores.max())  # (N,)
+                num = p @ v[b, g, explicit]  # (Dv,)
+                den = p.sum()
+                if read_state:
+                    # LoLCATs convention: the linear term is NOT rescaled by exp(-m_t).
+                    num = num + q_phi[b, h, t] @ linear.kv
+                    den = den + q_phi[b, h, t] @ linear.k_sum
+                out[b, h, t] = num / den
+
+            # The window of KV head g is the same for all its query heads: rewriting it is harmless.
+            slots = slice(window - len(win), window)  # right-aligned, oldest first
+            final.window.keys[b, g, slots] = k[b, g, win]
+            final.window.values[b, g, slots] = v[b, g, win]
+            final.window.valid[b, slots] = True
+            final.window.positions[b, slots] = torch.tensor([position[t] for t in win], dtype=torch.long)
+            n_cache = len(cache)
+            final.sparse.keys[b, h, :n_cache] = k[b, g, cache]
+            final.sparse.values[b, h, :n_cache] = v[b, g, cache]
+            final.sparse.valid[b, h, :n_cache] = True
+            final.sparse.positions[b, h, :n_cache] = torch.tensor([position[t] for t in cache], dtype=torch.long)
+            final.linear.kv[b, h] = linear.kv
+            final.linear.k_sum[b, h] = linear.k_sum
+    return out.to(dtype), final
+
+
+def lola_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    phi_q: FeatureFn,
+    phi_k: FeatureFn,
+    window: int,
+    sparse: int,
+    window_factor: Tensor,
+    chunk: int = 16,
+    valid: Tensor | None = None,
+    state: LolaState | None = None,
+    scale: float | None = None,
+    read_state: bool = True,
+    read_sparse: bool = True,
+) -> tuple[Tensor, LolaState]:
+    """LoLA attention, vectorised over batch and heads, one loop step per chunk of ``chunk`` tokens.
+
+    q (B, Hq, T, D), k (B, Hkv, T, D), v (B, Hkv, T, Dv) with RoPE applied; ``valid`` (B, T), False
+    for padding. Continues from ``state`` (prefill, then decode calls with T = 1). Returns the output
+    (B, Hq, T, Dv) in q's dtype (zeros at padded positions) and the new float32 state.
+
+    Chunks are cut over each row's real tokens (padding is moved out of the way first), so a row's
+    result does not depend on how much padding the batch gave it. A chunk never exceeds the window
+    (``chunk`` is capped at ``window``), so the tokens that leave the window during a chunk are
+    always tokens that were in it before the chunk. ``read_state`` / ``read_sparse`` hide the
+    linear state / the sparse cache from the output (ablations); what is kept is unchanged.
+    Memory per chunk is O(C (window + sparse + C)); no T x T tensor is formed.
+    """
+    _check_args(q, k, v, window=window, sparse=sparse, chunk=chunk, window_factor=window_factor)
+    n_rep = gqa_groups(q, k)
+    batch, hq, t_len, d = q.shape
+    hkv, dv = k.shape[1], v.shape[-1]
+    scale = d**-0.5 if scale is None else scale
+    valid = default_valid(q, valid)
+    if state is None:
+        feats = phi_k(k.new_zeros(batch, hq, 1, d)).shape[-1]
+        state = _empty_state(batch, hq, hkv, window, sparse, d, dv, feats, q.device)
+    _check_state(state, batch, hq, hkv, window, sparse, d, dv)
+    if chunk > window:
+        logger.debug("lola_attention: chunk %d capped at the window %d", chunk, window)
+        chunk = window
+
+    # Pack each row's real tokens to the front (stable), so chunks are cut over real tokens.
+    order = torch.argsort((~valid).int(), dim=1, stable=True)  # (B, T)
+    n_real = valid.sum(1)  # (B,)
+    factor = window_factor.to(q.device, torch.float32).view(1, hq, 1, 1)  # (1, Hq, 1, 1)
+    ctx = _ChunkContext(phi_q, phi_k, factor, scale, n_rep, q.dtype, read_state, read_sparse)
+    next_pos = state.window.positions[:, -1] + 1  # (B,) the newest token sits in the last slot
+    outs = []
+    for c0 in range(0, t_len, chunk):
+        idx = order[:, c0 : c0 + chunk]  # (B, C)
+        offs = torch.arange(idx.shape[1], device=q.device)  # (C,)
+        cvalid = c0 + offs < n_real[:, None]  # (B, C) real tokens are a prefix of the chunk
+        cpos = torch.where(cvalid, next_pos[:, None] + offs, -1)  # (B, C)
+        mask = cvalid[:, None, :, None]  # (B, 1, C, 1)
+        qc = torch.where(mask, _take(q, idx), 0).float()  # (B, Hq, C, D)
+        kc = torch.where(mask, _take(k, idx), 0).float()  # (B, Hkv, C, D)
+        vc = torch.where(mask, _take(v, idx), 0).float()  # (B, Hkv, C, Dv)
+        out_c, state = _lola_chunk(state, qc, kc, vc, cvalid, cpos, ctx)
+        outs.append(out_c)
+        next_pos = next_pos + cvalid.sum(1)
+    packed = torch.cat(outs, dim=2) if outs else q.new_zeros(batch, hq, 0, dv, dtype=torch.float32)  # (B, Hq, T, Dv)
+    return _take(packed, torch.argsort(order, dim=1)).to(q.dtype), state
+
+
+@dataclass(frozen=True)
+class _ChunkContext:
+    """The per-call constants of one chunk step."""
+
+    phi_q: FeatureFn
+    phi_k: FeatureFn
+    factor: Tensor  # (1, Hq, 1, 1) window factor f
+    scale: float
+    n_rep: int
+    dtype: torch.dtype  # the inputs' dtype, in which the feature maps run
+    read_state: bool
+    read_sparse: bool
+
+    def phi(self, fn: FeatureFn, x: Tensor) -> Tensor:
+        """Feature map in the model's dtype (float32 state keys round-trip exactly), result float32."""
+        return fn(x.to(self.dtype)).float()
+
+
+def _lola_chunk(
+    st: LolaState, q: Tensor, k: Tensor, v: Tensor, cvalid: Tensor, cpos: Tensor, ctx: _ChunkContext
+) -> tuple[Tensor, LolaState]:
+    """One chunk: evict (select the sparse cache, write the rest), attend, then slide the window.
+
+    q (B, Hq, C, D), k (B, Hkv, C, D), v (B, Hkv, C, Dv) float32, zero at padding; cvalid (B, C)
+    with the real tokens first; cpos (B, C) their positions (-1 for padding).
+    """
+    win, cache, linear = st.window, st.sparse, st.linear
+    batch, hq, c, d = q.shape
+    eta, lam = win.valid.shape[1], cache.valid.shape[2]
+    n = cvalid.sum(1)  # (B,) real tokens in the chunk
+    slot = torch.arange(eta, device=q.device)  # (eta,)
+    # The window is right-aligned, so appending n tokens pushes out exactly slots [0, n) (n <= C <= eta).
+    leaving = win.valid & (slot < n[:, None])  # (B, eta)
+    remaining = win.valid & ~leaving  # (B, eta)
+
+    # Candidates in position order: G (all older than the window; invalid slots last) then the
+    # window's first C slots, oldest first.
+    cand_k = torch.cat([cache.keys, repeat_kv(win.keys[:, :, :c], ctx.n_rep)], dim=2)  # (B, Hq, L+C, D)
+    cand_v = torch.cat([cache.values, repeat_kv(win.values[:, :, :c], ctx.n_rep)], dim=2)  # (B, Hq, L+C, Dv)
+    cand_valid = torch.cat([cache.valid, leaving[:, None, :c].expand(batch, hq, c)], dim=2)  # (B, Hq, L+C)
+    cand_pos = torch.cat([cache.positions, win.positions[:, None, :c].expand(batch, hq, c)], dim=2)  # (B, Hq, L+C)
+    cand_phi = ctx.phi(ctx.phi_k, cand_k)  # (B, Hq, L+C, F)
+    err = self_recall_error(cand_phi, cand_v, linear).masked_fill(~cand_valid, -torch.inf)  # (B, Hq, L+C)
+    top = torch.sort(err, dim=-1, descending=True, stable=True).indices[..., :lam]  # (B, Hq, L)
+    kept = torch.zeros_like(cand_valid).scatter(-1, top, True) & cand_valid  # (B, Hq, L+C)
+    written_phi = cand_phi * (cand_valid & ~kept).unsqueeze(-1)  # (B, Hq, L+C, F)
+    linear = LinearState(
+        kv=linear.kv + written_phi.transpose(-1, -2) @ cand_v,  # (B, Hq, F, Dv)
+        k_sum=linear.k_sum + written_phi.sum(-2),  # (B, Hq, F)
+    )
+    order = torch.sort(torch.where(kept, cand_pos, torch.iinfo(torch.long).max), dim=-1, stable=True).indices
+    sel = order[..., :lam]  # (B, Hq, L) kept candidates by position, invalid slots last
+    g_valid = kept.gather(-1, sel)  # (B, Hq, L)
+    cache = SparseCacheState(
+        keys=cand_k.gather(2, sel.unsqueeze(-1).expand(-1, -1, -1, d)) * g_valid.unsqueeze(-1),  # (B, Hq, L, D)
+        values=cand_v.gather(2, sel.unsqueeze(-1).expand(-1, -1, -1, v.shape[-1])) * g_valid.unsqueeze(-1),  # (B, Hq, L, Dv)
+        valid=g_valid,
+        positions=cand_pos.gather(-1, sel).masked_fill(~g_valid, -1),  # (B, Hq, L)
+    )
+
+    # Attend: remaining window U chunk tokens <= t U G in one softmax with f, plus the linear state.
+    causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()  # (C, C)
+    keys = torch.cat([win.keys, k], dim=2)  # (B, Hkv, eta+C, D)
+    values = torch.cat([win.values, v], dim=2)  # (B, Hkv, eta+C, Dv)
+    local_ok = torch.cat(
+        [remaining[:, None, :].expand(batch, c, eta), causal & cvalid[:, None, :]], dim=2
+    )  # (B, C, eta+C)
+    scores = q @ repeat_kv(keys, ctx.n_rep).transpose(-1, -2) * ctx.scale  # (B, Hq, C, eta+C)
+    scores = scores.masked_fill(~local_ok[:, None], -torch.inf)
+    g_scores = q @ cache.keys.transpose(-1, -2) * ctx.scale  # (B, Hq, C, L)
+    g_scores = g_scores.masked_fill(~(cache.valid & ctx.read_sparse)[:, :, None, :], -torch.inf)
+    scores = torch.cat([scores, g_scores], dim=-1)  # (B, Hq, C, eta+C+L)
+    m = scores.amax(-1, keepdim=True)  # (B, Hq, C, 1) shared max over window U sparse cache
+    m = torch.where(torch.isfinite(m), m, 0)  # rows with nothing to attend (padding)
+    p = ctx.factor * torch.exp(scores - m)  # (B, Hq, C, eta+C+L)
+    num = p @ torch.cat([repeat_kv(values, ctx.n_rep), cache.values], dim=2)  # (B, Hq, C, Dv)
+    den = p.sum(-1)  # (B, Hq, C)
+    if ctx.read_state:
+        # LoLCATs convention: the linear term is NOT rescaled by exp(-m_t).
+        q_phi = ctx.phi(ctx.phi_q, q)  # (B, Hq, C, F)
+        num = num + q_phi @ linear.kv  # (B, Hq, C, Dv)
+        den = den + (q_phi @ linear.k_sum.unsqueeze(-1)).squeeze(-1)  # (B, Hq, C)
+    out = torch.where(cvalid[:, None, :, None], safe_divide(num, den), 0)  # (B, Hq, C, Dv)
+
+    # Slide: the window becomes the last eta real tokens; they are contiguous in [window, chunk].
+    take = n[:, None] + slot  # (B, eta)
+    window = WindowState(
+        keys=keys.gather(2, take[:, None, :, None].expand(-1, keys.shape[1], -1, d)),  # (B, Hkv, eta, D)
+        values=values.gather(2, take[:, None, :, None].expand(-1, keys.shape[1], -1, v.shape[-1])),  # (B, Hkv, eta, Dv)
+        valid=torch.cat([win.valid, cvalid], dim=1).gather(1, take),  # (B, eta)
+        positions=torch.cat([win.positions, cpos], dim=1).gather(1, take),  # (B, eta)
+    )
+    return out, LolaState(window=window, sparse=cache, linear=linear)
+
+
+def _take(x: Tensor, idx: Tensor) -> Tensor:
+    """x (B, H, T, D) gathered along T by idx (B, C) -> (B, H, C, D)."""
+    return x.gather(2, idx[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
+
+
+def _empty_state(batch, hq, hkv, window, sparse, d, dv, feats, device) -> LolaState:
+    return LolaState(
+        window=WindowState.empty(batch, hkv, window, d, dv, device=device),
+        sparse=SparseCacheState.empty(batch, hq, sparse, d, dv, device=device),
+        linear=LinearState.zeros(batch, hq, feats, dv, device=device),
+    )
+
+
+def _check_args(q: Tensor, k: Tensor, v: Tensor, *, window: int, sparse: int, chunk: int, window_factor: Tensor) -> None:
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if sparse < 0:
+        raise ValueError(f"sparse must be >= 0, got {sparse}")
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != 4:
+            raise ValueError(f"{name} must be (B, H, T, D), got shape {tuple(x.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree on (B, Hkv, T)")
+    if (q.shape[0], q.shape[2], q.shape[3]) != (k.shape[0], k.shape[2], k.shape[3]):
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on B, T and D")
+    if window_factor.shape != (q.shape[1],):
+        raise ValueError(f"window_factor must have shape ({q.shape[1]},), got {tuple(window_factor.shape)}")
+
+
+def _check_state(st: LolaState, batch, hq, hkv, window, sparse, d, dv) -> None:
+    feats = st.linear.k_sum.shape[-1]
+    expected = {
+        "window.keys": (st.window.keys, (batch, hkv, window, d)),
+        "window.values": (st.window.values, (batch, hkv, window, dv)),
+        "sparse.keys": (st.sparse.keys, (batch, hq, sparse, d)),
+        "sparse.values": (st.sparse.values, (batch, hq, sparse, dv)),
+        "linear.kv": (st.linear.kv, (batch, hq, feats, dv)),
+        "linear.k_sum": (st.linear.k_sum, (batch, hq, feats)),
+    }
+    for name, (x, want) in expected.items():
+        if tuple(x.shape) != want:
+            raise ValueError(f"state.{name} has shape {tuple(x.shape)}, expected {want} for this call")

@@ -1,0 +1,129 @@
+"""Softmax attention over a KV cache, sinks-only softmax and zero attention (diagnostics).
+
+These give the reference behaviour of the teacher (``softmax_attention``) and the two component
+diagnostics of the HedgeCATs paper: attention restricted to the first ``n_sinks`` real tokens, and
+no attention at all (the output is zero; residual and MLP remain).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .common import default_valid, gqa_groups, repeat_kv
+from .states import KVState
+
+
+def _append(state: KVState | None, k: Tensor, v: Tensor, valid: Tensor) -> KVState:
+    if state is None:
+        return KVState(keys=k, values=v, valid=valid)
+    return KVState(
+        keys=torch.cat([state.keys, k], dim=2),
+        values=torch.cat([state.values, v], dim=2),
+        valid=torch.cat([state.valid, valid], dim=1),
+    )
+
+
+def _masked_softmax_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float) -> Tensor:
+    """q (B,H,T,D), k/v (B,H,S,D), allowed (B,T,S) bool -> (B,H,T,Dv); rows with nothing allowed give 0."""
+    scores = torch.einsum("bhtd,bhsd->bhts", q.float(), k.float()) * scale  # (B, H, T, S)
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    any_allowed = allowed.any(-1)[:, None, :, None]  # (B, 1, T, 1)
+    probs = torch.softmax(torch.where(any_allowed, scores, torch.zeros_like(scores)), dim=-1)
+    probs = torch.where(any_allowed, probs, torch.zeros_like(probs))
+    return torch.einsum("bhts,bhsd->bhtd", probs, v.float()).to(v.dtype)
+
+
+def softmax_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    valid: Tensor | None = None,
+    state: KVState | None = None,
+    scale: float | None = None,
+) -> tuple[Tensor, KVState]:
+    """Causal softmax attention continuing from a KV ``state``.
+
+    q (B, Hq, T, D), k/v (B, Hkv, T, D), valid (B, T) bool (False = padding). Returns the output
+    (B, Hq, T, Dv) (zeros at padded queries) and the KV state holding every token so far.
+    """
+    n_rep = gqa_groups(q, k)
+    valid = default_valid(q, valid)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    new_state = _append(state, k, v, valid)
+    t, s = q.shape[2], new_state.keys.shape[2]
+    past = s - t
+    causal = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=past)  # (T, S)
+    allowed = causal[None] & new_state.valid[:, None, :] & valid[:, :, None]  # (B, T, S)
+    out = _masked_softmax_attention(q, repeat_kv(new_state.keys, n_rep), repeat_kv(new_state.values, n_rep), allowed, scale)
+    return out, new_state
+
+
+def sinks_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    n_sinks: int = 8,
+    valid: Tensor | None = None,
+    state: KVState | None = None,
+    scale: float | None = None,
+) -> tuple[Tensor, KVState]:
+    """Softmax over the first ``n_sinks`` real tokens only (causal: query t sees sinks <= t).
+
+    The state keeps exactly ``n_sinks`` slots (the sink tokens, in order; unfilled slots invalid).
+    """
+    if n_sinks < 1:
+        raise ValueError(f"n_sinks must be >= 1, got {n_sinks}")
+    n_rep = gqa_groups(q, k)
+    valid = default_valid(q, valid)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    b, hkv, t, d = k.shape
+    if state is None:
+        state = KVState(
+            keys=k.new_zeros(b, hkv, n_sinks, d),
+            values=v.new_zeros(b, hkv, n_sinks, v.shape[-1]),
+            valid=torch.zeros(b, n_sinks, dtype=torch.bool, device=k.device),
+        )
+    seen = state.valid.sum(dim=1, keepdim=True)  # (B, 1): sinks already held (= real tokens seen, capped)
+    pos = seen + valid.long().cumsum(dim=1) - 1  # (B, T) real-token index of each new token
+    is_sink = valid & (pos < n_sinks)  # (B, T)
+    # Token with real position j fills sink slot j: a one-hot match (B, T, n_sinks).
+    slot_ids = torch.arange(n_sinks, device=q.device)
+    match = (is_sink[:, :, None] & (pos[:, :, None] == slot_ids)).to(k.dtype)  # (B, T, n)
+    filled = match.sum(dim=1) > 0  # (B, n)
+    keep = (~filled)[:, None, :, None].to(k.dtype)  # (B, 1, n, 1)
+    new_state = KVState(
+        keys=state.keys * keep + torch.einsum("btn,bhtd->bhnd", match, k),
+        values=state.values * keep + torch.einsum("btn,bhtd->bhnd", match, v),
+        valid=state.valid | filled,
+    )
+    # Query at real position p sees sink slots j <= p.
+    allowed = new_state.valid[:, None, :] & (slot_ids[None, None, :] <= pos[:, :, None]) & valid[:, :, None]  # (B, T, n)
+    out = _masked_softmax_attention(q, repeat_kv(new_state.keys, n_rep), repeat_kv(new_state.values, n_rep), allowed, scale)
+    return out, new_state
+
+
+def sinks_attention_reference(q: Tensor, k: Tensor, v: Tensor, *, n_sinks: int = 8, valid: Tensor | None = None, scale: float | None = None) -> Tensor:
+    """Quadratic float32 form over the full sequence."""
+    n_rep = gqa_groups(q, k)
+    valid = default_valid(q, valid)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    pos = valid.long().cumsum(dim=1) - 1  # (B, T)
+    key_ok = valid & (pos < n_sinks)  # (B, T)
+    t = q.shape[2]
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    allowed = causal[None] & key_ok[:, None, :] & valid[:, :, None]
+    return _masked_softmax_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), allowed, scale)
+
+
+def softmax_attention_reference(q: Tensor, k: Tensor, v: Tensor, *, valid: Tensor | None = None, scale: float | None = None) -> Tensor:
+    """Plain quadratic float32 causal softmax over the full sequence."""
+    out, _ = softmax_attention(q, k, v, valid=valid, state=None, scale=scale)
+    return out
+
+
+def zero_attention(q: Tensor, v: Tensor) -> Tensor:
+    """No attention: (B, Hq, T, Dv) zeros."""
+    return q.new_zeros(*q.shape[:-1], v.shape[-1])

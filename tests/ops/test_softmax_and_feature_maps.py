@@ -1,0 +1,82 @@
+"""Feature maps, softmax over a KV state, sinks-only and zero attention against their references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from linearize.ops.feature_maps import FIXED_FEATURE_MAPS, hedgehog, hedgehog_reference
+from linearize.ops.softmax import sinks_attention, sinks_attention_reference, softmax_attention, zero_attention
+
+
+def qkv(b=2, hq=4, hkv=2, t=13, d=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, hq, t, d, generator=g), torch.randn(b, hkv, t, d, generator=g), torch.randn(b, hkv, t, d, generator=g))
+
+
+@pytest.mark.parametrize("width", [8, 4], ids=["square", "rectangular"])
+def test_hedgehog_matches_loop_and_gradients(width):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 5, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 8, width, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, width, generator=g, dtype=torch.float64, requires_grad=True)
+    out = hedgehog(x, w, b)
+    assert out.shape == (2, 3, 5, 2 * width)
+    torch.testing.assert_close(out, hedgehog_reference(x, w, b).double(), atol=1e-6, rtol=1e-5)  # reference is float32
+    torch.testing.assert_close(out.sum(-1), torch.full((2, 3, 5), 2.0, dtype=torch.float64))  # two softmaxes
+    assert torch.autograd.gradcheck(hedgehog, (x, w, b))
+
+
+def test_fixed_maps_are_defined():
+    x = torch.linspace(-2, 2, 9)
+    torch.testing.assert_close(FIXED_FEATURE_MAPS["elu"](x), torch.nn.functional.elu(x) + 1)
+    assert (FIXED_FEATURE_MAPS["relu"](x) >= 0).all() and (FIXED_FEATURE_MAPS["exp"](x) > 0).all()
+    assert torch.equal(FIXED_FEATURE_MAPS["identity"](x), x)
+
+
+def test_softmax_state_decode_matches_full_with_padding():
+    q, k, v = qkv()
+    valid = torch.ones(2, 13, dtype=torch.bool)
+    valid[1, :4] = False
+    full, state_full = softmax_attention(q, k, v, valid=valid)
+    out1, st = softmax_attention(q[:, :, :9], k[:, :, :9], v[:, :, :9], valid=valid[:, :9])
+    outs = [out1]
+    for t in range(9, 13):
+        o, st = softmax_attention(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], valid=valid[:, t : t + 1], state=st)
+        outs.append(o)
+    torch.testing.assert_close(torch.cat(outs, 2)[:, :, 4:], full[:, :, 4:])
+    # padded row equals the row run alone
+    alone, _ = softmax_attention(q[1:, :, 4:], k[1:, :, 4:], v[1:, :, 4:])
+    torch.testing.assert_close(full[1:, :, 4:], alone)
+    assert torch.equal(full[1, :, :4], torch.zeros_like(full[1, :, :4]))
+
+
+@pytest.mark.parametrize("n_sinks", [1, 3, 8])
+def test_sinks_decode_matches_reference(n_sinks):
+    q, k, v = qkv(t=12)
+    valid = torch.ones(2, 12, dtype=torch.bool)
+    valid[0, :3] = False
+    ref = sinks_attention_reference(q, k, v, n_sinks=n_sinks, valid=valid)
+    full, _ = sinks_attention(q, k, v, n_sinks=n_sinks, valid=valid)
+    torch.testing.assert_close(full, ref)
+    out, st = sinks_attention(q[:, :, :2], k[:, :, :2], v[:, :, :2], n_sinks=n_sinks, valid=valid[:, :2])
+    outs = [out]
+    for t in range(2, 12):
+        o, st = sinks_attention(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], n_sinks=n_sinks, valid=valid[:, t : t + 1], state=st)
+        outs.append(o)
+    torch.testing.assert_close(torch.cat(outs, 2), ref)
+    assert st.keys.shape[2] == n_sinks
+    assert int(st.valid[1].sum()) == min(n_sinks, 12)
+
+
+def test_sinks_reference_only_looks_at_first_tokens():
+    q, k, v = qkv(b=1, t=10)
+    out = sinks_attention_reference(q, k, v, n_sinks=2)
+    v2 = v.clone()
+    v2[:, :, 2:] += 5.0  # changing non-sink values changes nothing
+    torch.testing.assert_close(sinks_attention_reference(q, k, v2, n_sinks=2), out)
+
+
+def test_zero_attention_shape():
+    q, _, v = qkv()
+    assert torch.equal(zero_attention(q, v), torch.zeros(2, 4, 13, 8))

@@ -1,0 +1,249 @@
+"""Model-level behaviour on tiny random Llama-family models (CPU, no download)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+import linearize
+from linearize.cache import StateCacheLayer, cache_nbytes
+from linearize.convert import converted_layers
+from linearize.hub import build_tiny_llama
+from linearize.memory import layer_memory
+from linearize.ops.states import BatchState
+
+VARIANTS = {
+    "softmax": ({"attention": "softmax"}, None),
+    "hybrid-joint": ({"attention": "hybrid", "window": 4}, None),
+    "hybrid-joint-overlap": ({"attention": "hybrid", "window": 4, "overlap": True}, None),
+    "hybrid-gate": ({"attention": "hybrid", "window": 4, "mix": "gate"}, None),
+    "hybrid-gate-learned-rect": ({"attention": "hybrid", "window": 3, "mix": "gate", "learn_gate": True, "feature_dim": 16}, None),
+    "hybrid-relu": ({"attention": "hybrid", "window": 4, "feature_map": "relu"}, None),
+    "hybrid-swa_only": ({"attention": "hybrid", "window": 4}, "swa_only"),
+    "hybrid-la_only": ({"attention": "hybrid", "window": 4}, "la_only"),
+    "hybrid-sinks_only": ({"attention": "hybrid", "window": 4}, "sinks_only"),
+    "hybrid-none": ({"attention": "hybrid", "window": 4}, "none"),
+    "lola": ({"attention": "lola", "window": 4, "sparse_cache": 3, "chunk": 1}, None),
+    "lola-no_state": ({"attention": "lola", "window": 4, "sparse_cache": 3, "chunk": 1}, "no_state"),
+    "dsla": ({"attention": "dsla"}, None),
+    "dsla-partial": ({"attention": "dsla", "layers": [0, 2]}, None),
+}
+
+
+def tiny(seed: int = 0):
+    return build_tiny_llama(seed=seed, num_hidden_layers=3).eval()
+
+
+def padded_batch(vocab: int, lengths: list[int], seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    total = max(lengths)
+    ids = torch.randint(3, vocab, (len(lengths), total), generator=gen)
+    mask = torch.zeros(len(lengths), total, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        mask[row, total - n:] = 1
+        ids[row, : total - n] = 0
+    return ids, mask
+
+
+def positions(mask: torch.Tensor) -> torch.Tensor:
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def convert(model, spec: dict, mode: str | None):
+    linearize.convert(model, spec)
+    if mode:
+        linearize.set_mode(model, mode)
+    return model
+
+
+@torch.no_grad()
+def test_converting_no_layers_reproduces_teacher_exactly():
+    teacher, student = tiny(), tiny()
+    ids, mask = padded_batch(teacher.config.vocab_size, [9, 6])
+    ref = teacher(ids, attention_mask=mask).logits
+    linearize.convert(student, {"layers": []})
+    assert student.config.model_type == "linearize_llama"
+    assert torch.equal(student(ids, attention_mask=mask).logits, ref)
+
+
+@torch.no_grad()
+def test_softmax_kind_matches_teacher_and_reuses_projections():
+    teacher, student = tiny(), tiny()
+    projections = [student.model.layers[i].self_attn.q_proj for i in range(len(student.model.layers))]
+    linearize.convert(student, {"attention": "softmax"})
+    for i, layer in enumerate(student.model.layers):
+        assert layer.self_attn.q_proj is projections[i]
+    ids, mask = padded_batch(teacher.config.vocab_size, [12, 7])
+    pos = positions(mask)
+    ref = teacher(ids, attention_mask=mask, position_ids=pos).logits
+    out = student(ids, attention_mask=mask, position_ids=pos).logits
+    real = mask.bool()
+    torch.testing.assert_close(out[real], ref[real], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+@torch.no_grad()
+def test_prefill_then_decode_matches_full_forward_with_left_padding(name):
+    spec, mode = VARIANTS[name]
+    model = convert(tiny(), spec, mode)
+    lengths, decode_steps = [11, 7, 9], 5
+    ids, mask = padded_batch(model.config.vocab_size, lengths)
+    full = model(ids, attention_mask=mask, position_ids=positions(mask)).logits  # (B, T, V)
+    prefill = ids.shape[1] - decode_steps
+    cache = DynamicCache()
+    pos = positions(mask)
+    out = model(ids[:, :prefill], attention_mask=mask[:, :prefill], position_ids=pos[:, :prefill], past_key_values=cache, use_cache=True)
+    logits = [out.logits]
+    for t in range(prefill, ids.shape[1]):
+        out = model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], position_ids=pos[:, t : t + 1], past_key_values=cache, use_cache=True)
+        logits.append(out.logits)
+    stepped = torch.cat(logits, dim=1)
+    real = mask.bool()
+    torch.testing.assert_close(stepped[real], full[real], atol=2e-5, rtol=2e-5)
+    converted = [i for i, layer in enumerate(cache.layers) if isinstance(layer, StateCacheLayer)]
+    assert converted == sorted(converted_layers(model))
+
+
+@pytest.mark.parametrize("name", ["hybrid-joint", "lola", "dsla", "softmax"])
+@torch.no_grad()
+def test_generate_matches_greedy_full_forwards(name):
+    spec, mode = VARIANTS[name]
+    model = convert(tiny(), spec, mode)
+    ids, mask = padded_batch(model.config.vocab_size, [8, 5], seed=1)
+    new = 6
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
+    seq, m = ids, mask
+    for _ in range(new):
+        logits = model(seq, attention_mask=m, position_ids=positions(m)).logits[:, -1]
+        seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], dim=1)
+        m = torch.cat([m, torch.ones_like(m[:, :1])], dim=1)
+    assert torch.equal(out, seq)
+
+
+@torch.no_grad()
+def test_states_split_and_merge_per_request():
+    """Decoding requests one by one from a split cache equals decoding the merged batch."""
+    model = convert(tiny(), {"attention": "hybrid", "window": 3, "layers": [0, 1]}, None)
+    ids, mask = padded_batch(model.config.vocab_size, [9, 6, 8], seed=2)
+    pos = positions(mask)
+    cache = DynamicCache()
+    model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+    next_ids = torch.tensor([[5], [6], [7]])
+    next_mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], dim=1)
+    next_pos = pos[:, -1:] + 1
+    layer0 = cache.layers[0]
+    parts = layer0.state.split([1, 2])
+    merged = type(layer0.state).merge(parts)
+    for a, b in zip(merged.tensors(), layer0.state.tensors()):
+        assert torch.equal(a, b)
+    batch_logits = model(next_ids, attention_mask=next_mask, position_ids=next_pos, past_key_values=cache, use_cache=True).logits
+    assert layer0.nbytes() > 0 and isinstance(layer0.state, BatchState)
+    # Row 1 alone: rebuild its cache by selecting its row everywhere.
+    cache_row = DynamicCache()
+    model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache_row, use_cache=True)
+    cache_row.batch_select_indices(torch.tensor([1]))
+    row_logits = model(next_ids[1:2], attention_mask=next_mask[1:2], position_ids=next_pos[1:2], past_key_values=cache_row, use_cache=True).logits
+    torch.testing.assert_close(row_logits[0], batch_logits[1], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_memory_formula_matches_measured_state():
+    model = convert(tiny(), {"attention": "hybrid", "window": 4, "layers": [1]}, None)
+    ids, mask = padded_batch(model.config.vocab_size, [10])
+    cache = DynamicCache()
+    model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    measured = cache_nbytes(cache)
+    spec = model.model.layers[1].self_attn.spec
+    formula = layer_memory(spec, model.config, dtype_bytes=4)
+    # the state also holds per-slot validity and positions: a few bytes per window slot
+    assert formula.fixed <= measured[1] <= formula.fixed + 16 * spec.window
+    teacher = layer_memory(None, model.config, dtype_bytes=4)
+    assert measured[0] == teacher.at(10)
+
+
+@pytest.mark.parametrize("spec", [{"attention": "hybrid", "window": 4, "mix": "gate", "learn_gate": True}, {"attention": "dsla"}])
+@torch.no_grad()
+def test_save_pretrained_and_adapter_round_trip(tmp_path, spec):
+    base_dir = tmp_path / "base"
+    tiny().save_pretrained(base_dir)
+    model, _ = linearize.load_model(str(base_dir))
+    linearize.convert(model, spec)
+    for p in linearize.new_parameters(model).values():  # make them differ from the initialisation
+        p.add_(0.01 * torch.randn_like(p))
+    ids, mask = padded_batch(model.config.vocab_size, [9, 6])
+    ref = model(ids, attention_mask=mask).logits
+
+    model.save_pretrained(tmp_path / "full")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "full").eval()
+    assert loaded.config.linearize == model.config.linearize
+    assert torch.equal(loaded(ids, attention_mask=mask).logits, ref)
+    again, tok = linearize.load_model(str(tmp_path / "full"))
+    assert torch.equal(again.eval()(ids, attention_mask=mask).logits, ref)
+
+    linearize.save_adapter(model, tmp_path / "adapter")
+    files = sorted(p.name for p in (tmp_path / "adapter").iterdir())
+    assert files == ["adapter.safetensors", "linearize_adapter.json"]
+    adapted, _ = linearize.load_model(str(tmp_path / "adapter"))
+    assert torch.equal(adapted.eval()(ids, attention_mask=mask).logits, ref)
+
+
+def test_reconverting_keeps_trained_parameters_and_can_restore_teacher():
+    model = convert(tiny(), {"attention": "hybrid", "window": 4}, None)
+    fm = model.model.layers[0].self_attn.feature_map_q.weight
+    with torch.no_grad():
+        fm.add_(1.0)
+    linearize.convert(model, {"attention": "lola", "window": 4, "sparse_cache": 2})
+    assert torch.equal(model.model.layers[0].self_attn.feature_map_q.weight, fm)
+    linearize.convert(model, {"layers": []})
+    teacher = tiny()
+    ids, mask = padded_batch(model.config.vocab_size, [7])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, teacher(ids).logits)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+@torch.no_grad()
+def test_other_llama_family_architectures(family):
+    common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=128, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = (MistralForCausalLM(MistralConfig(**common)) if family == "mistral" else Qwen2ForCausalLM(Qwen2Config(**common))).eval()
+    ids, mask = padded_batch(128, [9, 6])
+    pos = positions(mask)
+    ref = model(ids, attention_mask=mask, position_ids=pos).logits
+    linearize.convert(model, {"attention": "softmax"})
+    torch.testing.assert_close(model(ids, attention_mask=mask, position_ids=pos).logits[mask.bool()], ref[mask.bool()], atol=1e-5, rtol=1e-5)
+    linearize.convert(model, {"attention": "hybrid", "window": 3})
+    assert model.config.model_type == f"linearize_{family}"
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert out.shape == (2, ids.shape[1] + 3)
+
+
+def test_bad_input_errors_name_the_value():
+    model = tiny()
+    with pytest.raises(linearize.SpecError, match="layer index 99 out of range"):
+        linearize.convert(model, {"layers": [99]})
+    with pytest.raises(linearize.SpecError, match="valid choices: softmax, hybrid, lola, dsla"):
+        linearize.convert(model, {"attention": "mamba"})
+    with pytest.raises(linearize.SpecError, match="window must be an integer >= 1"):
+        linearize.convert(model, {"window": 0})
+    with pytest.raises(linearize.SpecError, match="sparse_cache must be an integer >= 0"):
+        linearize.convert(model, {"attention": "lola", "sparse_cache": -1})
+    with pytest.raises(linearize.SpecError, match="unknown spec field"):
+        linearize.convert(model, {"windw": 3})
+    linearize.convert(model, {"attention": "dsla", "layers": [0]})
+    with pytest.raises(ValueError, match="valid modes: hybrid, sinks_only, none"):
+        linearize.set_mode(model, "swa_only")
+    with pytest.raises(ValueError, match="unknown mode 'fast'"):
+        linearize.set_mode(model, "fast")
+    with pytest.raises(linearize.SpecError, match="layer 1 is not converted"):
+        linearize.set_mode(model, "none", layers=[1])
+
+
+def test_unsupported_architecture_is_refused():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(linearize.UnsupportedModelError, match="unsupported architecture 'gpt2'; supported: llama, mistral, qwen2"):
+        linearize.convert(model, {"attention": "hybrid"})

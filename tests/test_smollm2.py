@@ -1,0 +1,75 @@
+"""The embedded default model, SmolLM2-135M-Instruct, converted for real (CPU; skips without the GGUF)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import linearize
+from linearize.hub import find_smollm2_gguf
+from linearize.memory import layer_memory
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    try:
+        find_smollm2_gguf()
+    except FileNotFoundError as err:
+        pytest.skip(f"SmolLM2 GGUF not available: {err}")
+    model, tokenizer = linearize.load_model("smollm2-135m")
+    return model, tokenizer
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"attention": "hybrid", "window": 16},
+        {"attention": "lola", "window": 8, "sparse_cache": 8, "chunk": 1},
+        {"attention": "dsla", "layers": list(range(0, 30, 3))},
+    ],
+    ids=["hybrid", "lola", "dsla"],
+)
+@torch.no_grad()
+def test_real_model_decode_matches_full_forward(smollm2, spec):
+    model, tokenizer = smollm2
+    linearize.convert(model, spec)
+    try:
+        batch = tokenizer(["The quick brown fox jumps over the lazy dog, again and again, until", "Paris is the capital of"],
+                          return_tensors="pt", padding=True)
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        full = model(ids, attention_mask=mask, position_ids=pos).logits
+        cache = DynamicCache()
+        split = ids.shape[1] - 4
+        logits = [model(ids[:, :split], attention_mask=mask[:, :split], position_ids=pos[:, :split], past_key_values=cache).logits]
+        for t in range(split, ids.shape[1]):
+            logits.append(model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], position_ids=pos[:, t : t + 1], past_key_values=cache).logits)
+        stepped = torch.cat(logits, dim=1)
+        real = mask.bool()
+        torch.testing.assert_close(stepped[real], full[real], atol=1e-3, rtol=1e-3)  # 30 float32 layers
+    finally:
+        linearize.convert(model, {"layers": []})
+
+
+@torch.no_grad()
+def test_real_model_memory_per_layer(smollm2):
+    model, _ = smollm2
+    teacher = layer_memory(None, model.config, dtype_bytes=4)
+    assert teacher.per_token == 2 * 3 * 64 * 4  # K and V, 3 KV heads, head dim 64, float32
+    hybrid = layer_memory(linearize.LayerSpec(window=64), model.config)
+    assert hybrid.per_token == 0 and hybrid.fixed == 64 * 2 * 3 * 64 * 4 + 9 * 128 * 65 * 4
+
+
+def test_demo_runs_end_to_end():
+    try:
+        find_smollm2_gguf()
+    except FileNotFoundError as err:
+        pytest.skip(f"SmolLM2 GGUF not available: {err}")
+    result = subprocess.run([sys.executable, "-m", "linearize.cli", "demo", "--max-new-tokens", "6"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "TEACHER" in result.stdout and "CONVERTED" in result.stdout and "memory held" in result.stdout
