@@ -13,12 +13,10 @@ import inspect
 import json
 import logging
 import sys
-import time
 import typing
-from pathlib import Path
 
 from . import spec as spec_module
-from .spec import ConversionSpec, LayerSpec
+from .spec import ConversionSpec
 
 EXIT_USAGE = 2
 DEFAULT_MODEL = "smollm2-135m"

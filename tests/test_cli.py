@@ -7,8 +7,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
-from transformers import AutoTokenizer
 
 import linearize
 from linearize.cli import main

@@ -286,3 +286,25 @@ def test_fla_backend_matches_torch_on_gpu(mode):
     print(f"hybrid fla vs torch max abs error {mode_id(mode)}: {(out - ref).abs().max().item():.3e}")
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
     assert_states_close(state, ref_state, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and importlib.util.find_spec("fla") is not None),
+    reason="backend 'fla' needs CUDA and flash-linear-attention",
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fla_backend_at_smollm2_shapes(dtype):
+    """SmolLM2's layer: 9 query heads, 3 KV heads, head dim 64, square hedgehog (128 features), window 64."""
+    b, t, hq, hkv, d, window = 2, 1024, 9, 3, 64, 64
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, h, t, d, generator=g).cuda().to(dtype) for h in (hq, hkv, hkv))
+    phi_q, phi_k = Hedgehog(hq, d, d, torch.float32, 1).cuda(), Hedgehog(hq, d, d, torch.float32, 2).cuda()
+    args = dict(phi_q=lambda x: phi_q(x.float()), phi_k=lambda x: phi_k(x.float()), window=window,
+                window_factor=torch.full((hq,), 0.1, device="cuda"), mix="joint", overlap=False, branches="both")
+    ref, ref_state = hybrid_attention_reference(q.float(), k.float(), v.float(), **args)
+    out, state = hybrid_attention(q, k, v, **args, backend="fla")
+    err = (out.float() - ref).abs().max().item()
+    print(f"hybrid fla ({dtype}) vs float32 reference at SmolLM2 shapes, T={t}: max abs error {err:.3e}")
+    tol = 2e-2 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(state.linear.kv, ref_state.linear.kv, rtol=tol, atol=tol * 10)

@@ -53,7 +53,7 @@ def named_tensors(state: BatchState, prefix: str = ""):
 def assert_states_equal(a: BatchState, b: BatchState, atol: float = 1e-5) -> None:
     for (name, x), (_, y) in zip(named_tensors(a), named_tensors(b), strict=True):
         if x.is_floating_point():
-            torch.testing.assert_close(x, y, atol=atol, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(x, y, atol=atol, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
         else:
             assert torch.equal(x, y), f"{name} differs:\n{x}\n{y}"
 
