@@ -73,3 +73,19 @@ def test_demo_runs_end_to_end():
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "TEACHER" in result.stdout and "CONVERTED" in result.stdout and "memory held" in result.stdout
+
+
+def test_cli_generate_and_info_on_the_real_model(smollm2, capsys):
+    import json
+
+    from linearize.cli import main
+
+    assert main(["generate", "--model", "smollm2-135m", "--prompt", "Name a colour.", "--max-new-tokens", "4",
+                 "--attention", "hybrid", "--window", "16", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["new_tokens"] == 4 and result["tokens_per_second"] > 0 and result["text"]
+    by_layer = {int(k): v for k, v in result["memory_by_layer"].items()}
+    assert len(by_layer) == 30 and len(set(by_layer.values())) == 1  # every layer holds the same fixed state
+    assert main(["info", "smollm2-135m"]) == 0
+    out = capsys.readouterr().out
+    assert "layers         30" in out and "KV bytes/token" in out
