@@ -247,3 +247,18 @@ def test_unsupported_architecture_is_refused():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
     with pytest.raises(linearize.UnsupportedModelError, match="unsupported architecture 'gpt2'; supported: llama, mistral, qwen2"):
         linearize.convert(model, {"attention": "hybrid"})
+
+
+@torch.no_grad()
+def test_teacher_mode_runs_the_original_attention_with_plain_kv():
+    teacher = tiny()
+    model = convert(tiny(), {"attention": "dsla"}, None)
+    linearize.set_mode(model, "teacher", layers=[1])
+    linearize.set_mode(model, "teacher", layers=[0, 2])
+    ids, mask = padded_batch(model.config.vocab_size, [9, 6])
+    pos = positions(mask)
+    assert torch.equal(model(ids, attention_mask=mask, position_ids=pos).logits, teacher(ids, attention_mask=mask, position_ids=pos).logits)
+    cache = DynamicCache()
+    model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache)
+    assert not any(isinstance(layer, StateCacheLayer) for layer in cache.layers)
+    assert model.model.layers[0].self_attn.gate_history.up.bias.requires_grad  # parameters kept

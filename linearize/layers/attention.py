@@ -29,8 +29,10 @@ from .feature_map import build_feature_map
 logger = logging.getLogger(__name__)
 
 N_SINKS = 8
-GENERIC_MODES = ("sinks_only", "none")
-"""Diagnostic modes every converted layer supports (HedgeCATs component diagnostics)."""
+GENERIC_MODES = ("sinks_only", "none", "teacher")
+"""Modes every converted layer supports: the HedgeCATs component diagnostics (sinks_only, none) and
+'teacher' (the layer runs the teacher's original attention with plain KV; its new parameters stay,
+inactive: nested conversions and run-time conversion switch layers this way)."""
 
 Attend = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor | None, BatchState | None], tuple[Tensor, BatchState | None]]
 
@@ -103,12 +105,13 @@ class ConvertedAttention(nn.Module):
         past_key_values=None,
         **kwargs,
     ) -> tuple[Tensor, None]:
+        if self.mode == "teacher":
+            return self.teacher(
+                hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
+                past_key_values=past_key_values, **kwargs,
+            )
         b, t, _ = hidden_states.shape
-        q = self.q_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
-        k = self.k_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        cos, sin = position_embeddings
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        q, k, v = self.project(hidden_states, position_embeddings)
         valid = key_padding_from_mask(attention_mask, t)
         cache = past_key_values if past_key_values is not None else kwargs.get("cache")
         slot = state_layer(cache, self.layer_idx) if cache is not None else None
@@ -117,6 +120,16 @@ class ConvertedAttention(nn.Module):
             slot.store(state, t)
         out = out.transpose(1, 2).reshape(b, t, -1).to(hidden_states.dtype)  # (B, T, Hq * D)
         return self.o_proj(out), None
+
+    def project(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """q (B, Hq, T, D), k and v (B, Hkv, T, D), RoPE applied to q and k."""
+        b, t, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
+        k = self.k_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.v_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
 
     def extra_repr(self) -> str:
         return f"layer={self.layer_idx}, attention={self.spec.attention}, mode={self.mode}"

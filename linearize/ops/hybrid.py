@@ -183,6 +183,18 @@ def hybrid_attention_reference(
     return out.to(v.dtype), HybridState(window=ws, linear=linear)
 
 
+def hybrid_attention_weights(q: Tensor, k: Tensor, **kwargs) -> Tensor:
+    """(B, Hq, T, T): the weight each query gives each key under the hybrid (any mix, branches).
+
+    The output is linear in v, so the reference with identity values yields the weight matrix;
+    ``kwargs`` are those of ``hybrid_attention_reference``. Quadratic: for attention transfer at ~1K.
+    """
+    b, hkv, t, _ = k.shape
+    eye = torch.eye(t, dtype=accumulation_dtype(q.dtype), device=q.device).expand(b, hkv, t, t)  # (B, Hkv, T, T)
+    weights, _ = hybrid_attention_reference(q, k, eye, **kwargs)
+    return weights
+
+
 def _gather_tokens(x: Tensor, index: Tensor) -> Tensor:
     """x (B, H, L, X), index (B, L') -> (B, H, L', X): per-row token gather."""
     return x.gather(2, index[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))

@@ -308,3 +308,19 @@ def test_fla_backend_at_smollm2_shapes(dtype):
     tol = 2e-2 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
     torch.testing.assert_close(state.linear.kv, ref_state.linear.kv, rtol=tol, atol=tol * 10)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=mode_id)
+def test_attention_weights_reproduce_the_output(mode):
+    from linearize.ops.hybrid import hybrid_attention_weights
+
+    q, k, v, params = setup((2, 11, 4, 2, 8, 3, 0))
+    valid = torch.ones(2, 11, dtype=torch.bool)
+    valid[1, :3] = False
+    weights = hybrid_attention_weights(q, k, **kw(params, mode), valid=valid)  # (B, Hq, T, T)
+    out, _ = hybrid_attention_reference(q, k, v, **kw(params, mode), valid=valid)
+    torch.testing.assert_close(weights @ repeat_kv(v, 2), out)
+    assert (weights.triu(diagonal=1) == 0).all()  # causal
+    if mode[0] == "joint" or mode[2] != "both":
+        sums = weights.sum(-1)[valid[:, None, :].expand(-1, 4, -1)]
+        torch.testing.assert_close(sums, torch.ones_like(sums))
