@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
-from .convert import convert, new_parameters
+from .convert import convert, new_parameters, set_active
 from .hub import load_base_model
 from .io import atomic_dir
 from .spec import ConversionSpec
@@ -19,39 +19,80 @@ logger = logging.getLogger(__name__)
 
 ADAPTER_CONFIG = "linearize_adapter.json"
 ADAPTER_WEIGHTS = "adapter.safetensors"
+LORA_WEIGHTS = "lora.safetensors"
 ADAPTER_FORMAT = 1
 
 
-def load_model(name_or_path: str, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None):
+def load_model(
+    name_or_path: str,
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    active: int | None = None,
+):
     """Return (model, tokenizer or None).
 
     ``name_or_path``: a model alias (``smollm2-135m``), a local Hugging Face checkpoint directory
     (converted ones included: their config carries the spec), an adapter directory written by
     ``save_adapter`` (new parameters + the base model's name), or a hub id where a network exists.
+    ``active``: for a nested family (spec with ``order``), how many layers of the order run converted.
     """
     path = Path(name_or_path)
     if (path / ADAPTER_CONFIG).is_file():
-        return _load_adapter(path, dtype=dtype, device=device)
-    model, tokenizer = load_base_model(str(name_or_path), dtype=dtype, device=device)
-    if getattr(model.config, "linearize_base_model", None) is None:
-        model.config.linearize_base_model = str(name_or_path)
+        model, tokenizer = _load_adapter(path, dtype=dtype, device=device)
+    else:
+        model, tokenizer = load_base_model(str(name_or_path), dtype=dtype, device=device)
+        if getattr(model.config, "linearize_base_model", None) is None:
+            model.config.linearize_base_model = str(name_or_path)
+    if active is not None:
+        if getattr(model.config, "linearize", None) is None:
+            raise ValueError(f"active={active} needs a converted model with a layer order; {name_or_path!r} is not converted")
+        set_active(model, active)
     return model, tokenizer
 
 
-def save_adapter(model: PreTrainedModel, directory: str | Path, *, base_model: str | None = None) -> Path:
-    """Write only the conversion's new parameters and spec, plus the base model's name (atomic)."""
+def save_adapter(
+    model: PreTrainedModel,
+    directory: str | Path,
+    *,
+    base_model: str | None = None,
+    spec: dict | None = None,
+    extra: dict | None = None,
+) -> Path:
+    """Write only what a conversion adds, atomically: the new parameters, LoRA weights when the model
+    is wrapped by peft, the spec (``spec`` overrides the model's, e.g. an inference-time window) and
+    the base model's name. ``extra``: more JSON metadata (training summary, layer order, ...)."""
+    lora = None
+    if hasattr(model, "peft_config"):
+        from peft import get_peft_model_state_dict
+
+        lora = ({k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(model).items()},
+                model.peft_config["default"].to_dict())
+        model = model.get_base_model()
     base_model = base_model or getattr(model.config, "linearize_base_model", None)
     if not base_model:
         raise ValueError("save_adapter needs base_model (the name or path load_model should load the teacher from)")
     if getattr(model.config, "linearize", None) is None:
         raise ValueError("model is not converted: nothing to save as an adapter (use save_pretrained)")
     tensors = {name: p.detach().cpu().contiguous() for name, p in new_parameters(model).items()}
-    meta = {"format": ADAPTER_FORMAT, "base_model": base_model, "spec": model.config.linearize}
+    meta = {"format": ADAPTER_FORMAT, "base_model": base_model, "spec": spec or model.config.linearize, **(extra or {})}
+    if lora is not None:
+        meta["lora"] = {k: sorted(v) if isinstance(v, set) else v for k, v in lora[1].items() if _jsonable(v)}
     with atomic_dir(directory) as tmp:
         save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        if lora is not None:
+            save_file(lora[0], str(tmp / LORA_WEIGHTS), metadata={"format": "pt"})
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(meta, indent=2, sort_keys=True))
-    logger.info("saved adapter (%d tensors) to %s", len(tensors), directory)
+    logger.info("saved adapter (%d tensors%s) to %s", len(tensors), ", LoRA" if lora else "", directory)
     return Path(directory)
+
+
+def _jsonable(value) -> bool:
+    try:
+        json.dumps(sorted(value) if isinstance(value, set) else value)
+        return True
+    except TypeError:
+        return False
 
 
 def _load_adapter(path: Path, *, dtype, device):
@@ -68,4 +109,11 @@ def _load_adapter(path: Path, *, dtype, device):
     with torch.no_grad():
         for name, p in expected.items():
             p.copy_(tensors[name].to(p.dtype))
+    if (path / LORA_WEIGHTS).is_file():
+        from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+
+        config = {k: v for k, v in meta["lora"].items() if k in LoraConfig.__dataclass_fields__}
+        peft_model = get_peft_model(model, LoraConfig(**config))
+        set_peft_model_state_dict(peft_model, load_file(str(path / LORA_WEIGHTS)))
+        model = peft_model.merge_and_unload()  # LoRA folded into q/k/v/o: plain model, no overhead
     return model, tokenizer

@@ -14,6 +14,7 @@ import json
 import logging
 import sys
 import typing
+from pathlib import Path
 
 from . import spec as spec_module
 from .spec import ConversionSpec
@@ -191,6 +192,76 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def parse_overrides(extra: list[str]) -> dict[str, object]:
+    """``--transfer.optim.lr 0.01 --spec.window=32`` -> {"transfer.optim.lr": 0.01, "spec.window": 32} (YAML-typed)."""
+    import yaml
+
+    out: dict[str, object] = {}
+    i = 0
+    while i < len(extra):
+        item = extra[i]
+        if not item.startswith("--") or item == "--":
+            raise ValueError(f"expected an override like --transfer.optim.lr 0.01, got {item!r}")
+        key, eq, value = item[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(extra):
+                raise ValueError(f"override --{key} needs a value")
+            value, i = extra[i + 1], i + 1
+        out[key.replace("-", "_")] = yaml.safe_load(value)
+        i += 1
+    return out
+
+
+def cmd_train(args) -> int:
+    from .train.recipes import load_recipe, recipe_names, run
+
+    if args.list:
+        for name in recipe_names():
+            config = load_recipe(name)
+            print(f"{name:<18} {config.description}")
+        return 0
+    if not args.recipe:
+        raise ValueError(f"--recipe is required; valid recipes: {', '.join(recipe_names())}")
+    config = load_recipe(args.recipe, args.overrides)
+    if args.print_config:
+        print(config.to_yaml())
+        return 0
+    summary = run(config, resume=args.resume)
+    print(json.dumps({k: summary[k] for k in ("name", "teacher_heldout_loss", "heldout_loss", "heldout_ppl", "teacher_heldout_ppl", "adapter")}, indent=2))
+    return 0
+
+
+def cmd_sensitivity(args) -> int:
+    """Per layer: entropy of the last query's attention and the measured held-out loss increase."""
+    from .train.data import DataConfig, build_dataset
+    from .train.sensitivity import (attention_entropy, loss_increase, plot_sensitivity, save_order,
+                                    sensitivity_report, trained_loss_increase)
+
+    model, tokenizer = _load(args.model, args)
+    if tokenizer is None:
+        raise ValueError(f"model {args.model!r} has no tokenizer; sensitivity needs one to read its data")
+    data = build_dataset(DataConfig(source=args.source, seq_len=args.seq_len, heldout_sequences=args.batches * args.batch_size), tokenizer)
+    batches = [data.heldout[i * args.batch_size:(i + 1) * args.batch_size] for i in range(args.batches)]
+    entropy = attention_entropy(model, batches)
+    if getattr(model.config, "linearize", None) is not None:  # a trained conversion: measure its own layers
+        increase = trained_loss_increase(model, batches)
+        layers = sorted(increase)
+        report = sensitivity_report([entropy[i] for i in layers], [increase[i] for i in layers], layers)
+    else:
+        spec = spec_from_args(args) or ConversionSpec(attention="dsla")
+        report = sensitivity_report(entropy, loss_increase(model, spec, batches))
+    out = Path(args.out)
+    save_order(report, out / "sensitivity.json")
+    plot_sensitivity(report, out / "sensitivity.png")
+    print(f"{'layer':>5}  {'entropy':>8}  {'loss increase':>13}")
+    for row in report["layers"]:
+        print(f"{row['layer']:>5}  {row['entropy']:>8.3f}  {row['loss_increase']:>13.4f}")
+    print(f"Spearman(entropy, measured increase) = {report['spearman']}")
+    print(f"order (least sensitive first): {report['order']}")
+    print(f"wrote {out / 'sensitivity.json'} and {out / 'sensitivity.png'}")
+    return 0
+
+
 def _side_by_side(a: str, b: str, width: int):
     import textwrap
 
@@ -238,6 +309,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_spec_flags(p)
     p.set_defaults(func=cmd_generate)
 
+    p = sub.add_parser("train", help="run a conversion recipe (any field overridable: --transfer.optim.lr 0.01)")
+    p.add_argument("--recipe", help="recipe name or path to a recipe YAML (see --list)")
+    p.add_argument("--resume", action="store_true", help="continue a killed run from its last checkpoints")
+    p.add_argument("--list", action="store_true", help="list the recipes and exit")
+    p.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("sensitivity", help="per-layer attention entropy vs measured loss increase; saves the order")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="a teacher (layers converted one at a time per the spec flags) or a trained conversion")
+    p.add_argument("--source", default="wiki", help="held-out text source (as data.source of a recipe)")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batches", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--out", required=True, help="directory for sensitivity.json and sensitivity.png")
+    add_spec_flags(p)
+    p.set_defaults(func=cmd_sensitivity)
+
     p = sub.add_parser("demo", help="main job: teacher vs converted model side by side, with memory held")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--prompt", default=DEMO_PROMPT)
@@ -249,7 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "train":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if not args.verbose:
         from transformers.utils import logging as hf_logging
@@ -258,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "max_new_tokens", 1) < 1:
         parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     try:
+        if args.command == "train":
+            args.overrides = parse_overrides(extra)
         return args.func(args)
     except (ValueError, FileNotFoundError, NotADirectoryError) as err:
         print(f"linearize {args.command}: error: {err}", file=sys.stderr)

@@ -57,6 +57,20 @@ def set_mode(model: PreTrainedModel, mode: str, layers: Sequence[int] | None = N
     return model
 
 
+def set_active(model: PreTrainedModel, active: int) -> PreTrainedModel:
+    """Choose how many layers of a nested family's order run converted (the rest run the teacher)."""
+    spec = ConversionSpec.from_dict({**model.config.linearize, "active": active})
+    n = len(decoder_layers(model))
+    inactive = set(spec.inactive_layers(n))
+    for i, module in converted_layers(model).items():
+        if i in inactive:
+            module.mode = "teacher"
+        elif module.mode == "teacher":
+            module.mode = "hybrid"
+    model.config.linearize = spec.to_dict()
+    return model
+
+
 def layer_modes(model: PreTrainedModel) -> dict[int, str]:
     return {i: m.mode for i, m in converted_layers(model).items()}
 
@@ -67,7 +81,7 @@ def new_parameters(model: PreTrainedModel) -> dict[str, torch.nn.Parameter]:
     return {
         name: p
         for name, p in model.named_parameters()
-        if ".self_attn." in name and id(p) not in teacher
+        if ".self_attn." in name and id(p) not in teacher and "lora_" not in name
     }
 
 
@@ -76,4 +90,4 @@ def _teacher_params(attn) -> list[torch.nn.Parameter]:
     return list(teacher.parameters())
 
 
-__all__ = ["convert", "set_mode", "layer_modes", "converted_layers", "new_parameters", "MODES", "GENERIC_MODES"]
+__all__ = ["convert", "set_mode", "set_active", "layer_modes", "converted_layers", "new_parameters", "MODES", "GENERIC_MODES"]

@@ -106,6 +106,7 @@ def apply_spec(model: PreTrainedModel, spec: ConversionSpec) -> None:
     layers = decoder_layers(model)
     n = len(layers)
     chosen = spec.resolve_layers(n)
+    inactive = set(spec.inactive_layers(n))
     for i, layer in enumerate(layers):
         current = layer.self_attn
         teacher = current.teacher if isinstance(current, ConvertedAttention) else current
@@ -117,6 +118,8 @@ def apply_spec(model: PreTrainedModel, spec: ConversionSpec) -> None:
         new.to(device=teacher.q_proj.weight.device)
         if isinstance(current, ConvertedAttention):
             _carry_parameters(current, new)
+        if i in inactive:
+            new.mode = "teacher"
         layer.self_attn = new
     model.config.__class__ = family.linearized_config_cls
     model.config.linearize = spec.to_dict()
@@ -136,6 +139,7 @@ def check_spec(model: PreTrainedModel, spec: ConversionSpec) -> None:
     n = len(decoder_layers(model))
     for i in spec.resolve_layers(n):
         spec.layer_spec(i, n).features(decoder_layers(model)[i].self_attn.head_dim)
+    spec.inactive_layers(n)
     if spec.overrides and not set(i % n for i in spec.overrides) <= set(spec.resolve_layers(n)):
         extra = sorted(set(i % n for i in spec.overrides) - set(spec.resolve_layers(n)))
         raise SpecError(f"overrides name layer(s) {extra} that the spec does not convert (layers: {spec.layers})")

@@ -113,6 +113,11 @@ class ConversionSpec(LayerSpec):
     """'all' or a list of layer indices to convert (negative indices count from the end)."""
     overrides: dict[int, dict[str, Any]] = field(default_factory=dict)
     """Per-layer changes, e.g. {3: {"attention": "softmax"}, 7: {"window": 128}}."""
+    order: list[int] | None = None
+    """A nested family (DSLA chained fine-tuning): the converted layers in conversion order."""
+    active: int | None = None
+    """With ``order``: only its first ``active`` layers run converted; the others run the teacher's
+    attention and keep their (trained) parameters. None = all."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -136,6 +141,15 @@ class ConversionSpec(LayerSpec):
             LayerSpec(**{**self.layer_base().__dict__, **changes})  # validate the overridden layer now
             fixed[idx] = dict(changes)
         self.overrides = fixed
+        if self.order is not None:
+            self.order = [int(i) for i in self.order]
+            if len(set(self.order)) != len(self.order):
+                raise SpecError(f"order repeats a layer: {self.order}")
+        if self.active is not None:
+            if self.order is None:
+                raise SpecError("active needs order (the nested family's layer order)")
+            if not isinstance(self.active, int) or not 0 <= self.active <= len(self.order):
+                raise SpecError(f"active must be an integer in 0..{len(self.order)} (the length of order), got {self.active!r}")
 
     def layer_base(self) -> LayerSpec:
         return LayerSpec(**{name: getattr(self, name) for name in LAYER_FIELDS})
@@ -153,6 +167,16 @@ class ConversionSpec(LayerSpec):
             if not -num_layers <= i < num_layers:
                 raise SpecError(f"override for layer {i} out of range: the model has {num_layers} layers")
         return sorted(out)
+
+    def inactive_layers(self, num_layers: int) -> list[int]:
+        """Converted layers that run the teacher's attention (beyond the active prefix of ``order``)."""
+        if self.order is None:
+            return []
+        chosen = self.resolve_layers(num_layers)
+        order = [i % num_layers for i in self.order]
+        if sorted(order) != chosen:
+            raise SpecError(f"order {self.order} must list exactly the converted layers {chosen}")
+        return sorted(order[self.active:]) if self.active is not None else []
 
     def layer_spec(self, idx: int, num_layers: int) -> LayerSpec | None:
         """The LayerSpec of layer ``idx``, or None if that layer keeps the teacher's attention."""

@@ -173,9 +173,29 @@ class HybridAttention(ConvertedAttention):
             self.gate_logit = nn.Parameter(gate_logit)
         else:
             self.register_buffer("gate_logit", gate_logit, persistent=False)
+        self.window_dropout: Tensor | None = None
+        """(B,) bool or None: rows that run linear attention over all positions instead of the hybrid
+        (scheduled sliding-window dropout while training; only without a cache)."""
 
     def window_factor(self) -> Tensor:
         return torch.sigmoid(self.window_factor_logit.float())
+
+    def _attend(self, q, k, v, x, valid, state):
+        drop = self.window_dropout
+        if drop is None or self.mode != "hybrid" or self.spec.attention != "hybrid" or not bool(drop.any()):
+            return super()._attend(q, k, v, x, valid, state)
+        if state is not None:
+            raise ValueError("window dropout is a training setting: it cannot run with a cache")
+        modes = self.attend_modes()
+        out = None
+        for rows, mode in ((~drop, "hybrid"), (drop, "la_only")):
+            idx = rows.to(q.device).nonzero().flatten()
+            if idx.numel() == 0:
+                continue
+            sub_valid = valid[idx] if valid is not None else None
+            o, _ = modes[mode](q[idx], k[idx], v[idx], x[idx], sub_valid, None)  # (b, Hq, T, Dv)
+            out = (o.new_zeros(q.shape[0], *o.shape[1:]) if out is None else out).index_copy(0, idx, o)
+        return out, None
 
     def gate(self) -> Tensor:
         return torch.sigmoid(self.gate_logit.float())

@@ -1,0 +1,1 @@
+"""Training: data sources and packing (``linearize.train.data``) and the training recipes."""

@@ -1,0 +1,264 @@
+"""The training loop every stage shares: optimiser, schedule, data order, data parallelism,
+metrics, held-out evaluation with early stopping, and atomic checkpoints that ``--resume`` continues
+from to the same final weights.
+
+A stage provides an ``objective``: an nn.Module whose ``forward(batch, step=, epoch=)`` returns
+(loss, metrics). Under torchrun (WORLD_SIZE > 1) the objective is wrapped in DistributedDataParallel
+(gloo on CPU, NCCL on CUDA) and each rank takes a disjoint shard of every global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from .config import OptimConfig, StageConfig
+from .data import iterate_batches
+
+logger = logging.getLogger(__name__)
+
+
+# --- distributed ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_world(device: torch.device) -> World:
+    """Join the process group torchrun set up (WORLD_SIZE > 1); otherwise a world of one."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size == 1:
+        return World()
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return World(rank=dist.get_rank(), size=dist.get_world_size())
+
+
+# --- metrics -------------------------------------------------------------------------------------
+class MetricsLog:
+    """Appends JSON lines (and TensorBoard scalars when tensorboard is installed) on the main rank."""
+
+    def __init__(self, path: Path, world: World):
+        self.path, self.world = path, world
+        self._tb = None
+        if world.is_main:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(ImportError):
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(path.parent / "tensorboard"))
+
+    def write(self, record: dict) -> None:
+        if not self.world.is_main:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self._tb.add_scalar(f"{record.get('stage', 'train')}/{key}", value, record.get("step", 0))
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+# --- checkpoints ---------------------------------------------------------------------------------
+@dataclass
+class LoopState:
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    best_heldout: float = math.inf
+    best_step: int = -1
+    evals_without_improvement: int = 0
+    done: bool = False
+    history: list[dict] = field(default_factory=list)
+
+
+def save_checkpoint(path: Path, params: dict[str, nn.Parameter], optimizer, scheduler, state: LoopState, best: dict | None) -> None:
+    """Write everything --resume needs, atomically (temp file + rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "params": {name: p.detach().cpu().clone() for name, p in params.items()},
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "state": asdict(state),
+        "best": best,
+    }
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, params: dict[str, nn.Parameter], optimizer, scheduler) -> tuple[LoopState, dict | None]:
+    payload = torch.load(path, map_location="cpu", weights_only=False)
+    missing = sorted(set(params) - set(payload["params"]))
+    if missing:
+        raise ValueError(f"checkpoint {str(path)!r} does not match this run: missing parameters {missing[:5]}")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(payload["params"][name].to(p.device, p.dtype))
+    optimizer.load_state_dict(payload["optimizer"])
+    scheduler.load_state_dict(payload["scheduler"])
+    return LoopState(**payload["state"]), payload["best"]
+
+
+# --- the loop ------------------------------------------------------------------------------------
+def make_optimizer(params: dict[str, nn.Parameter], cfg: OptimConfig, total_steps: int):
+    optimizer = torch.optim.AdamW([params[n] for n in sorted(params)], lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "cosine":
+            progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return 1.0
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def steps_per_epoch(n_sequences: int, batch_size: int) -> int:
+    steps = n_sequences // batch_size
+    if steps == 0:
+        raise ValueError(f"{n_sequences} training sequences are fewer than one batch of {batch_size}")
+    return steps
+
+
+def run_stage(
+    *,
+    stage: str,
+    objective: nn.Module,
+    params: dict[str, nn.Parameter],
+    train: Tensor,
+    cfg: StageConfig,
+    optim: OptimConfig,
+    run_dir: Path,
+    seed: int,
+    device: torch.device,
+    world: World,
+    metrics: MetricsLog,
+    heldout_loss: Callable[[], float] | None = None,
+    resume: bool = False,
+    log_every: int = 10,
+    on_epoch: Callable[[int], None] | None = None,
+) -> LoopState:
+    """Train ``params`` of ``objective`` on ``train`` (N, T) token ids; returns the final loop state.
+
+    With early stopping the best held-out weights are restored at the end. ``on_epoch(epoch)`` runs
+    before each epoch's first step (schedules that change per epoch).
+    """
+    if not params:
+        raise ValueError(f"stage {stage!r} has no trainable parameters")
+    per_epoch = steps_per_epoch(train.shape[0], optim.batch_size)
+    total = min(cfg.max_steps or math.inf, math.ceil(cfg.epochs * per_epoch))
+    optimizer, scheduler = make_optimizer(params, optim, total)
+    ckpt = run_dir / stage / "checkpoint.pt"
+    state, best = LoopState(), None
+    if resume and ckpt.is_file():
+        state, best = load_checkpoint(ckpt, params, optimizer, scheduler)
+        logger.info("%s: resumed at step %d", stage, state.step)
+    if state.done:
+        _restore_best(params, best)
+        return state
+    if optim.batch_size % world.size:
+        raise ValueError(f"batch_size {optim.batch_size} is not divisible by the {world.size} data-parallel ranks")
+    model = objective
+    if world.size > 1:
+        model = nn.parallel.DistributedDataParallel(objective, find_unused_parameters=True)
+    objective.train()
+    bar = tqdm(total=total, initial=state.step, desc=stage, disable=not world.is_main, dynamic_ncols=True)
+    started = time.perf_counter() - state.seconds
+    stop = False
+    while state.step < total and not stop:
+        if on_epoch is not None:
+            on_epoch(state.epoch)  # idempotent: also re-applies the schedule after a resume mid-epoch
+        batches = iterate_batches(
+            train, optim.batch_size // world.size, seed=seed, epoch=state.epoch, rank=world.rank, world_size=world.size,
+            start_batch=state.batch_in_epoch,
+        )
+        for batch in batches:
+            batch = batch.to(device)
+            loss, values = model(batch, step=state.step, epoch=state.epoch)
+            loss.backward()
+            grad_norm = None
+            if optim.max_grad_norm:
+                grad_norm = float(torch.nn.utils.clip_grad_norm_([params[n] for n in sorted(params)], optim.max_grad_norm))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            state.step += 1
+            state.batch_in_epoch += 1
+            state.tokens += batch.numel() * world.size
+            state.seconds = time.perf_counter() - started
+            bar.update(1)
+            if state.step % log_every == 0 or state.step == total:
+                record = {"stage": stage, "step": state.step, "epoch": state.epoch, "loss": float(loss.detach()),
+                          "lr": scheduler.get_last_lr()[0], "tokens": state.tokens, "seconds": round(state.seconds, 3),
+                          **({"grad_norm": grad_norm} if grad_norm is not None else {}), **values}
+                metrics.write(record)
+                bar.set_postfix(loss=f"{record['loss']:.4g}")
+            if heldout_loss is not None and (state.step % cfg.eval_every == 0 or state.step == total):
+                stop, best = _evaluate(stage, state, params, best, heldout_loss, cfg, metrics, objective)
+            if state.step % cfg.save_every == 0 and world.is_main:
+                save_checkpoint(ckpt, params, optimizer, scheduler, state, best)
+            if state.step >= total or stop:
+                break
+        else:
+            state.epoch += 1
+            state.batch_in_epoch = 0
+    bar.close()
+    state.done = True
+    if world.is_main:
+        save_checkpoint(ckpt, params, optimizer, scheduler, state, best)
+    _restore_best(params, best)
+    return state
+
+
+def _evaluate(stage, state: LoopState, params, best, heldout_loss, cfg: StageConfig, metrics: MetricsLog, objective) -> tuple[bool, dict | None]:
+    objective.eval()
+    with torch.no_grad():
+        value = float(heldout_loss())
+    objective.train()
+    improved = value < state.best_heldout
+    if improved:
+        state.best_heldout, state.best_step, state.evals_without_improvement = value, state.step, 0
+        if cfg.early_stopping_patience is not None:
+            best = {name: p.detach().cpu().clone() for name, p in params.items()}
+    else:
+        state.evals_without_improvement += 1
+    state.history.append({"step": state.step, "heldout_loss": value})
+    metrics.write({"stage": stage, "step": state.step, "heldout_loss": value, "heldout_ppl": math.exp(min(value, 50.0))})
+    patience = cfg.early_stopping_patience
+    stop = patience is not None and state.evals_without_improvement >= patience
+    if stop:
+        logger.info("%s: early stop at step %d (best held-out %.4f at step %d)", stage, state.step, state.best_heldout, state.best_step)
+    return stop, best
+
+
+def _restore_best(params: dict[str, nn.Parameter], best: dict | None) -> None:
+    if best is None:
+        return
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(best[name].to(p.device, p.dtype))

@@ -1,0 +1,193 @@
+"""Named recipes (YAML files in linearize/recipes) and the runner that executes one end to end.
+
+run(config): load the teacher, build the data, measure the teacher's held-out loss, convert, run the
+enabled stages (attention transfer; DSLA sensitivity order + chained fine-tuning; LoRA fine-tuning),
+save the adapter (new parameters + LoRA + spec + base model name), reload it the way a user would
+and measure its held-out loss. Everything lands in OUTPUT_DIR/NAME: metrics.jsonl, per-stage
+checkpoints (``resume=True`` continues a killed run to the same final weights), adapter/ and
+summary.json.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from ..api import load_model, save_adapter
+from ..convert import convert, converted_layers, new_parameters, set_active, set_mode
+from ..io import atomic_write_text
+from ..spec import ConversionSpec
+from .config import ConfigError, TrainConfig, apply_overrides, from_dict
+from .data import build_dataset
+from .finetune import FinetuneObjective, heldout_loss, unwrap
+from .loop import MetricsLog, World, init_world, run_stage
+from .transfer import TransferObjective
+
+logger = logging.getLogger(__name__)
+
+
+def recipe_names() -> list[str]:
+    return sorted(p.name.removesuffix(".yaml") for p in resources.files("linearize.recipes").iterdir() if p.name.endswith(".yaml"))
+
+
+def load_recipe(name_or_path: str, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """A recipe by name (or a YAML path), with dotted-key overrides applied."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        text = path.read_text()
+    elif name_or_path in recipe_names():
+        text = resources.files("linearize.recipes").joinpath(f"{name_or_path}.yaml").read_text()
+    else:
+        raise ConfigError(f"unknown recipe {name_or_path!r}; valid recipes: {', '.join(recipe_names())} (or a path to a .yaml file)")
+    data = yaml.safe_load(text) or {}
+    return from_dict(TrainConfig, apply_overrides(data, overrides or {}))
+
+
+def _device_and_dtype(config: TrainConfig) -> tuple[torch.device, torch.dtype]:
+    name = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and "LOCAL_RANK" in os.environ:  # one GPU per torchrun rank
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
+    return device, dtype
+
+
+def _train_only(model, names: set[str]) -> dict[str, torch.nn.Parameter]:
+    params = {}
+    for name, p in model.named_parameters():
+        p.requires_grad_(name in names)
+        if name in names:
+            params[name] = p
+    return params
+
+
+def _layer_params(model, layers: list[int]) -> set[str]:
+    prefixes = tuple(f"model.layers.{i}.self_attn." for i in layers)
+    return {name for name in new_parameters(model) if name.startswith(prefixes)}
+
+
+def run(config: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
+    """Run a recipe; returns (and writes) the summary."""
+    torch.manual_seed(config.seed)
+    device, dtype = _device_and_dtype(config)
+    world = init_world(device)
+    run_dir = Path(config.output_dir) / config.name
+    if world.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(run_dir / "config.yaml", config.to_yaml())
+    metrics = MetricsLog(run_dir / "metrics.jsonl", world)
+    model, tokenizer = load_model(config.model, dtype=dtype, device=device)
+    if tokenizer is None:
+        raise ValueError(f"model {config.model!r} has no tokenizer: training needs one to build its data")
+    data = build_dataset(config.data, tokenizer, model=model)
+    eval_batch = max(1, config.finetune.optim.batch_size // world.size)
+    summary: dict[str, Any] = {"name": config.name, "model": config.model, "data": data.describe(), "stages": {},
+                               "device": str(device), "dtype": str(dtype).removeprefix("torch."), "world_size": world.size}
+    model.eval()
+    summary["teacher_heldout_loss"] = heldout_loss(model, data.heldout, batch_size=eval_batch, max_batches=None, device=device)
+
+    spec = config.conversion_spec()
+    convert(model, spec)
+    layers = sorted(converted_layers(model))
+    common = dict(run_dir=run_dir, seed=config.seed, device=device, world=world, metrics=metrics, resume=resume, log_every=config.log_every)
+
+    def evaluate(stage_cfg):
+        return lambda: heldout_loss(model, data.heldout, batch_size=eval_batch, max_batches=stage_cfg.eval_batches, device=device)
+
+    if config.transfer.enabled:
+        t = config.transfer
+        objective = TransferObjective(model, layers, t.objectives, t.gate_similarity_weight)
+        params = _train_only(model, _layer_params(model, layers))
+        state = run_stage(stage="transfer", objective=objective, params=params, train=data.train, cfg=t, optim=t.optim,
+                          heldout_loss=evaluate(t), **common)
+        summary["stages"]["transfer"] = _stage_summary(state)
+
+    if config.chained.enabled:
+        summary["stages"]["chained"] = _run_chained(config, model, data, layers, evaluate, common, eval_batch, device)
+
+    if config.finetune.enabled:
+        model = _run_finetune(config, model, data, evaluate, common, world, summary)
+
+    final_spec = {**unwrap(model).config.linearize, **(config.inference_spec or {})}
+    adapter_dir = run_dir / "adapter"
+    if world.is_main:
+        extra = {"training": {k: v for k, v in summary.items() if k != "data"}, "data": summary["data"]}
+        save_adapter(model, adapter_dir, base_model=config.model, spec=final_spec, extra=extra)
+    if world.size > 1:
+        torch.distributed.barrier()
+    reloaded, _ = load_model(str(adapter_dir), dtype=dtype, device=device)
+    summary["heldout_loss"] = heldout_loss(reloaded, data.heldout, batch_size=eval_batch, max_batches=None, device=device)
+    summary["heldout_ppl"] = math.exp(summary["heldout_loss"])
+    summary["teacher_heldout_ppl"] = math.exp(summary["teacher_heldout_loss"])
+    summary["adapter"] = str(adapter_dir)
+    summary["spec"] = final_spec
+    if world.is_main:
+        atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
+    metrics.close()
+    return summary
+
+
+def _stage_summary(state) -> dict[str, Any]:
+    return {"steps": state.step, "tokens": state.tokens, "seconds": round(state.seconds, 2),
+            "best_heldout_loss": None if math.isinf(state.best_heldout) else state.best_heldout, "best_step": state.best_step}
+
+
+def _run_finetune(config: TrainConfig, model, data, evaluate, common, world: World, summary) -> Any:
+    from peft import LoraConfig, get_peft_model
+
+    f = config.finetune
+    set_mode(model, f.mode)
+    lora = LoraConfig(r=f.lora_rank, lora_alpha=f.lora_alpha, target_modules=list(f.lora_targets), lora_dropout=f.lora_dropout, bias="none")
+    peft_model = get_peft_model(model, lora)
+    new_names = {f"base_model.model.{n}" for n in new_parameters(model)} if f.train_new_params else set()
+    trainable = {n for n, p in peft_model.named_parameters() if "lora_" in n} | new_names
+    params = _train_only(peft_model, trainable)
+    objective = FinetuneObjective(peft_model, ce_weight=f.ce_weight, kl_weight=f.kl_weight, kl_temperature=f.kl_temperature,
+                                  swa_dropout=f.swa_dropout, seed=config.seed, rank=world.rank)
+    state = run_stage(stage="finetune", objective=objective, params=params, train=data.train, cfg=f, optim=f.optim,
+                      heldout_loss=evaluate(f), on_epoch=objective.on_epoch, **common)
+    summary["stages"]["finetune"] = _stage_summary(state)
+    set_mode(unwrap(peft_model), "hybrid")
+    if f.swa_dropout != "none":  # keep the window the schedule ended with
+        window = next(m.spec.window for m in converted_layers(unwrap(peft_model)).values())
+        unwrap(peft_model).config.linearize = {**unwrap(peft_model).config.linearize, "window": window}
+    return peft_model
+
+
+def _run_chained(config: TrainConfig, model, data, layers, evaluate, common, eval_batch, device) -> dict[str, Any]:
+    """Sensitivity order, then step k trains only layer pi_k with pi_1..pi_{k-1} converted and frozen."""
+    from .sensitivity import attention_entropy, sensitivity_report, trained_loss_increase
+
+    c = config.chained
+    spec = ConversionSpec.from_dict(model.config.linearize)
+    heldout = [data.heldout[i * eval_batch:(i + 1) * eval_batch].to(device) for i in range(min(c.sensitivity_batches, max(1, data.heldout.shape[0] // eval_batch)))]
+    report = None
+    if c.order_from == "given":
+        order = [int(i) for i in c.order]
+    else:
+        entropy = attention_entropy(model, heldout)
+        increase = trained_loss_increase(model, heldout)
+        report = sensitivity_report([entropy[i] for i in layers], [increase[i] for i in layers], layers)
+        order = report["order"] if c.order_from == "measured" else sorted(layers, key=lambda i: (entropy[i], i))
+    order = [i for i in order if i in layers]
+    steps = []
+    for k, layer in enumerate(order, start=1):
+        model.config.linearize = {**spec.to_dict(), "order": order, "active": k}
+        set_active(model, k)
+        params = _train_only(model, _layer_params(model, [layer]))
+        objective = FinetuneObjective(model, ce_weight=c.ce_weight, kl_weight=c.kl_weight, kl_temperature=c.kl_temperature, seed=config.seed)
+        state = run_stage(stage=f"chained-{k:02d}-layer{layer:02d}", objective=objective, params=params, train=data.train, cfg=c,
+                          optim=c.optim, heldout_loss=evaluate(c), **common)
+        steps.append({"k": k, "layer": layer, **_stage_summary(state)})
+    set_active(model, len(order))
+    return {"order": order, "sensitivity": report, "steps": steps,
+            "tokens": sum(s["tokens"] for s in steps), "seconds": round(sum(s["seconds"] for s in steps), 2)}

@@ -1,0 +1,156 @@
+"""Stage 1, attention transfer: every converted layer learns to reproduce its teacher layer.
+
+Layer-local: one teacher forward (no gradient) captures each converted layer's input (the normed
+hidden states, RoPE embeddings, mask) and the teacher attention's output; each converted layer then
+runs on the teacher's input and its objectives compare it with the teacher. Only the conversion's
+new parameters train (feature maps, window factors, gates, gamma); layers are independent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..convert import converted_layers
+from ..layers.attention import ConvertedAttention, DslaAttention, HybridAttention, key_padding_from_mask
+from ..ops.hybrid import hybrid_attention_weights
+from ..ops.softmax import softmax_attention
+
+
+@dataclass
+class LayerInput:
+    """What the teacher fed one attention layer, and what that layer returned."""
+
+    hidden_states: Tensor  # (B, T, hidden)
+    position_embeddings: tuple[Tensor, Tensor]
+    attention_mask: Tensor | None
+    teacher_output: Tensor  # (B, T, hidden), after o_proj
+
+
+@contextlib.contextmanager
+def teacher_modes(model: nn.Module):
+    """Run every converted layer as the teacher inside the block; restore their modes after."""
+    layers = converted_layers(model)
+    saved = {i: m.mode for i, m in layers.items()}
+    for m in layers.values():
+        m.mode = "teacher"
+    try:
+        yield
+    finally:
+        for i, m in layers.items():
+            m.mode = saved[i]
+
+
+@torch.no_grad()
+def capture_teacher(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, layers: list[int]) -> dict[int, LayerInput]:
+    """One teacher forward; returns the inputs and teacher outputs of the given converted layers."""
+    modules = converted_layers(model)
+    captured: dict[int, LayerInput] = {}
+    handles = []
+    for i in layers:
+        def hook(module, args, kwargs, output, i=i):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            captured[i] = LayerInput(hidden.detach(), kwargs["position_embeddings"], kwargs.get("attention_mask"), output[0].detach())
+        handles.append(modules[i].register_forward_hook(hook, with_kwargs=True))
+    try:
+        with teacher_modes(model):
+            model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return captured
+
+
+# --- objectives: fn(module, layer input) -> loss -------------------------------------------------
+def layer_output(module: ConvertedAttention, inp: LayerInput, mode: str) -> Tensor:
+    """The converted layer's output (after o_proj) in ``mode``, on the teacher's input; no cache."""
+    b, t, _ = inp.hidden_states.shape
+    q, k, v = module.project(inp.hidden_states, inp.position_embeddings)
+    valid = key_padding_from_mask(inp.attention_mask, t)
+    out, _ = module.attend_modes()[mode](q, k, v, inp.hidden_states, valid, None)
+    return module.o_proj(out.transpose(1, 2).reshape(b, t, -1).to(inp.hidden_states.dtype))
+
+
+def _mse(module, inp, mode):
+    return F.mse_loss(layer_output(module, inp, mode).float(), inp.teacher_output.float())
+
+
+def _teacher_probs(module: ConvertedAttention, q: Tensor, k: Tensor, valid: Tensor | None) -> Tensor:
+    b, hkv, t, _ = k.shape
+    eye = torch.eye(t, device=q.device, dtype=torch.float32).expand(b, hkv, t, t)
+    probs, _ = softmax_attention(q.float(), k.float(), eye, valid=valid, scale=module.scaling)
+    return probs  # (B, Hq, T, T)
+
+
+def _weights_ce(module: HybridAttention, inp: LayerInput, branches: str) -> Tensor:
+    """Soft cross-entropy -sum_t sum_{i<=t} A_teacher[t, i] log A_student[t, i], mean over queries and heads."""
+    t = inp.hidden_states.shape[1]
+    q, k, _ = module.project(inp.hidden_states, inp.position_embeddings)
+    valid = key_padding_from_mask(inp.attention_mask, t)
+    with torch.no_grad():
+        target = _teacher_probs(module, q, k, valid)
+    student = hybrid_attention_weights(
+        q, k, phi_q=module.feature_map_q, phi_k=module.feature_map_k, window=module.spec.window, mix=module.spec.mix,
+        overlap=module.spec.overlap, window_factor=module.window_factor(), gate=module.gate(), branches=branches,
+        valid=valid, scale=module.scaling,
+    )
+    ce = -(target * torch.log(student.float().clamp_min(1e-12))).sum(-1)  # (B, Hq, T)
+    if valid is not None:
+        return ce.masked_select(valid[:, None, :].expand_as(ce)).mean()
+    return ce.mean()
+
+
+def _gate_similarity(module: DslaAttention, inp: LayerInput) -> Tensor:
+    """Mean cosine similarity of the two gates' values per (token, head) (DSLA: pushed apart)."""
+    log_h, log_r = module.log_gates(inp.hidden_states)  # (B, Hq, T, D) each
+    return F.cosine_similarity(log_h.exp(), log_r.exp(), dim=-1).mean()
+
+
+Objective = Callable[[ConvertedAttention, LayerInput], Tensor]
+OBJECTIVE_FUNCTIONS: dict[str, Objective] = {
+    "weights": lambda m, inp: _weights_ce(m, inp, "both"),
+    "la_weights": lambda m, inp: _weights_ce(m, inp, "linear"),
+    "la_mse": lambda m, inp: _mse(m, inp, "la_only"),
+    "hybrid_mse": lambda m, inp: _mse(m, inp, "hybrid"),
+    "output_mse": lambda m, inp: _mse(m, inp, "hybrid"),
+}
+"""Objective name -> loss of one layer (see TransferConfig.objectives)."""
+HYBRID_ONLY = ("weights", "la_weights", "la_mse")
+
+
+class TransferObjective(nn.Module):
+    """forward(batch) -> (sum over layers of weighted objectives, per-objective metrics)."""
+
+    def __init__(self, model: nn.Module, layers: list[int], objectives: dict[str, float], gate_similarity_weight: float = 0.0):
+        super().__init__()
+        self.model = model
+        self.layers = layers
+        self.objectives = dict(objectives)
+        self.gate_similarity_weight = gate_similarity_weight
+        modules = converted_layers(model)
+        for i in layers:
+            for name in self.objectives:
+                if name in HYBRID_ONLY and not isinstance(modules[i], HybridAttention):
+                    raise ValueError(f"objective {name!r} needs hybrid layers; layer {i} is {modules[i].spec.attention!r}")
+
+    def forward(self, input_ids: Tensor, *, attention_mask: Tensor | None = None, step: int = 0, epoch: int = 0):
+        captured = capture_teacher(self.model, input_ids, attention_mask, self.layers)
+        modules = converted_layers(self.model)
+        total = torch.zeros((), device=input_ids.device)
+        metrics: dict[str, float] = {}
+        for i in self.layers:
+            module, inp = modules[i], captured[i]
+            for name, weight in self.objectives.items():
+                value = OBJECTIVE_FUNCTIONS[name](module, inp)
+                total = total + weight * value
+                metrics[name] = metrics.get(name, 0.0) + float(value.detach()) / len(self.layers)
+            if isinstance(module, DslaAttention) and self.gate_similarity_weight:
+                sim = _gate_similarity(module, inp)
+                total = total + self.gate_similarity_weight * sim
+                metrics["gate_cosine"] = metrics.get("gate_cosine", 0.0) + float(sim.detach()) / len(self.layers)
+        return total / len(self.layers), metrics

@@ -1,0 +1,203 @@
+"""Layer sensitivity: attention entropy, measured loss increase, report and order (tiny CPU models)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import linearize
+from linearize.convert import layer_modes
+from linearize.hub import build_tiny_llama
+from linearize.train.sensitivity import (
+    attention_entropy,
+    load_order,
+    loss_increase,
+    next_token_loss,
+    plot_sensitivity,
+    save_order,
+    sensitivity_report,
+    spearman,
+)
+
+N_LAYERS = 4
+VOCAB = 128
+
+
+def tiny(seed: int = 0):
+    return build_tiny_llama(seed=seed, num_hidden_layers=N_LAYERS)
+
+
+def random_ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def left_pad(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    total = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), total, dtype=torch.long)
+    mask = torch.zeros(len(rows), total, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, total - len(r):], mask[i, total - len(r):] = r, 1
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
+
+
+def sharp_teacher(seed: int = 0):
+    """A tiny model whose predictions depend strongly on peaked attention, with labels = its own argmax
+    (teacher loss ~0.07): converting any layer to a 2-token window must raise the loss."""
+    model = tiny(seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(10)
+            layer.self_attn.k_proj.weight.mul_(10)
+            layer.self_attn.o_proj.weight.mul_(20)
+        model.model.norm.weight.mul_(200)
+        ids = random_ids(4, 24, seed)
+        labels = torch.cat([ids[:, :1], model(ids).logits.argmax(-1)[:, :-1]], 1)
+    return model, [{"input_ids": ids, "labels": labels}]
+
+
+# ----------------------------------------------------------------------------- entropy
+
+
+@pytest.mark.parametrize("length", [1, 5, 17])
+def test_entropy_uniform_attention_is_log_keys(length):
+    model = tiny()
+    with torch.no_grad():
+        model.model.layers[1].self_attn.q_proj.weight.zero_()  # all scores 0: uniform over seen keys
+    assert attention_entropy(model, [random_ids(3, length)])[1] == pytest.approx(math.log(length), abs=1e-5)
+    # left-padded rows see only their real tokens; the mean runs over sequences of every batch
+    padded = left_pad([random_ids(1, 4)[0], random_ids(1, 9, seed=1)[0]])
+    expected = (math.log(4) + math.log(9) + 3 * math.log(length)) / 5
+    assert attention_entropy(model, [padded, random_ids(3, length)])[1] == pytest.approx(expected, abs=1e-5)
+
+
+def test_entropy_matches_eager_attention_weights():
+    """Reference: the last real query's row of the teacher's own (eager) attention probabilities."""
+    model = tiny(seed=1)
+    model.set_attn_implementation("eager")
+    batch = left_pad([random_ids(1, 7)[0], random_ids(1, 12, seed=1)[0]])
+    with torch.no_grad():
+        attentions = model(**batch, output_attentions=True).attentions  # test only: per layer (B, H, T, T)
+    expected = [torch.special.entr(a[:, :, -1].double()).sum(-1).mean().item() for a in attentions]
+    assert attention_entropy(model, [batch]) == pytest.approx(expected, abs=1e-5)
+
+
+def test_entropy_padding_invariance():
+    model = tiny(seed=2)
+    a, b = random_ids(1, 6)[0], random_ids(1, 11, seed=1)[0]
+    alone = [attention_entropy(model, [row[None]]) for row in (a, b)]
+    together = attention_entropy(model, [left_pad([a, b])])
+    assert together == pytest.approx([(x + y) / 2 for x, y in zip(*alone)], abs=1e-5)
+    right = {"input_ids": torch.cat([a, torch.zeros(5, dtype=torch.long)])[None], "attention_mask": torch.tensor([[1] * 6 + [0] * 5])}
+    assert attention_entropy(model, [right]) == pytest.approx(alone[0], abs=1e-5)  # right padding: last real query
+
+
+def test_entropy_reads_the_teacher_of_converted_layers():
+    model = tiny()
+    ids = random_ids(2, 16)
+    teacher = attention_entropy(model, [ids])
+    linearize.convert(model, {"attention": "softmax"})  # same computation, converted modules
+    assert attention_entropy(model, [ids]) == pytest.approx(teacher, abs=1e-5)
+    linearize.convert(model, {"attention": "hybrid", "window": 2, "layers": [0]})
+    converted = attention_entropy(model, [ids])
+    assert converted[0] == pytest.approx(teacher[0], abs=1e-6)  # layer 0's input is the same
+    assert converted[1:] != pytest.approx(teacher[1:], abs=1e-6)  # later inputs change
+
+
+# ----------------------------------------------------------------------------- loss increase
+
+
+def test_loss_increase_softmax_is_zero():
+    model = tiny()
+    batches = [random_ids(2, 20), left_pad([random_ids(1, 8)[0], random_ids(1, 14, seed=1)[0]])]
+    assert loss_increase(model, {"attention": "softmax"}, batches) == pytest.approx([0.0] * N_LAYERS, abs=1e-5)
+
+
+def test_loss_increase_small_window_hybrid_is_positive():
+    model, batches = sharp_teacher()
+    assert next_token_loss(model, batches) < 0.2
+    increase = loss_increase(model, {"attention": "hybrid", "window": 2}, batches)
+    assert len(increase) == N_LAYERS and all(d > 0.1 for d in increase)
+    assert loss_increase(model, {"attention": "hybrid", "window": 2}, batches, layers=[-1, 1]) == pytest.approx(
+        [increase[3], increase[1]], abs=1e-6
+    )
+    with pytest.raises(linearize.SpecError, match="out of range"):
+        loss_increase(model, {"attention": "hybrid"}, batches, layers=[N_LAYERS])
+
+
+def test_loss_increase_restores_the_model():
+    model = tiny()
+    spec = {"attention": "hybrid", "window": 4, "layers": [1, 3], "overrides": {3: {"mix": "gate", "learn_gate": True}}}
+    linearize.convert(model, spec)
+    linearize.set_mode(model, "swa_only", layers=[1])
+    with torch.no_grad():  # "trained" new parameters
+        for p in linearize.new_parameters(model).values():
+            p.add_(torch.randn_like(p))
+    params = dict(model.named_parameters())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    config, modes = json.dumps(model.config.linearize, sort_keys=True), layer_modes(model)
+    model.train()
+
+    loss_increase(model, {"attention": "hybrid", "window": 2}, [random_ids(2, 12)])
+
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+    assert all(p is params[name] for name, p in model.named_parameters())  # optimizers stay valid
+    assert json.dumps(model.config.linearize, sort_keys=True) == config and layer_modes(model) == modes
+    assert all(m.training for m in model.modules())
+
+
+def test_loss_increase_leaves_a_plain_model_plain():
+    model = tiny()
+    cls, config_cls = type(model), type(model.config)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    loss_increase(model, {"attention": "dsla"}, [random_ids(2, 12)], layers=[0])
+    assert type(model) is cls and type(model.config) is config_cls and not hasattr(model.config, "linearize")
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+# ----------------------------------------------------------------------------- report and order
+
+
+@pytest.mark.parametrize(
+    "x, y, rho",
+    [
+        ([1, 2, 3, 4], [10, 20, 30, 40], 1.0),
+        ([1, 2, 3, 4], [4, 3, 2, 1], -1.0),
+        ([1, 2, 2, 3], [1, 2, 3, 4], 0.9486832980505138),  # scipy.stats.spearmanr (ties: average ranks)
+        ([3, 1, 4, 1, 5], [9, 2, 6, 5, 3], 0.2051956704170308),
+        ([1, 1, 1], [1, 2, 3], None),  # constant input: undefined
+    ],
+)
+def test_spearman(x, y, rho):
+    assert spearman(x, y) == (None if rho is None else pytest.approx(rho, abs=1e-12))
+
+
+def test_report_order_and_round_trip(tmp_path):
+    report = sensitivity_report([2.0, 1.0, 3.0, 0.5], [0.3, 0.1, 0.3, 0.1])
+    assert report["order"] == [1, 3, 0, 2]  # ascending increase, ties by layer index
+    assert report["layers"][2] == {"layer": 2, "entropy": 3.0, "loss_increase": 0.3}
+    assert report["spearman"] == pytest.approx(spearman([2.0, 1.0, 3.0, 0.5], [0.3, 0.1, 0.3, 0.1]))
+    assert sensitivity_report([1.0, 2.0], [0.2, 0.1], layers=[5, 7])["order"] == [7, 5]
+    save_order(report, tmp_path / "order.json")
+    assert load_order(tmp_path / "order.json") == [1, 3, 0, 2]
+    assert json.loads((tmp_path / "order.json").read_text()) == report
+    (tmp_path / "bad.json").write_text('{"order": "0,1"}')
+    with pytest.raises(ValueError, match="no layer order"):
+        load_order(tmp_path / "bad.json")
+    with pytest.raises(ValueError, match="differ in length"):
+        sensitivity_report([1.0], [1.0, 2.0])
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    plot_sensitivity(sensitivity_report([2.0, 1.0, 3.0], [0.3, 0.1, 0.2]), tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_loss_increase_ignores_a_nested_family_order():
+    model = tiny()
+    spec = {"attention": "softmax", "layers": [0, 2], "order": [2, 0], "active": 1, "overrides": {2: {"window": 8}}}
+    assert loss_increase(model, spec, [random_ids(2, 10)], layers=[1, 2]) == pytest.approx([0.0, 0.0], abs=1e-5)

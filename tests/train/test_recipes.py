@@ -1,0 +1,141 @@
+"""Every recipe end to end on a tiny model (CPU): stages, adapter, reload, resume, data parallel."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import linearize
+from linearize.train.config import ConfigError
+from linearize.train.finetune import FinetuneObjective, ssd_schedule
+from linearize.train.recipes import load_recipe, recipe_names, run
+
+from .conftest import tiny_overrides
+
+RECIPES = ["dsla", "dsla-chained", "hedgecats", "inference-hybrid", "lolcats", "ssd"]
+
+
+def test_the_recipes_are_all_there():
+    assert recipe_names() == RECIPES
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_runs_end_to_end_on_a_tiny_model(name, tiny_model_dir, tiny_corpus, tmp_path):
+    extra = {"finetune.epochs": 2, "finetune.max_steps": None, "data.max_train_sequences": 8} if name == "ssd" else {}
+    if name in ("dsla", "dsla-chained"):
+        extra["spec.layers"] = [0, 2] if name == "dsla" else "all"
+        extra.pop("spec.window", None)
+    overrides = tiny_overrides(tiny_model_dir, tiny_corpus, tmp_path, **extra)
+    if name.startswith("dsla"):
+        overrides.pop("spec.window")
+    config = load_recipe(name, overrides)
+    summary = run(config)
+    run_dir = tmp_path / config.name
+    assert (run_dir / "summary.json").is_file() and (run_dir / "metrics.jsonl").is_file()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    stages = {r["stage"] for r in records}
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records if "loss" in r)
+    assert summary["heldout_loss"] > 0 and summary["teacher_heldout_loss"] > 0
+    for stage, info in summary["stages"].items():
+        assert info["tokens"] > 0 and info["seconds"] > 0, stage
+    if name == "dsla-chained":
+        order = summary["stages"]["chained"]["order"]
+        assert sorted(order) == [0, 1, 2] and summary["spec"]["order"] == order
+        assert {f"chained-{k:02d}-layer{layer:02d}" for k, layer in enumerate(order, 1)} <= stages
+        for k in range(4):  # every prefix loads from the one checkpoint
+            model, _ = linearize.load_model(summary["adapter"], active=k)
+            modes = linearize.layer_modes(model)
+            assert sorted(i for i, m in modes.items() if m != "teacher") == sorted(order[:k])
+    if name == "ssd":
+        assert summary["spec"]["window"] == ssd_schedule("b", 1)[1]
+    model, _ = linearize.load_model(summary["adapter"])
+    assert model.config.linearize["attention"] == config.spec["attention"]
+    if config.finetune.enabled:
+        assert (tmp_path / config.name / "adapter" / "lora.safetensors").is_file()
+
+
+def test_killed_run_resumes_to_the_same_final_weights(tiny_model_dir, tiny_corpus, tmp_path, monkeypatch):
+    overrides = tiny_overrides(tiny_model_dir, tiny_corpus, tmp_path, **{
+        "transfer.max_steps": 4, "transfer.save_every": 1, "finetune.max_steps": 5, "finetune.save_every": 2})
+    straight = run(load_recipe("lolcats", {**overrides, "output_dir": str(tmp_path / "straight")}))
+
+    crashed = {"done": False}
+    original = FinetuneObjective.forward
+
+    def crash_once(self, input_ids, **kwargs):
+        if kwargs.get("step") == 3 and not crashed["done"]:
+            crashed["done"] = True
+            raise KeyboardInterrupt("simulated kill")
+        return original(self, input_ids, **kwargs)
+
+    monkeypatch.setattr(FinetuneObjective, "forward", crash_once)
+    config = load_recipe("lolcats", {**overrides, "output_dir": str(tmp_path / "resumed")})
+    with pytest.raises(KeyboardInterrupt):
+        run(config)
+    resumed = run(config, resume=True)
+    a = load_file(os.path.join(straight["adapter"], "lora.safetensors")) | load_file(os.path.join(straight["adapter"], "adapter.safetensors"))
+    b = load_file(os.path.join(resumed["adapter"], "lora.safetensors")) | load_file(os.path.join(resumed["adapter"], "adapter.safetensors"))
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert resumed["heldout_loss"] == straight["heldout_loss"]
+
+
+def test_bad_recipe_and_override_errors_list_the_valid_ones():
+    with pytest.raises(ConfigError, match="unknown recipe 'lolcat'; valid recipes: dsla, dsla-chained, hedgecats"):
+        load_recipe("lolcat")
+    with pytest.raises(ConfigError, match="unknown override 'transfer.optim.learning_rate'.*valid: lr, weight_decay"):
+        load_recipe("lolcats", {"transfer.optim.learning_rate": 1.0})
+    with pytest.raises(ConfigError, match="unknown transfer objective 'mse'; valid choices: weights, la_weights"):
+        load_recipe("lolcats", {"transfer.objectives": {"mse": 1.0}})
+    with pytest.raises(ConfigError, match="unknown swa_dropout 'd'; valid choices: none, a, b, c"):
+        load_recipe("ssd", {"finetune.swa_dropout": "d"})
+    with pytest.raises(ConfigError, match="spec: window must be an integer >= 1"):
+        load_recipe("lolcats", {"spec.window": 0})
+
+
+def test_cli_train_list_and_bad_override(capsys):
+    from linearize.cli import main
+
+    assert main(["train", "--list"]) == 0
+    assert "lolcats" in capsys.readouterr().out
+    assert main(["train", "--recipe", "lolcats", "--transfer.optim.lrr", "1"]) == 2
+    assert "unknown override 'transfer.optim.lrr'" in capsys.readouterr().err
+
+
+def test_two_process_data_parallel_matches_one_process(tiny_model_dir, tiny_corpus, tmp_path):
+    """torchrun, 2 CPU processes on gloo, same global batch and seed: same weights as 1 process."""
+    overrides = tiny_overrides(tiny_model_dir, tiny_corpus, tmp_path, **{"transfer.max_steps": 2, "finetune.max_steps": 2})
+    args = [f"--{k}={json.dumps(v)}" for k, v in overrides.items() if k != "output_dir"]
+    common = ["-m", "linearize.cli", "train", "--recipe", "lolcats", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, *common, f"--output_dir={tmp_path / 'one'}"], capture_output=True, text=True, env=env, timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533", *common,
+                          f"--output_dir={tmp_path / 'two'}"], capture_output=True, text=True, env=env, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    summary = json.loads((tmp_path / "two" / "smollm2-135m-lolcats" / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    a = load_file(str(tmp_path / "one" / "smollm2-135m-lolcats" / "adapter" / "lora.safetensors"))
+    b = load_file(str(tmp_path / "two" / "smollm2-135m-lolcats" / "adapter" / "lora.safetensors"))
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=1e-4)
+
+
+def test_cli_sensitivity_writes_order_and_plot(tiny_model_dir, tiny_corpus, tmp_path, capsys):
+    from linearize.cli import main
+
+    out = tmp_path / "sens"
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": d}) + "\n" for d in open(tiny_corpus).read().split("\n\n")))
+    assert main(["sensitivity", "--model", tiny_model_dir, "--source", str(docs), "--seq-len", "24", "--batches", "2",
+                 "--batch-size", "2", "--attention", "hybrid", "--window", "2", "--out", str(out)]) == 0, capsys.readouterr().err
+    report = json.loads((out / "sensitivity.json").read_text())
+    assert sorted(report["order"]) == [0, 1, 2] and len(report["layers"]) == 3
+    assert (out / "sensitivity.png").stat().st_size > 1000
