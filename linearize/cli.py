@@ -215,6 +215,11 @@ def parse_overrides(extra: list[str]) -> dict[str, object]:
 def cmd_train(args) -> int:
     from .train.recipes import load_recipe, recipe_names, run
 
+    if args.report:
+        from .train.report import load_summaries, training_table
+
+        print(training_table(load_summaries(args.report)))
+        return 0
     if args.list:
         for name in recipe_names():
             config = load_recipe(name)
@@ -314,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue a killed run from its last checkpoints")
     p.add_argument("--list", action="store_true", help="list the recipes and exit")
     p.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
+    p.add_argument("--report", nargs="+", metavar="RUN_DIR", help="print the markdown results table of finished runs and exit")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("sensitivity", help="per-layer attention entropy vs measured loss increase; saves the order")

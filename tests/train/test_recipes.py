@@ -139,3 +139,18 @@ def test_cli_sensitivity_writes_order_and_plot(tiny_model_dir, tiny_corpus, tmp_
     report = json.loads((out / "sensitivity.json").read_text())
     assert sorted(report["order"]) == [0, 1, 2] and len(report["layers"]) == 3
     assert (out / "sensitivity.png").stat().st_size > 1000
+
+
+def test_training_table_from_run_summaries(tmp_path):
+    from linearize.train.report import load_summaries, training_table
+
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({
+        "name": "smollm2-135m-x", "world_size": 1, "teacher_heldout_loss": 2.0, "heldout_loss": 2.5,
+        "teacher_heldout_ppl": 7.389, "heldout_ppl": 12.18,
+        "stages": {"transfer": {"tokens": 1000, "seconds": 1.5}, "finetune": {"tokens": 2000, "seconds": 3.0}}}))
+    table = training_table(load_summaries([run]))
+    assert "| smollm2-135m-x | 1,000 / - / 2,000 | 1.5 / - / 3.0 | 1 | 2.0000 | 2.5000 | 7.39 | 12.18 | 1.65 |" in table
+    with pytest.raises(FileNotFoundError, match="no summary.json"):
+        load_summaries([tmp_path / "missing"])
