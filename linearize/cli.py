@@ -267,6 +267,93 @@ def cmd_sensitivity(args) -> int:
     return 0
 
 
+def _suite(args):
+    from .eval.report import get_suite
+
+    changes = {}
+    if args.samples is not None:
+        changes["synthetic_samples"] = {"default": args.samples}
+    if args.mc_limit is not None:
+        changes["mc_limit"] = args.mc_limit
+    if args.tasks is not None:
+        changes["synthetic_tasks"] = [t for t in args.tasks.split(",") if t]
+    if args.lengths is not None:
+        changes["synthetic_lengths"] = [int(x) for x in args.lengths.split(",") if x]
+    return get_suite(args.suite, **changes)
+
+
+def _write_report(out: str | None, stem: str, markdown: str, data: dict) -> None:
+    if out is None:
+        return
+    from .io import atomic_write_text
+
+    atomic_write_text(Path(out) / f"{stem}.md", markdown)
+    atomic_write_text(Path(out) / f"{stem}.json", json.dumps(data, indent=2, default=str))
+    print(f"wrote {Path(out) / stem}.md and .json")
+
+
+def cmd_eval(args) -> int:
+    from .eval.report import run_suite, to_markdown
+
+    suite = _suite(args)
+    model, tokenizer = _load(args.model, args)
+    result = run_suite(model, tokenizer, suite, data_dir=args.data_dir, device=args.device)
+    result["model"] = args.model
+    markdown = to_markdown(f"{args.model}: {suite.name} suite", result)
+    print(markdown)
+    _write_report(args.out, "report", markdown, result)
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from .eval.perplexity import plot_perplexity_vs_length
+    from .eval.report import headline, run_suite, table
+
+    suite = _suite(args)
+    results = {}
+    for name in args.models:
+        model, tokenizer = _load(name, args)
+        results[name] = run_suite(model, tokenizer, suite, data_dir=args.data_dir, device=args.device)
+        del model
+    markdown = f"# Comparison: {suite.name} suite\n\n" + table({n: headline(r) for n, r in results.items()}) + "\n"
+    print(markdown)
+    _write_report(args.out, "compare", markdown, results)
+    if args.out and suite.perplexity_lengths:
+        plot_perplexity_vs_length({n: r["perplexity"] for n, r in results.items()}, Path(args.out) / "perplexity_vs_length.png")
+    return 0
+
+
+def cmd_ablate(args) -> int:
+    from .eval.report import ablate, table
+
+    suite = _suite(args)
+    model, tokenizer = _load(args.model, args)
+    result = ablate(model, tokenizer, suite, modes=args.modes.split(",") if args.modes else None, data_dir=args.data_dir, device=args.device)
+    extra = {"Delta_LA": result["delta_la"]} if result["delta_la"] else None
+    markdown = f"# Component ablation: {args.model} ({suite.name} suite)\n\n" + table(result["table"], extra=extra) + "\n"
+    print(markdown)
+    _write_report(args.out, "ablation", markdown, result)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench.efficiency import run_efficiency, to_markdown
+
+    spec = spec_from_args(args)
+    result = run_efficiency(args.model, spec, prefill_lengths=args.prefill_lengths, decode_contexts=args.decode_contexts,
+                            batch_size=args.batch_size, decode_steps=args.decode_steps, repeats=args.repeats,
+                            device=args.device, out_dir=args.out)
+    print(to_markdown(result))
+    return 0
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
 def _side_by_side(a: str, b: str, width: int):
     import textwrap
 
@@ -331,6 +418,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="directory for sensitivity.json and sensitivity.png")
     add_spec_flags(p)
     p.set_defaults(func=cmd_sensitivity)
+
+    def suite_flags(p):
+        p.add_argument("--suite", default="quick", help="quick | full (default: quick)")
+        p.add_argument("--data-dir", help="folder with the multiple-choice data files (e.g. ../shared/data/eval); without it they are skipped")
+        p.add_argument("--samples", type=int, help="synthetic samples per task and length (overrides the suite)")
+        p.add_argument("--tasks", help="comma-separated synthetic tasks (overrides the suite)")
+        p.add_argument("--lengths", help="comma-separated synthetic lengths (overrides the suite)")
+        p.add_argument("--mc-limit", type=int, help="documents per multiple-choice task (overrides the suite)")
+        p.add_argument("--device", help="cpu | cuda (default: cpu)")
+        p.add_argument("--out", help="directory for the markdown + JSON report")
+
+    p = sub.add_parser("eval", help="evaluate a model: perplexity by length, synthetic long-context tasks, multiple choice")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    suite_flags(p)
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("compare", help="evaluate several models side by side")
+    p.add_argument("models", nargs="+")
+    suite_flags(p)
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("ablate", help="a converted model under each component mode, with Delta_LA")
+    p.add_argument("--model", required=True)
+    p.add_argument("--modes", help="comma-separated modes (default: hybrid,swa_only,la_only,sinks_only,none; LoLA: its read ablations)")
+    suite_flags(p)
+    p.set_defaults(func=cmd_ablate)
+
+    p = sub.add_parser("bench", help="prefill/decode latency and memory per request, teacher vs converted, as ratios")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--prefill-lengths", type=_int_list, default=[256, 512, 1024])
+    p.add_argument("--decode-contexts", type=_int_list, default=[512, 1024])
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", help="cpu | cuda (default: cpu)")
+    p.add_argument("--out", help="directory for efficiency.json, efficiency.md and efficiency.png")
+    add_spec_flags(p)
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("demo", help="main job: teacher vs converted model side by side, with memory held")
     p.add_argument("--model", default=DEFAULT_MODEL)

@@ -7,7 +7,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import BinaryIO, Callable, Iterator
 
 
 @contextlib.contextmanager
@@ -33,16 +33,26 @@ def atomic_dir(target: str | Path) -> Iterator[Path]:
         raise
 
 
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename."""
+def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
+    """Call ``write(file)`` on a temporary file beside ``path``, then rename it to ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            write(f)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` through a temporary file and a rename."""
+    atomic_write(path, lambda f: f.write(text.encode()))
+
+
+def save_png(fig, path: str | Path, *, dpi: int = 120) -> None:
+    """Write a matplotlib Figure as PNG, atomically."""
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=dpi))

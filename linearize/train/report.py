@@ -26,7 +26,7 @@ def training_table(summaries: list[dict[str, Any]]) -> str:
     for s in summaries:
         stages = s.get("stages", {})
 
-        def get(key: str) -> str:
+        def get(key: str, stages: dict = stages) -> str:
             return " / ".join(f"{stages[n][key]:,}" if n in stages else "-" for n in ("transfer", "chained", "finetune"))
 
         lines.append(

@@ -24,8 +24,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,7 +36,7 @@ from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import rotate_half
 
 from ..convert import convert, new_parameters
-from ..io import atomic_write_text
+from ..io import atomic_write_text, save_png
 from ..layers.attention import ConvertedAttention
 from ..modeling import decoder_layers
 from ..ops.common import gqa_groups, repeat_kv
@@ -360,16 +358,7 @@ def plot_sensitivity(report: dict[str, Any], path: str | Path) -> None:
         title=f"layer sensitivity (Spearman {'n/a' if rho is None else f'{rho:.2f}'})",
     )
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", suffix=".png", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png", dpi=120)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    save_png(fig, path)
 
 
 __all__ = [

@@ -1,0 +1,374 @@
+"""Prefill latency, decode latency and memory per request: teacher vs converted, as ratios of one run.
+
+    result = benchmark(model, {"attention": "hybrid", "window": 64}, prefill_lengths=[256, 512, 1024],
+                       decode_contexts=[512, 1024])     # converts in place; teacher = converted layers in 'teacher' mode
+    print(to_markdown(result)); plot_efficiency(result, "efficiency.png")
+
+- Prefill: one forward of (batch, L) random tokens into a fresh cache (logits of the last position
+  only, as generate() does); median seconds over ``repeats`` after ``warmup`` calls.
+- Decode: prefill L tokens into a cache (converted layers keep their state there, the others KV),
+  then greedy single-token steps with that cache; median seconds per step over ``steps`` steps
+  after ``warmup`` untimed ones (the context grows by one token per step).
+- Memory: bytes the cache holds after prefilling L tokens of one request (``cache_nbytes``: KV of
+  unconverted layers, states of converted ones) beside the formula (``memory.layer_memory`` per layer).
+- Timing: CUDA events (read after one synchronize) on GPU, time.perf_counter on CPU. Teacher and
+  converted alternate length by length, so slow drift of the machine hits both alike.
+Absolute times depend on the machine; the ratios converted / teacher measured in the same run are the
+numbers to compare. Nothing here asserts on time.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import transformers
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from ..cache import cache_nbytes
+from ..convert import convert, converted_layers
+from ..eval.perplexity import check_length, eval_mode
+from ..io import atomic_write_text, save_png
+from ..memory import layer_memory
+from ..modeling import decoder_layers
+from ..spec import ConversionSpec
+from ..train.transfer import teacher_modes
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PREFILL_LENGTHS = (256, 512, 1024)
+DEFAULT_DECODE_CONTEXTS = (512, 1024)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _place(model, device: str | torch.device | None) -> torch.device:
+    """Move the model to ``device`` when given; the device it runs on."""
+    if device is not None:
+        model.to(device)
+    return next(model.parameters()).device
+
+
+def _random_ids(model, batch_size: int, length: int, device: torch.device, seed: int) -> Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.config.vocab_size, (batch_size, length), generator=gen).to(device)  # (B, L)
+
+
+def _time_calls(fn: Callable[[], Any], n: int, device: torch.device) -> list[float]:
+    """Seconds of each of ``n`` successive calls of ``fn``."""
+    if device.type == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+        for start, end in events:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize(device)
+        return [start.elapsed_time(end) / 1e3 for start, end in events]
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _prefill(model, ids: Tensor):
+    """Forward of ``ids`` into a fresh cache; logits of the last position only."""
+    return model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1)
+
+
+def _decoder(model, ids: Tensor, max_steps: int) -> Callable[[], None]:
+    """Prefill ``ids`` (B, L) into a cache; returns one greedy single-token step with that cache."""
+    out = _prefill(model, ids)
+    cache = out.past_key_values
+    mask = torch.ones(ids.shape[0], ids.shape[1] + max_steps, dtype=torch.long, device=ids.device)  # (B, L + steps)
+    last = {"ids": out.logits[:, -1:].argmax(-1), "seen": ids.shape[1]}  # (B, 1) next token
+
+    def step() -> None:
+        seen = last["seen"] + 1
+        o = model(input_ids=last["ids"], attention_mask=mask[:, :seen], past_key_values=cache, use_cache=True)
+        last["ids"], last["seen"] = o.logits[:, -1:].argmax(-1), seen
+
+    return step
+
+
+# ----------------------------------------------------------------------------- measurements
+
+
+@torch.inference_mode()
+def bench_prefill(
+    model, lengths: Sequence[int], *, batch_size: int = 1, warmup: int = 1, repeats: int = 3,
+    device: str | torch.device | None = None, seed: int = 0,
+) -> list[dict[str, Any]]:
+    """Median prefill latency per prompt length: rows of length, batch_size, median_s, tokens_per_s."""
+    device = _place(model, device)
+    rows = []
+    with eval_mode(model):
+        for length in tqdm(lengths, desc="prefill", unit="length", disable=len(lengths) < 2):
+            check_length(model, length)
+            ids = _random_ids(model, batch_size, length, device, seed)
+            call = functools.partial(_prefill, model, ids)
+            _time_calls(call, warmup, device)
+            median = statistics.median(_time_calls(call, repeats, device))
+            rows.append({"length": length, "batch_size": batch_size, "median_s": median, "tokens_per_s": batch_size * length / median})
+            logger.info("prefill %d x %d: %.2f ms", batch_size, length, median * 1e3)
+    return rows
+
+
+@torch.inference_mode()
+def bench_decode(
+    model, context_lengths: Sequence[int], *, steps: int = 16, batch_size: int = 1, warmup: int = 2,
+    device: str | torch.device | None = None, seed: int = 0,
+) -> list[dict[str, Any]]:
+    """Median per-token decode latency after prefilling each context length: rows of context, median_s, tokens_per_s."""
+    device = _place(model, device)
+    rows = []
+    with eval_mode(model):
+        for context in tqdm(context_lengths, desc="decode", unit="context", disable=len(context_lengths) < 2):
+            check_length(model, context + warmup + steps)
+            step = _decoder(model, _random_ids(model, batch_size, context, device, seed), warmup + steps)
+            _time_calls(step, warmup, device)
+            median = statistics.median(_time_calls(step, steps, device))
+            rows.append({"context": context, "batch_size": batch_size, "steps": steps, "median_s": median, "tokens_per_s": batch_size / median})
+            logger.info("decode batch %d @ %d: %.2f ms/token", batch_size, context, median * 1e3)
+    return rows
+
+
+def formula_bytes(model, tokens: int) -> int:
+    """Formula bytes one request holds at ``tokens`` of context, from each layer's current attention."""
+    converted = converted_layers(model)
+    dtype_bytes = next(model.parameters()).element_size()
+    total = 0
+    for i in range(len(decoder_layers(model))):
+        module = converted.get(i)
+        spec = module.spec if module is not None and module.mode != "teacher" else None
+        total += layer_memory(spec, model.config, dtype_bytes).at(tokens)
+    return total
+
+
+@torch.inference_mode()
+def memory_per_request(
+    model, context_lengths: Sequence[int], *, device: str | torch.device | None = None, seed: int = 0,
+) -> list[dict[str, Any]]:
+    """Bytes the cache holds after prefilling each context length (one request), and the formula."""
+    device = _place(model, device)
+    rows = []
+    with eval_mode(model):
+        for context in context_lengths:
+            check_length(model, context)
+            cache = _prefill(model, _random_ids(model, 1, context, device, seed)).past_key_values
+            rows.append({"context": context, "measured_bytes": sum(cache_nbytes(cache).values()), "formula_bytes": formula_bytes(model, context)})
+            del cache
+    return rows
+
+
+# ----------------------------------------------------------------------------- teacher vs converted
+
+
+def benchmark(
+    model,
+    spec: ConversionSpec | dict[str, Any] | None,
+    *,
+    prefill_lengths: Sequence[int] = DEFAULT_PREFILL_LENGTHS,
+    decode_contexts: Sequence[int] = DEFAULT_DECODE_CONTEXTS,
+    memory_contexts: Sequence[int] | None = None,
+    batch_size: int = 1,
+    decode_steps: int = 16,
+    warmup: int = 1,
+    repeats: int = 3,
+    device: str | torch.device | None = None,
+) -> dict[str, Any]:
+    """Teacher vs converted: convert ``model`` in place with ``spec`` and measure both; JSON-able result.
+
+    The teacher is the same model with every converted layer in 'teacher' mode (the original attention
+    and plain KV: the teacher's exact compute); at each length the teacher runs first, then the
+    converted model. An already converted model (a trained conversion) with ``spec`` None is measured
+    as it is. ``memory_contexts`` default: the prefill lengths and decode contexts. ``ratios`` holds
+    converted / teacher per length.
+    """
+    if spec is None and not converted_layers(model):
+        raise ValueError("the model is not converted: pass a conversion spec (e.g. {'attention': 'hybrid', 'window': 64})")
+    spec = ConversionSpec.coerce(spec) if spec is not None else None
+    memory_contexts = sorted(set(prefill_lengths) | set(decode_contexts)) if memory_contexts is None else list(memory_contexts)
+    for length in [*prefill_lengths, *memory_contexts, *(c + warmup + decode_steps for c in decode_contexts)]:
+        check_length(model, length)  # fail before any measurement
+    device = _place(model, device)
+    settings = dict(prefill_lengths=list(prefill_lengths), decode_contexts=list(decode_contexts), memory_contexts=memory_contexts,
+                    batch_size=batch_size, decode_steps=decode_steps, warmup=warmup, repeats=repeats)  # fmt: skip
+    if spec is not None:
+        convert(model, spec)
+    teacher, converted = _interleaved(model, [
+        ("prefill", bench_prefill, prefill_lengths, dict(batch_size=batch_size, warmup=warmup, repeats=repeats)),
+        ("decode", bench_decode, decode_contexts, dict(steps=decode_steps, batch_size=batch_size, warmup=warmup)),
+        ("memory", memory_per_request, memory_contexts, {}),
+    ])  # fmt: skip
+    return {
+        "model": str(getattr(model.config, "linearize_base_model", None) or getattr(model, "name_or_path", "") or model.config.model_type),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "spec": getattr(model.config, "linearize", None),
+        "settings": settings,
+        "teacher": teacher,
+        "converted": converted,
+        "ratios": _ratios(teacher, converted),
+    }
+
+
+def _interleaved(model, parts) -> tuple[dict[str, list], dict[str, list]]:
+    """Rows of each (name, bench function, lengths, kwargs): at each length the teacher (converted layers
+    in 'teacher' mode), then the converted model, so drift of the machine's speed hits both alike."""
+    teacher: dict[str, list] = {}
+    converted: dict[str, list] = {}
+    for name, fn, lengths, kwargs in parts:
+        teacher[name], converted[name] = [], []
+        for length in tqdm(lengths, desc=name, unit="length"):
+            with teacher_modes(model):
+                teacher[name] += fn(model, [length], **kwargs)
+            converted[name] += fn(model, [length], **kwargs)
+    return teacher, converted
+
+
+def _ratios(teacher: dict, converted: dict) -> dict[str, list[dict[str, Any]]]:
+    def times(part: str, key: str) -> list[dict[str, Any]]:
+        return [
+            {key: t[key], "teacher_s": t["median_s"], "converted_s": c["median_s"], "ratio": c["median_s"] / t["median_s"]}
+            for t, c in zip(teacher[part], converted[part])
+        ]
+
+    memory = [
+        {
+            "context": t["context"],
+            "teacher_bytes": t["measured_bytes"], "converted_bytes": c["measured_bytes"],
+            "ratio": c["measured_bytes"] / t["measured_bytes"],
+            "teacher_formula_bytes": t["formula_bytes"], "converted_formula_bytes": c["formula_bytes"],
+            "formula_ratio": c["formula_bytes"] / t["formula_bytes"],
+        }  # fmt: skip
+        for t, c in zip(teacher["memory"], converted["memory"])
+    ]
+    return {"prefill": times("prefill", "length"), "decode": times("decode", "context"), "memory": memory}
+
+
+# ----------------------------------------------------------------------------- reports
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def to_markdown(result: dict[str, Any]) -> str:
+    """Markdown tables of the result: times, bytes and the converted / teacher ratios."""
+    r, s = result["ratios"], result["settings"]
+    spec = result.get("spec") or {}
+    lines = [
+        f"**{result['model']}** on {result['device']} ({result['dtype']}), batch {s['batch_size']}; converted: "
+        f"{spec.get('attention', '?')}, window {spec.get('window', '?')}, layers {spec.get('layers', '?')}",
+        "",
+        f"Prefill (median of {s['repeats']} after {s['warmup']} warm-up)",
+        "",
+        "| prompt tokens | teacher ms | converted ms | converted / teacher |",
+        "|---:|---:|---:|---:|",
+        *(f"| {x['length']} | {x['teacher_s'] * 1e3:.2f} | {x['converted_s'] * 1e3:.2f} | {x['ratio']:.3g} |" for x in r["prefill"]),
+        "",
+        f"Decode, per token (median of {s['decode_steps']} steps after {s['warmup']} warm-up)",
+        "",
+        "| context tokens | teacher ms | converted ms | converted / teacher |",
+        "|---:|---:|---:|---:|",
+        *(f"| {x['context']} | {x['teacher_s'] * 1e3:.2f} | {x['converted_s'] * 1e3:.2f} | {x['ratio']:.3g} |" for x in r["decode"]),
+        "",
+        "Memory per request (cache after prefill; formula beside)",
+        "",
+        "| context tokens | teacher MiB | converted MiB | converted / teacher | formula teacher MiB | formula converted MiB | formula ratio |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+        *(
+            f"| {x['context']} | {_mib(x['teacher_bytes'])} | {_mib(x['converted_bytes'])} | {x['ratio']:.3g} | "
+            f"{_mib(x['teacher_formula_bytes'])} | {_mib(x['converted_formula_bytes'])} | {x['formula_ratio']:.3g} |"
+            for x in r["memory"]
+        ),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot_efficiency(result: dict[str, Any], path: str | Path) -> None:
+    """PNG: prefill latency, decode latency per token and memory per request vs length, teacher vs converted."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure  # no pyplot: no global backend state
+
+    fig = Figure(figsize=(14, 4.2))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 3)
+    panels = (("prefill", "length", "median_s", 1e3, "prefill latency (ms)", "prompt tokens"),
+              ("decode", "context", "median_s", 1e3, "decode latency per token (ms)", "context tokens"),
+              ("memory", "context", "measured_bytes", 2.0**-20, "memory per request (MiB)", "context tokens"))  # fmt: skip
+    for ax, (part, x, y, scale, ylabel, xlabel) in zip(axes, panels):
+        for name, style in (("teacher", "C0"), ("converted", "C1")):
+            rows = result[name][part]
+            ax.plot([row[x] for row in rows], [row[y] * scale for row in rows], marker="o", color=style, label=name)
+            if part == "memory":
+                ax.plot([row[x] for row in rows], [row["formula_bytes"] * scale for row in rows], ls="--", color=style, label=f"{name} (formula)")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)
+        ax.set(xlabel=xlabel, ylabel=ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{result['model']} on {result['device']} ({result['dtype']}, batch {result['settings']['batch_size']})")
+    fig.tight_layout()
+    save_png(fig, path)
+
+
+def run_efficiency(
+    model_name_or_model,
+    spec: ConversionSpec | dict[str, Any] | None = None,
+    *,
+    prefill_lengths: Sequence[int] = DEFAULT_PREFILL_LENGTHS,
+    decode_contexts: Sequence[int] = DEFAULT_DECODE_CONTEXTS,
+    batch_size: int = 1,
+    decode_steps: int = 16,
+    warmup: int = 1,
+    repeats: int = 3,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    out_dir: str | Path | None = None,
+) -> dict[str, Any]:
+    """Entry for the CLI: load the model (a name for ``linearize.load_model``, or a model), benchmark it,
+    and with ``out_dir`` write efficiency.json, efficiency.md and efficiency.png there (each atomically)."""
+    if isinstance(model_name_or_model, (str, Path)):
+        from ..api import load_model
+
+        model, _ = load_model(str(model_name_or_model), dtype=dtype, device=device)
+    else:
+        model = model_name_or_model
+    result = benchmark(
+        model, spec, prefill_lengths=prefill_lengths, decode_contexts=decode_contexts, batch_size=batch_size,
+        decode_steps=decode_steps, warmup=warmup, repeats=repeats, device=device,
+    )  # fmt: skip
+    if isinstance(model_name_or_model, (str, Path)):
+        result["model"] = str(model_name_or_model)
+    if out_dir is not None:
+        out = Path(out_dir)
+        atomic_write_text(out / "efficiency.json", json.dumps(result, indent=2) + "\n")
+        atomic_write_text(out / "efficiency.md", to_markdown(result))
+        plot_efficiency(result, out / "efficiency.png")
+        logger.info("wrote %s/efficiency.{json,md,png}", out)
+    return result
+
+
+__all__ = [
+    "bench_decode",
+    "bench_prefill",
+    "benchmark",
+    "formula_bytes",
+    "memory_per_request",
+    "plot_efficiency",
+    "run_efficiency",
+    "to_markdown",
+]

@@ -1,0 +1,1 @@
+"""Evaluation of teacher and converted models."""

@@ -1,0 +1,72 @@
+"""Efficiency benchmark on a tiny model: result shape, memory measured vs formula, reports. No timed assertions."""
+
+import json
+
+import pytest
+
+import linearize
+from linearize.bench.efficiency import benchmark, formula_bytes, plot_efficiency, run_efficiency, to_markdown
+from linearize.hub import build_tiny_llama
+
+LENGTHS, CONTEXTS, WINDOW = [16, 32, 64], [16, 32], 8
+
+
+@pytest.fixture(scope="module")
+def result():
+    model = build_tiny_llama()
+    return benchmark(model, {"attention": "hybrid", "window": WINDOW}, prefill_lengths=LENGTHS, decode_contexts=CONTEXTS,
+                     decode_steps=3, warmup=1, repeats=2)  # fmt: skip
+
+
+def test_result_keys_and_shapes(result):
+    json.dumps(result)  # JSON-able
+    assert {"model", "device", "dtype", "spec", "settings", "teacher", "converted", "ratios"} <= set(result)
+    assert result["spec"]["window"] == WINDOW
+    for name in ("teacher", "converted"):
+        assert [r["length"] for r in result[name]["prefill"]] == LENGTHS
+        assert [r["context"] for r in result[name]["decode"]] == CONTEXTS
+        assert [r["context"] for r in result[name]["memory"]] == sorted(set(LENGTHS) | set(CONTEXTS))
+        assert all(r["median_s"] > 0 and r["tokens_per_s"] > 0 for r in result[name]["prefill"] + result[name]["decode"])
+    assert [len(result["ratios"][k]) for k in ("prefill", "decode", "memory")] == [3, 2, 3]
+
+
+def test_memory_teacher_linear_converted_flat(result):
+    teacher, converted = result["teacher"]["memory"], result["converted"]["memory"]
+    per_token = teacher[0]["measured_bytes"] // teacher[0]["context"]
+    assert per_token == 2 * 2 * 2 * 16 * 4  # layers x (k, v) x KV heads x head dim x float32
+    for r in teacher:
+        assert r["measured_bytes"] == r["formula_bytes"] == per_token * r["context"]
+    assert len({r["measured_bytes"] for r in converted}) == 1 and len({r["formula_bytes"] for r in converted}) == 1
+    for r in converted:  # the window slots also keep validity and positions: a few bytes each
+        assert r["formula_bytes"] <= r["measured_bytes"] <= r["formula_bytes"] + 2 * 16 * WINDOW
+
+
+def test_markdown_and_plot(result, tmp_path):
+    md = to_markdown(result)
+    for part in ("prefill", "decode", "memory"):
+        for r in result["ratios"][part]:
+            assert f"| {r['ratio']:.3g} |" in md
+    assert "converted / teacher" in md and "| 64 |" in md
+    path = tmp_path / "eff.png"
+    plot_efficiency(result, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 1000
+
+
+def test_run_efficiency_writes_reports_and_measures_a_converted_model(tmp_path):
+    model = linearize.convert(build_tiny_llama(), {"attention": "dsla", "layers": [1]})
+    with pytest.raises(ValueError, match="not converted"):
+        run_efficiency(build_tiny_llama(), None)
+    out = run_efficiency(model, None, prefill_lengths=[16], decode_contexts=[16], decode_steps=2, warmup=1, repeats=1, out_dir=tmp_path / "eff")
+    assert {p.name for p in (tmp_path / "eff").iterdir()} == {"efficiency.json", "efficiency.md", "efficiency.png"}
+    assert json.loads((tmp_path / "eff" / "efficiency.json").read_text())["ratios"] == out["ratios"]
+    teacher, converted = out["teacher"]["memory"][0], out["converted"]["memory"][0]  # layer 0 KV, layer 1 DSLA states
+    assert teacher["measured_bytes"] == teacher["formula_bytes"]
+    assert converted["formula_bytes"] == formula_bytes(model, 16) and converted["measured_bytes"] == converted["formula_bytes"]
+    assert linearize.layer_modes(model) == {1: "hybrid"}  # the teacher measurement left the modes as they were
+
+
+def test_lengths_beyond_the_limit_raise_before_measuring():
+    model = build_tiny_llama()
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        benchmark(model, {"window": 4}, prefill_lengths=[16], decode_contexts=[510], decode_steps=4)
+    assert not linearize.layer_modes(model)  # checked before converting: the model is left as it was

@@ -1,0 +1,91 @@
+"""Suites, reports, comparison and component ablations on a tiny model (CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import linearize
+from linearize.cli import main
+from linearize.eval.report import HYBRID_ABLATIONS, LOLA_ABLATIONS, ablate, get_suite, headline, run_suite, table, to_markdown
+from linearize.hub import build_tiny_llama
+
+from ..train.conftest import tiny_tokenizer
+
+
+def tiny_suite(**changes):
+    base = dict(perplexity_lengths=[32, 64], perplexity_tokens=400, synthetic_tasks=["passkey"], synthetic_lengths=[128],
+                synthetic_samples={"default": 2}, mc_tasks=[], batch_size=2)
+    return get_suite("quick", **(base | changes))
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": " ".join(f"w{(i * 7 + j) % 120 + 3}" for j in range(80))}) + "\n" for i in range(40)))
+    return str(path)
+
+
+def test_suite_runs_and_renders(corpus):
+    model, tok = build_tiny_llama(seed=0, num_hidden_layers=2), tiny_tokenizer()
+    result = run_suite(model, tok, tiny_suite(heldout_source=corpus))
+    flat = headline(result)
+    assert set(flat) == {"ppl@32", "ppl@64", "passkey@128"}
+    assert result["synthetic"]["passkey"][128]["n"] == 2 and 0 <= flat["passkey@128"] <= 100
+    assert flat["ppl@32"] > 1
+    assert "mc" not in result and "mc_skipped" not in result
+    skipped = run_suite(model, tok, tiny_suite(heldout_source=corpus, perplexity_lengths=[], synthetic_tasks=[], mc_tasks=["copa"]))
+    assert skipped["mc_skipped"] == "no data_dir given"
+    markdown = to_markdown("tiny", result)
+    assert "| ppl@32 |" in markdown and "| passkey | 128 |" in markdown
+
+
+def test_ablation_reports_every_mode_and_delta_la(corpus):
+    model, tok = build_tiny_llama(seed=0, num_hidden_layers=2), tiny_tokenizer()
+    linearize.convert(model, {"attention": "hybrid", "window": 4})
+    linearize.set_mode(model, "la_only", layers=[1])
+    out = ablate(model, tok, tiny_suite(heldout_source=corpus, synthetic_tasks=[]))
+    assert out["modes"] == list(HYBRID_ABLATIONS)
+    assert set(out["table"]) == set(HYBRID_ABLATIONS)
+    assert out["delta_la"]["ppl@32"] == pytest.approx(out["table"]["hybrid"]["ppl@32"] - out["table"]["swa_only"]["ppl@32"])
+    assert out["table"]["none"]["ppl@32"] != out["table"]["hybrid"]["ppl@32"]
+    assert linearize.layer_modes(model) == {0: "hybrid", 1: "la_only"}  # restored
+    md = table(out["table"], extra={"Delta_LA": out["delta_la"]})
+    assert md.splitlines()[0] == "| metric | hybrid | swa_only | la_only | sinks_only | none | Delta_LA |"
+    linearize.convert(model, {"attention": "lola", "window": 4, "sparse_cache": 2})
+    assert ablate(model, tok, tiny_suite(heldout_source=corpus, synthetic_tasks=[]))["modes"] == list(LOLA_ABLATIONS)
+
+
+def test_ablate_refuses_an_unconverted_model_and_unknown_suite():
+    with pytest.raises(ValueError, match="needs a converted model"):
+        ablate(build_tiny_llama(), tiny_tokenizer(), tiny_suite())
+    with pytest.raises(ValueError, match="unknown suite 'huge'; valid suites: quick, full"):
+        get_suite("huge")
+
+
+def test_cli_eval_compare_ablate_bench(tmp_path, corpus, capsys):
+    model_dir = tmp_path / "tiny"
+    build_tiny_llama(seed=0, num_hidden_layers=2).save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    converted = tmp_path / "hybrid"
+    assert main(["convert", "--model", str(model_dir), "--attention", "hybrid", "--window", "4", "--out", str(converted)]) == 0
+    common = ["--tasks", "passkey", "--lengths", "128", "--samples", "1"]
+    assert main(["eval", "--model", str(model_dir), *common, "--out", str(tmp_path / "ev")]) == 0, capsys.readouterr().err
+    assert json.loads((tmp_path / "ev" / "report.json").read_text())["synthetic"]["passkey"]["128"]["n"] == 1
+    assert main(["compare", str(model_dir), str(converted), *common, "--out", str(tmp_path / "cmp")]) == 0
+    assert (tmp_path / "cmp" / "compare.md").read_text().count("|") > 6 and (tmp_path / "cmp" / "perplexity_vs_length.png").is_file()
+    assert main(["ablate", "--model", str(converted), "--modes", "hybrid,swa_only", *common, "--out", str(tmp_path / "abl")]) == 0
+    assert "Delta_LA" in (tmp_path / "abl" / "ablation.md").read_text()
+    assert main(["bench", "--model", str(model_dir), "--attention", "hybrid", "--window", "4", "--prefill-lengths", "16,32",
+                 "--decode-contexts", "16", "--decode-steps", "2", "--repeats", "1", "--out", str(tmp_path / "bench")]) == 0
+    assert {p.name for p in (tmp_path / "bench").iterdir()} == {"efficiency.json", "efficiency.md", "efficiency.png"}
+    capsys.readouterr()
+    assert main(["eval", "--model", str(model_dir), "--suite", "huge"]) == 2
+    assert "unknown suite 'huge'" in capsys.readouterr().err
+    assert main(["eval", "--model", str(model_dir), "--tasks", "needle", "--lengths", "128"]) == 2
+    assert "needle" in capsys.readouterr().err
+    assert main(["eval", "--model", str(model_dir), "--tasks", "passkey", "--lengths", "100000"]) == 2
+    assert "100000" in capsys.readouterr().err
+    torch.set_num_threads(torch.get_num_threads())
