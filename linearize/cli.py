@@ -90,8 +90,10 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
             kwargs.update(type=int)
         elif hint is float:
             kwargs.update(type=float)
-        elif f.name == "feature_dim":
+        elif hint == (int | None):
             kwargs.update(type=_parse_optional_int)
+        elif hint == (list[int] | None):
+            kwargs.update(type=_int_list, metavar="I,J,...")
         else:
             kwargs.update(type=str)
         group.add_argument(flag, dest=f"spec_{f.name}", **kwargs)
@@ -292,11 +294,24 @@ def _write_report(out: str | None, stem: str, markdown: str, data: dict) -> None
     print(f"wrote {Path(out) / stem}.md and .json")
 
 
+def _load_converted(args):
+    """Load --model; spec flags (e.g. --attention lola --sparse-cache 64) convert it, keeping trained parameters."""
+    from .convert import convert
+
+    model, tokenizer = _load(args.model, args)
+    spec = spec_from_args(args)
+    if spec is not None:
+        base = getattr(model.config, "linearize", None) or {}
+        flags = {k[5:]: v for k, v in vars(args).items() if k.startswith("spec_") and k != "spec_file" and v is not None}
+        convert(model, spec if args.spec_file else {**base, **flags})  # flags change the model's own spec
+    return model, tokenizer
+
+
 def cmd_eval(args) -> int:
     from .eval.report import run_suite, to_markdown
 
     suite = _suite(args)
-    model, tokenizer = _load(args.model, args)
+    model, tokenizer = _load_converted(args)
     result = run_suite(model, tokenizer, suite, data_dir=args.data_dir, device=args.device)
     result["model"] = args.model
     markdown = to_markdown(f"{args.model}: {suite.name} suite", result)
@@ -327,7 +342,7 @@ def cmd_ablate(args) -> int:
     from .eval.report import ablate, table
 
     suite = _suite(args)
-    model, tokenizer = _load(args.model, args)
+    model, tokenizer = _load_converted(args)
     result = ablate(model, tokenizer, suite, modes=args.modes.split(",") if args.modes else None, data_dir=args.data_dir, device=args.device)
     extra = {"Delta_LA": result["delta_la"]} if result["delta_la"] else None
     markdown = f"# Component ablation: {args.model} ({suite.name} suite)\n\n" + table(result["table"], extra=extra) + "\n"
@@ -432,6 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="evaluate a model: perplexity by length, synthetic long-context tasks, multiple choice")
     p.add_argument("--model", default=DEFAULT_MODEL)
     suite_flags(p)
+    add_spec_flags(p)
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("compare", help="evaluate several models side by side")
@@ -443,6 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True)
     p.add_argument("--modes", help="comma-separated modes (default: hybrid,swa_only,la_only,sinks_only,none; LoLA: its read ablations)")
     suite_flags(p)
+    add_spec_flags(p)
     p.set_defaults(func=cmd_ablate)
 
     p = sub.add_parser("bench", help="prefill/decode latency and memory per request, teacher vs converted, as ratios")

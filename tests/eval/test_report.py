@@ -89,3 +89,21 @@ def test_cli_eval_compare_ablate_bench(tmp_path, corpus, capsys):
     assert main(["eval", "--model", str(model_dir), "--tasks", "passkey", "--lengths", "100000"]) == 2
     assert "100000" in capsys.readouterr().err
     torch.set_num_threads(torch.get_num_threads())
+
+
+def test_cli_eval_spec_flags_convert_a_trained_model_keeping_its_spec(tmp_path, corpus, capsys):
+    model_dir = tmp_path / "tiny"
+    build_tiny_llama(seed=0, num_hidden_layers=2).save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    converted = tmp_path / "hybrid"
+    assert main(["convert", "--model", str(model_dir), "--attention", "hybrid", "--window", "8", "--out", str(converted)]) == 0
+    assert main(["eval", "--model", str(converted), "--attention", "lola", "--sparse-cache", "4", "--tasks", "passkey",
+                 "--lengths", "128", "--samples", "1", "--out", str(tmp_path / "ev")]) == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "ev" / "report.json").read_text())
+    assert report["synthetic"]["passkey"]["128"]["n"] == 1
+    model, _ = linearize.load_model(str(converted))
+    from linearize.cli import build_parser, _load_converted
+
+    args = build_parser().parse_args(["eval", "--model", str(converted), "--attention", "lola", "--sparse-cache", "4"])
+    model, _ = _load_converted(args)
+    assert model.config.linearize["window"] == 8 and model.config.linearize["sparse_cache"] == 4
