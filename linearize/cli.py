@@ -362,6 +362,21 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_plots(args) -> int:
+    """Diagnostic plots of a converted model on held-out text (self-recall error, attention mass, DSLA gates)."""
+    from .eval.perplexity import heldout_tokens
+    from .eval.plots import diagnostic_plots
+    from .train.data import DataConfig
+
+    model, tokenizer = _load_converted(args)
+    if tokenizer is None:
+        raise ValueError(f"model {args.model!r} has no tokenizer; plots need one to read text")
+    ids = heldout_tokens(tokenizer, DataConfig(source=args.source, seq_len=64), max_tokens=args.tokens)
+    for path in diagnostic_plots(model, tokenizer, ids[None], args.out, layer=args.layer):
+        print(f"wrote {path}")
+    return 0
+
+
 def _int_list(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x]
@@ -473,6 +488,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="directory for efficiency.json, efficiency.md and efficiency.png")
     add_spec_flags(p)
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("plots", help="diagnostic plots: self-recall error, attention mass by position, DSLA gates")
+    p.add_argument("--model", required=True, help="a converted model (or any model plus spec flags)")
+    p.add_argument("--source", default="wiki", help="held-out text source")
+    p.add_argument("--tokens", type=int, default=512, help="sequence length to analyse")
+    p.add_argument("--layer", type=int, help="converted layer to show (default: the middle one)")
+    p.add_argument("--out", required=True, help="directory for the PNG files")
+    add_spec_flags(p)
+    p.set_defaults(func=cmd_plots)
 
     p = sub.add_parser("demo", help="main job: teacher vs converted model side by side, with memory held")
     p.add_argument("--model", default=DEFAULT_MODEL)

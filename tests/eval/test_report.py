@@ -107,3 +107,13 @@ def test_cli_eval_spec_flags_convert_a_trained_model_keeping_its_spec(tmp_path, 
     args = build_parser().parse_args(["eval", "--model", str(converted), "--attention", "lola", "--sparse-cache", "4"])
     model, _ = _load_converted(args)
     assert model.config.linearize["window"] == 8 and model.config.linearize["sparse_cache"] == 4
+
+
+def test_cli_plots_for_a_lola_conversion(tmp_path, corpus, capsys):
+    model_dir = tmp_path / "tiny"
+    build_tiny_llama(seed=0, num_hidden_layers=2).save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    assert main(["plots", "--model", str(model_dir), "--attention", "lola", "--window", "4", "--sparse-cache", "2",
+                 "--source", corpus, "--tokens", "48", "--layer", "1", "--out", str(tmp_path / "plots")]) == 0, capsys.readouterr().err
+    names = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert names == ["attention_mass_layer1.png", "self_recall_layer1.png"]
