@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -22,6 +23,20 @@ ADAPTER_WEIGHTS = "adapter.safetensors"
 LORA_WEIGHTS = "lora.safetensors"
 ADAPTER_FORMAT = 1
 
+SHIPPED = ("smollm2-135m-lolcats", "smollm2-135m-hedgecats", "smollm2-135m-ssd", "smollm2-135m-inference-hybrid", "smollm2-135m-dsla-chained")
+"""Trained conversions that ship inside the package (linearize/checkpoints/NAME), by name."""
+
+
+def shipped_path(name: str) -> Path | None:
+    """The adapter directory of a shipped conversion, or None when ``name`` is none."""
+    if name not in SHIPPED:
+        return None
+    path = Path(str(resources.files("linearize") / "checkpoints" / name))
+    if not (path / ADAPTER_CONFIG).is_file():
+        available = [n for n in SHIPPED if (Path(str(resources.files("linearize") / "checkpoints" / n)) / ADAPTER_CONFIG).is_file()]
+        raise ValueError(f"conversion {name!r} has not been trained and shipped yet; shipped now: {', '.join(available) or 'none'}")
+    return path
+
 
 def load_model(
     name_or_path: str,
@@ -32,12 +47,13 @@ def load_model(
 ):
     """Return (model, tokenizer or None).
 
-    ``name_or_path``: a model alias (``smollm2-135m``), a local Hugging Face checkpoint directory
+    ``name_or_path``: a model alias (``smollm2-135m``), a shipped trained conversion (``SHIPPED``,
+    e.g. ``smollm2-135m-lolcats``), a local Hugging Face checkpoint directory
     (converted ones included: their config carries the spec), an adapter directory written by
     ``save_adapter`` (new parameters + the base model's name), or a hub id where a network exists.
     ``active``: for a nested family (spec with ``order``), how many layers of the order run converted.
     """
-    path = Path(name_or_path)
+    path = shipped_path(str(name_or_path)) or Path(name_or_path)
     if (path / ADAPTER_CONFIG).is_file():
         model, tokenizer = _load_adapter(path, dtype=dtype, device=device)
     else:

@@ -262,3 +262,16 @@ def test_teacher_mode_runs_the_original_attention_with_plain_kv():
     model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache)
     assert not any(isinstance(layer, StateCacheLayer) for layer in cache.layers)
     assert model.model.layers[0].self_attn.gate_history.up.bias.requires_grad  # parameters kept
+
+
+def test_shipped_names_resolve_or_say_they_are_not_shipped_yet():
+    from linearize.api import SHIPPED, shipped_path
+
+    assert shipped_path("smollm2-135m") is None
+    for name in SHIPPED:
+        try:
+            path = shipped_path(name)
+        except ValueError as err:
+            assert f"conversion {name!r} has not been trained and shipped yet" in str(err)
+        else:
+            assert (path / "linearize_adapter.json").is_file()
