@@ -24,9 +24,10 @@ class SpecError(ValueError):
     """A bad conversion spec value (message names the value and the valid choices)."""
 
 
-def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+def check_choice(name: str, value: Any, choices: tuple[str, ...], error: type[ValueError] | None = None) -> None:
+    """Raise ``error`` (default SpecError) naming ``value`` and the valid ``choices`` unless it is one."""
     if value not in choices:
-        raise SpecError(f"unknown {name} {value!r}; valid choices: {', '.join(choices)}")
+        raise (error or SpecError)(f"unknown {name} {value!r}; valid choices: {', '.join(choices)}")
 
 
 @dataclass
@@ -69,10 +70,10 @@ class LayerSpec:
     """auto (fla on CUDA when installed, else torch) | torch | fla."""
 
     def __post_init__(self) -> None:
-        _choice("attention", self.attention, ATTENTION_KINDS)
-        _choice("mix", self.mix, MIXES)
-        _choice("feature_map", self.feature_map, FEATURE_MAP_NAMES)
-        _choice("kernel", self.kernel, KERNELS)
+        check_choice("attention", self.attention, ATTENTION_KINDS)
+        check_choice("mix", self.mix, MIXES)
+        check_choice("feature_map", self.feature_map, FEATURE_MAP_NAMES)
+        check_choice("kernel", self.kernel, KERNELS)
         for name in ("window", "chunk", "dsla_gate_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

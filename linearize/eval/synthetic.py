@@ -38,6 +38,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from ..generate import left_pad
+
 logger = logging.getLogger(__name__)
 
 # tokens to generate per task (RULER's values; passkey: a 1-5 digit key and a little more)
@@ -563,13 +565,8 @@ def _predict(model, tokenizer, samples: list[Sample], *, batch_size: int, device
     predictions: list[str] = []
     for start in tqdm(range(0, len(samples), batch_size), desc=f"{samples[0].task} @ {samples[0].length}", unit="batch"):
         batch = samples[start : start + batch_size]
-        rows = tokenizer([s.prompt for s in batch], verbose=False)["input_ids"]
-        width = max(len(r) for r in rows)
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)  # (B, P), left padded
-        mask = torch.zeros_like(ids)
-        for i, row in enumerate(rows):
-            ids[i, width - len(row) :] = torch.tensor(row)
-            mask[i, width - len(row) :] = 1
+        ids, mask = left_pad(tokenizer([s.prompt for s in batch], verbose=False)["input_ids"], pad)  # (B, P)
+        width = ids.shape[1]
         generation = GenerationConfig(
             do_sample=False, max_new_tokens=batch[0].tokens_to_generate, eos_token_id=eos or None, pad_token_id=pad
         )

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from ..spec import ConversionSpec, SpecError
+from ..spec import ConversionSpec, SpecError, check_choice
 from .data import DataConfig
 
 OBJECTIVES = ("weights", "la_weights", "la_mse", "hybrid_mse", "output_mse")
@@ -32,8 +32,7 @@ class ConfigError(ValueError):
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"unknown {name} {value!r}; valid choices: {', '.join(choices)}")
+    check_choice(name, value, choices, ConfigError)
 
 
 def _check_positive(name: str, value, *, allow_none: bool = False, allow_zero: bool = False) -> None:

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ..generate import left_pad
 from ..hub import cache_root
 
 logger = logging.getLogger(__name__)
@@ -350,12 +351,8 @@ def sample_teacher(model, prompts: list[list[int]], config: DataConfig, *, eos_i
     starts = range(0, len(prompts), config.teacher_batch_size)
     for b, start in enumerate(tqdm(starts, desc="sampling teacher text", unit="batch")):
         batch = prompts[start : start + config.teacher_batch_size]
-        width = max(len(p) for p in batch)
-        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)  # (B, P), left padded
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(batch):
-            ids[i, width - len(p) :] = torch.tensor(p)
-            mask[i, width - len(p) :] = 1
+        ids, mask = left_pad(batch, pad_id)  # (B, P)
+        width = ids.shape[1]
         generation = GenerationConfig(
             do_sample=True, temperature=float(config.teacher_temperature), top_k=0, top_p=1.0,
             max_new_tokens=config.seq_len - width, eos_token_id=eos_id, pad_token_id=pad_id,

@@ -22,6 +22,14 @@ def tiny_suite(**changes):
 
 
 @pytest.fixture
+def model_dir(tmp_path):
+    path = tmp_path / "tiny"
+    build_tiny_llama(seed=0, num_hidden_layers=2).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture
 def corpus(tmp_path):
     path = tmp_path / "docs.jsonl"
     path.write_text("".join(json.dumps({"text": " ".join(f"w{(i * 7 + j) % 120 + 3}" for j in range(80))}) + "\n" for i in range(40)))
@@ -65,10 +73,7 @@ def test_ablate_refuses_an_unconverted_model_and_unknown_suite():
         get_suite("huge")
 
 
-def test_cli_eval_compare_ablate_bench(tmp_path, corpus, capsys):
-    model_dir = tmp_path / "tiny"
-    build_tiny_llama(seed=0, num_hidden_layers=2).save_pretrained(model_dir)
-    tiny_tokenizer().save_pretrained(model_dir)
+def test_cli_eval_compare_ablate_bench(tmp_path, model_dir, corpus, capsys):
     converted = tmp_path / "hybrid"
     assert main(["convert", "--model", str(model_dir), "--attention", "hybrid", "--window", "4", "--out", str(converted)]) == 0
     common = ["--tasks", "passkey", "--lengths", "128", "--samples", "1"]
@@ -91,10 +96,7 @@ def test_cli_eval_compare_ablate_bench(tmp_path, corpus, capsys):
     torch.set_num_threads(torch.get_num_threads())
 
 
-def test_cli_eval_spec_flags_convert_a_trained_model_keeping_its_spec(tmp_path, corpus, capsys):
-    model_dir = tmp_path / "tiny"
-    build_tiny_llama(seed=0, num_hidden_layers=2).save_pretrained(model_dir)
-    tiny_tokenizer().save_pretrained(model_dir)
+def test_cli_eval_spec_flags_convert_a_trained_model_keeping_its_spec(tmp_path, model_dir, corpus, capsys):
     converted = tmp_path / "hybrid"
     assert main(["convert", "--model", str(model_dir), "--attention", "hybrid", "--window", "8", "--out", str(converted)]) == 0
     assert main(["eval", "--model", str(converted), "--attention", "lola", "--sparse-cache", "4", "--tasks", "passkey",
@@ -109,10 +111,7 @@ def test_cli_eval_spec_flags_convert_a_trained_model_keeping_its_spec(tmp_path, 
     assert model.config.linearize["window"] == 8 and model.config.linearize["sparse_cache"] == 4
 
 
-def test_cli_plots_for_a_lola_conversion(tmp_path, corpus, capsys):
-    model_dir = tmp_path / "tiny"
-    build_tiny_llama(seed=0, num_hidden_layers=2).save_pretrained(model_dir)
-    tiny_tokenizer().save_pretrained(model_dir)
+def test_cli_plots_for_a_lola_conversion(tmp_path, model_dir, corpus, capsys):
     assert main(["plots", "--model", str(model_dir), "--attention", "lola", "--window", "4", "--sparse-cache", "2",
                  "--source", corpus, "--tokens", "48", "--layer", "1", "--out", str(tmp_path / "plots")]) == 0, capsys.readouterr().err
     names = sorted(p.name for p in (tmp_path / "plots").iterdir())
