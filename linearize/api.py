@@ -27,13 +27,17 @@ SHIPPED = ("smollm2-135m-lolcats", "smollm2-135m-hedgecats", "smollm2-135m-ssd",
 """Trained conversions that ship inside the package (linearize/checkpoints/NAME), by name."""
 
 
+def _checkpoint_dir(name: str) -> Path:
+    return Path(str(resources.files("linearize") / "checkpoints" / name))
+
+
 def shipped_path(name: str) -> Path | None:
     """The adapter directory of a shipped conversion, or None when ``name`` is none."""
     if name not in SHIPPED:
         return None
-    path = Path(str(resources.files("linearize") / "checkpoints" / name))
+    path = _checkpoint_dir(name)
     if not (path / ADAPTER_CONFIG).is_file():
-        available = [n for n in SHIPPED if (Path(str(resources.files("linearize") / "checkpoints" / n)) / ADAPTER_CONFIG).is_file()]
+        available = [n for n in SHIPPED if (_checkpoint_dir(n) / ADAPTER_CONFIG).is_file()]
         raise ValueError(f"conversion {name!r} has not been trained and shipped yet; shipped now: {', '.join(available) or 'none'}")
     return path
 

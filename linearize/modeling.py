@@ -136,10 +136,12 @@ def _carry_parameters(old: nn.Module, new: nn.Module) -> None:
 def check_spec(model: PreTrainedModel, spec: ConversionSpec) -> None:
     """Validate a spec against a model without changing it (layer indices, head sizes)."""
     family_of(model)
-    n = len(decoder_layers(model))
-    for i in spec.resolve_layers(n):
-        spec.layer_spec(i, n).features(decoder_layers(model)[i].self_attn.head_dim)
+    layers = decoder_layers(model)
+    n = len(layers)
+    chosen = spec.resolve_layers(n)
+    for i in chosen:
+        spec.layer_spec(i, n).features(layers[i].self_attn.head_dim)
     spec.inactive_layers(n)
-    if spec.overrides and not set(i % n for i in spec.overrides) <= set(spec.resolve_layers(n)):
-        extra = sorted(set(i % n for i in spec.overrides) - set(spec.resolve_layers(n)))
+    extra = sorted({i % n for i in spec.overrides} - set(chosen))
+    if extra:
         raise SpecError(f"overrides name layer(s) {extra} that the spec does not convert (layers: {spec.layers})")
