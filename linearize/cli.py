@@ -280,8 +280,21 @@ def _suite(args):
     if args.tasks is not None:
         changes["synthetic_tasks"] = [t for t in args.tasks.split(",") if t]
     if args.lengths is not None:
-        changes["synthetic_lengths"] = [int(x) for x in args.lengths.split(",") if x]
+        changes["synthetic_lengths"] = _ints("--lengths", args.lengths)
+    if args.ppl_lengths is not None:
+        changes["perplexity_lengths"] = [] if args.ppl_lengths == "none" else _ints("--ppl-lengths", args.ppl_lengths)
+    if args.mc_tasks is not None:
+        changes["mc_tasks"] = [] if args.mc_tasks == "none" else [t for t in args.mc_tasks.split(",") if t]
+    if args.batch_size is not None:
+        changes["batch_size"] = args.batch_size
     return get_suite(args.suite, **changes)
+
+
+def _ints(flag: str, text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise SystemExit(f"error: {flag} takes comma-separated integers, got {text!r}") from None
 
 
 def _write_report(out: str | None, stem: str, markdown: str, data: dict) -> None:
@@ -456,6 +469,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--tasks", help="comma-separated synthetic tasks (overrides the suite)")
         p.add_argument("--lengths", help="comma-separated synthetic lengths (overrides the suite)")
         p.add_argument("--mc-limit", type=int, help="documents per multiple-choice task (overrides the suite)")
+        p.add_argument("--mc-tasks", help="comma-separated lm-eval tasks, or 'none' (overrides the suite)")
+        p.add_argument("--ppl-lengths", help="comma-separated perplexity context lengths, or 'none' (overrides the suite)")
+        p.add_argument("--batch-size", type=int, help="generation and scoring batch size (overrides the suite)")
         p.add_argument("--device", help="cpu | cuda (default: cpu)")
         p.add_argument("--out", help="directory for the markdown + JSON report")
 

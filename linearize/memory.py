@@ -31,9 +31,10 @@ def layer_memory(spec: LayerSpec | None, config, dtype_bytes: int = 2) -> LayerM
     kv_token = 2 * hkv * head_dim * dtype_bytes
     if spec is None or spec.attention == "softmax":
         return LayerMemory("softmax" if spec else "teacher", kv_token, 0)
-    if spec.attention == "dsla":
-        return LayerMemory("dsla", 0, 2 * h * head_dim * head_dim * STATE_BYTES)
     features = spec.features(head_dim)
+    if spec.attention == "dsla":  # two (features x head_dim [+ 1 normaliser column]) states per head
+        normalised = spec.feature_map != "identity"
+        return LayerMemory("dsla", 0, 2 * h * features * (head_dim + normalised) * STATE_BYTES)
     linear = h * features * (head_dim + 1) * STATE_BYTES
     window = spec.window * 2 * hkv * head_dim * STATE_BYTES
     if spec.attention == "lola":

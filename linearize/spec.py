@@ -53,7 +53,8 @@ class LayerSpec:
     sparse_cache: int = 0
     """LoLA's lambda: sparse global cache slots per head (attention 'lola' only)."""
     chunk: int = 16
-    """LoLA's prefill chunk length C (queries of a chunk share the linear state)."""
+    """LoLA's prefill chunk length C (queries of a chunk share the linear state); DSLA's block length
+    on the torch kernel (its memory grows with it)."""
     window_factor_init: float = -2.197
     """Initial logit theta of the joint mix's window factor f = sigmoid(theta) (~0.1, LoLCATs)."""
     gate_init: float = 0.5

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..cache import state_layer
+from ..ops.common import repeat_kv
 from ..ops.dsla import dsla_attention, init_gate_bias
 from ..ops.hybrid import hybrid_attention
 from ..ops.lola import lola_attention
@@ -253,12 +254,22 @@ class LowRankGate(nn.Module):
 
 class DslaAttention(ConvertedAttention):
     """Dual-state gated linear attention (DSLA): a slow history state and a fast recent state that
-    share the write and differ in forgetting, mixed by a learned gamma = sigmoid(theta) in [0, 1]."""
+    share the write and differ in forgetting, mixed by a learned gamma = sigmoid(theta) in [0, 1].
+
+    q and k pass through the spec's feature map (learned Hedgehog by default, as in LoLCATs) and each
+    state's read is normalised (divided by q z), so the layer starts as a decayed normalised linear
+    attention of the teacher's q/k/v. With feature_map 'identity' it is the paper's raw form: q and
+    k as they are, no normaliser."""
 
     def __init__(self, teacher, spec, layer_idx, config):
         super().__init__(teacher, spec, layer_idx, config)
         hidden = config.hidden_size
-        width = self.num_heads * self.head_dim
+        self.normalize = spec.feature_map != "identity"
+        self.features = spec.features(self.head_dim)
+        if self.normalize:
+            self.feature_map_q = build_feature_map(spec.feature_map, self.num_heads, self.head_dim, self.features, seed=2 * layer_idx)
+            self.feature_map_k = build_feature_map(spec.feature_map, self.num_heads, self.head_dim, self.features, seed=2 * layer_idx + 1)
+        width = self.num_heads * self.features
         self.gate_history = LowRankGate(hidden, spec.dsla_gate_rank, width, spec.dsla_history_gate)
         self.gate_recent = LowRankGate(hidden, spec.dsla_gate_rank, width, spec.dsla_recent_gate)
         self.gamma_logit = nn.Parameter(torch.zeros(()))
@@ -267,21 +278,26 @@ class DslaAttention(ConvertedAttention):
         return torch.sigmoid(self.gamma_logit.float())
 
     def log_gates(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """(B, T, hidden) -> two (B, Hq, T, D) log-gates."""
+        """(B, T, hidden) -> two (B, Hq, T, F) log-gates (F: features per head)."""
         b, t, _ = x.shape
 
         def heads(g: Tensor) -> Tensor:
-            return g.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+            return g.view(b, t, self.num_heads, self.features).transpose(1, 2)
 
         return heads(self.gate_history(x)), heads(self.gate_recent(x))
 
     def attend_modes(self):
         def dsla(q, k, v, x, valid, state):
             log_h, log_r = self.log_gates(x)
+            scale = self.scaling
+            if self.normalize:  # feature maps are per query head: repeat the kv heads first
+                n_rep = q.shape[1] // k.shape[1]
+                q, k = self.feature_map_q(q), self.feature_map_k(repeat_kv(k, n_rep))
+                v, scale = repeat_kv(v, n_rep), 1.0  # the normaliser cancels any scale
             return dsla_attention(
                 q, k, v, log_h, log_r, self.gamma(),
-                valid=valid, state=_expect(state, DslaState, self), scale=self.scaling,
-                backend=resolve_kernel(self.spec.kernel, q.device),
+                valid=valid, state=_expect(state, DslaState, self), scale=scale,
+                backend=resolve_kernel(self.spec.kernel, q.device), normalize=self.normalize, chunk=self.spec.chunk,
             )
 
         return {"hybrid": dsla}

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .common import default_valid, gqa_groups, repeat_kv
+from .common import default_valid, gqa_groups, repeat_kv, safe_divide
 from .states import DslaState
 
 GATE_LOGIT_NORMALIZER = 16
@@ -95,12 +95,14 @@ def dsla_attention_reference(
     valid: Tensor | None = None,
     state: DslaState | None = None,
     scale: float | None = None,
+    normalize: bool = False,
 ) -> tuple[Tensor, DslaState]:
     """DSLA as two ``gla_reference`` loops; same arguments and results as ``dsla_attention``."""
     q, k, v, g1, g2 = _mask_padding(q, k, v, log_alpha_history, log_alpha_recent, valid)
+    v = _with_ones(v) if normalize else v
     o1, s1 = gla_reference(q, k, v, g1, None if state is None else state.history, scale)
     o2, s2 = gla_reference(q, k, v, g2, None if state is None else state.recent, scale)
-    return _mix(o1, o2, gamma, q), DslaState(history=s1, recent=s2)
+    return _mix(o1, o2, gamma, q, normalize), DslaState(history=s1, recent=s2)
 
 
 def dsla_attention(
@@ -116,6 +118,7 @@ def dsla_attention(
     scale: float | None = None,
     backend: str = "torch",
     chunk: int = 32,
+    normalize: bool = False,
 ) -> tuple[Tensor, DslaState]:
     """Dual-state gated linear attention continuing from ``state``.
 
@@ -126,6 +129,10 @@ def dsla_attention(
     "torch" backend (fla picks its own). Returns o (B, Hq, T, Dv) in q's dtype (zeros at padding) and
     the state after the last token (float32; float64 for float64 inputs on "torch").
     Calling again with the returned state continues the sequence exactly (prefill in pieces, decode).
+
+    ``normalize``: each state also accumulates the normaliser z = sum of decayed k (v gets a column
+    of ones, so states are (B, Hq, Dk, Dv + 1)) and its read is divided by q z before the mix, as in
+    normalised linear attention; q and k must then be non-negative (a feature map's output).
     """
     gla = BACKENDS.get(backend)
     if gla is None:
@@ -136,9 +143,16 @@ def dsla_attention(
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     q, k, v, g1, g2 = _mask_padding(q, k, v, log_alpha_history, log_alpha_recent, valid)
     k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, Hq, T, Dk), (B, Hq, T, Dv)
+    v = _with_ones(v) if normalize else v  # (B, Hq, T, Dv [+ 1])
     o1, s1 = gla(q, k, v, g1, None if state is None else state.history, scale, chunk)
     o2, s2 = gla(q, k, v, g2, None if state is None else state.recent, scale, chunk)
-    return _mix(o1, o2, gamma, q), DslaState(history=s1, recent=s2)
+    return _mix(o1, o2, gamma, q, normalize), DslaState(history=s1, recent=s2)
+
+
+def _with_ones(v: Tensor) -> Tensor:
+    """v with a column of ones appended. Padding needs no special case: its k is zero, so it writes
+    nothing to either column."""
+    return torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
@@ -161,12 +175,15 @@ def _mask_padding(
     return tuple(x.masked_fill(pad, 0.0) for x in (q, k, v, g1, g2))  # type: ignore[return-value]
 
 
-def _mix(o1: Tensor, o2: Tensor, gamma: Tensor, q: Tensor) -> Tensor:
-    """gamma * o1 + (1 - gamma) * o2 in float32 (or wider), gamma 0-dim or per query head; q's dtype out."""
+def _mix(o1: Tensor, o2: Tensor, gamma: Tensor, q: Tensor, normalize: bool = False) -> Tensor:
+    """gamma * o1 + (1 - gamma) * o2 in float32 (or wider), gamma 0-dim or per query head; q's dtype out.
+    With ``normalize`` each o's last column is its normaliser: o[..., :-1] / o[..., -1] first."""
     gamma = torch.as_tensor(gamma, device=q.device)
     if gamma.numel() not in (1, q.shape[1]):
         raise ValueError(f"gamma must be a scalar or have one value per query head ({q.shape[1]}), got {tuple(gamma.shape)}")
     dtype = torch.promote_types(torch.promote_types(o1.dtype, gamma.dtype), torch.float32)
+    if normalize:
+        o1, o2 = (safe_divide(o[..., :-1].to(dtype), o[..., -1].to(dtype)) for o in (o1, o2))
     gamma = gamma.to(dtype).reshape(-1, 1, 1)  # (Hq or 1, 1, 1): broadcasts over (B, Hq, T, Dv)
     return (gamma * o1.to(dtype) + (1 - gamma) * o2.to(dtype)).to(q.dtype)  # (B, Hq, T, Dv)
 
@@ -232,7 +249,8 @@ def _gla_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, h0: Tensor | None, scal
     Like fla's GLA layer: fused_recurrent_gla up to FLA_RECURRENT_MAX_LEN tokens, chunk_gla above.
     """
     chunk_gla, fused_recurrent_gla = _import_fla()
-    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # (B, T, H, D)
+    dtype = q.dtype if q.dtype == k.dtype == v.dtype else torch.float32  # mixed under autocast: widen
+    qt, kt, vt = (x.to(dtype).transpose(1, 2) for x in (q, k, v))  # (B, T, H, D)
     gt = g.float().transpose(1, 2)  # (B, T, H, Dk)
     h0 = None if h0 is None else h0.float()  # (B, H, Dk, Dv)
     if q.shape[2] <= FLA_RECURRENT_MAX_LEN:

@@ -25,6 +25,7 @@ SWA_DROPOUT_SCHEDULES = ("none", "a", "b", "c")
 SCHEDULES = ("constant", "cosine")
 FINETUNE_MODES = ("hybrid", "la_only")
 ORDER_SOURCES = ("measured", "entropy", "given")
+DTYPES = ("auto", "float32", "bfloat16", "bf16-mixed")
 
 
 class ConfigError(ValueError):
@@ -79,6 +80,9 @@ class StageConfig:
     """Passes over the training sequences."""
     max_steps: int | None = None
     """Stop after this many optimiser steps (None: epochs decide)."""
+    max_minutes: float | None = None
+    """Also stop once the stage has trained this many minutes of wall time (None: no limit): a fixed
+    budget on a lent GPU. The summary records the steps and tokens actually run."""
     eval_every: int = 50
     """Held-out loss every N steps (and at the end)."""
     eval_batches: int = 8
@@ -91,6 +95,7 @@ class StageConfig:
     def __post_init__(self) -> None:
         _check_positive("epochs", self.epochs)
         _check_positive("max_steps", self.max_steps, allow_none=True)
+        _check_positive("max_minutes", self.max_minutes, allow_none=True)
         _check_positive("eval_every", self.eval_every)
         _check_positive("eval_batches", self.eval_batches)
         _check_positive("save_every", self.save_every)
@@ -208,14 +213,15 @@ class TrainConfig:
     seed: int = 0
     """Seed of everything random (initialisation, data order, dropout draws)."""
     dtype: str = "auto"
-    """auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16."""
+    """auto (bf16-mixed on CUDA, float32 on CPU) | float32 | bfloat16 (all weights) | bf16-mixed
+    (float32 weights and optimiser state, forward and backward under bfloat16 autocast)."""
     device: str = "auto"
     """auto (cuda if available) | cpu | cuda."""
     log_every: int = 10
     """Metrics to metrics.jsonl every N steps."""
 
     def __post_init__(self) -> None:
-        _check_choice("dtype", self.dtype, ("auto", "float32", "bfloat16"))
+        _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("device", self.device, ("auto", "cpu", "cuda"))
         _check_positive("log_every", self.log_every)
         try:

@@ -218,8 +218,12 @@ def run_stage(
                           **({"grad_norm": grad_norm} if grad_norm is not None else {}), **values}
                 metrics.write(record)
                 bar.set_postfix(loss=f"{record['loss']:.4g}")
-            if heldout_loss is not None and (state.step % cfg.eval_every == 0 or state.step == total):
+            out_of_time = _out_of_time(state.seconds, cfg.max_minutes, world, device)
+            if out_of_time:
+                logger.info("%s: %.1f-minute budget reached at step %d", stage, cfg.max_minutes, state.step)
+            if heldout_loss is not None and (state.step % cfg.eval_every == 0 or state.step == total or out_of_time):
                 stop, best = _evaluate(stage, state, params, best, heldout_loss, cfg, metrics, objective)
+            stop = stop or out_of_time
             if state.step % cfg.save_every == 0 and world.is_main:
                 save_checkpoint(ckpt, params, optimizer, scheduler, state, best)
             if state.step >= total or stop:
@@ -233,6 +237,18 @@ def run_stage(
         save_checkpoint(ckpt, params, optimizer, scheduler, state, best)
     _restore_best(params, best)
     return state
+
+
+def _out_of_time(seconds: float, max_minutes: float | None, world: World, device: torch.device) -> bool:
+    """Whether the stage's wall-time budget is spent; all ranks agree (rank 0's clock decides)."""
+    if max_minutes is None:
+        return False
+    flag = seconds >= 60.0 * max_minutes
+    if world.size > 1:
+        t = torch.tensor([float(flag)], device=device)
+        torch.distributed.broadcast(t, src=0)
+        flag = bool(t.item())
+    return flag
 
 
 def _evaluate(stage, state: LoopState, params, best, heldout_loss, cfg: StageConfig, metrics: MetricsLog, objective) -> tuple[bool, dict | None]:

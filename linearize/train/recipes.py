@@ -10,6 +10,7 @@ summary.json.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -51,14 +52,17 @@ def load_recipe(name_or_path: str, overrides: dict[str, Any] | None = None) -> T
     return from_dict(TrainConfig, apply_overrides(data, overrides or {}))
 
 
-def _device_and_dtype(config: TrainConfig) -> tuple[torch.device, torch.dtype]:
+def _device_and_dtype(config: TrainConfig) -> tuple[torch.device, torch.dtype, torch.dtype | None]:
+    """(device, weight dtype, autocast dtype or None) of a run."""
     name = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and "LOCAL_RANK" in os.environ:  # one GPU per torchrun rank
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
-    return device, dtype
+    choice = config.dtype if config.dtype != "auto" else ("bf16-mixed" if device.type == "cuda" else "float32")
+    if choice == "bf16-mixed":
+        return device, torch.float32, torch.bfloat16
+    return device, {"float32": torch.float32, "bfloat16": torch.bfloat16}[choice], None
 
 
 def _train_only(model, names: set[str]) -> dict[str, torch.nn.Parameter]:
@@ -78,7 +82,14 @@ def _layer_params(model, layers: list[int]) -> set[str]:
 def run(config: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
     """Run a recipe; returns (and writes) the summary."""
     torch.manual_seed(config.seed)
-    device, dtype = _device_and_dtype(config)
+    device, dtype, autocast_dtype = _device_and_dtype(config)
+    with contextlib.ExitStack() as stack:
+        if autocast_dtype is not None:
+            stack.enter_context(torch.autocast(device.type, dtype=autocast_dtype))
+        return _run(config, device, dtype, autocast_dtype, resume=resume)
+
+
+def _run(config: TrainConfig, device: torch.device, dtype: torch.dtype, autocast_dtype: torch.dtype | None, *, resume: bool) -> dict[str, Any]:
     world = init_world(device)
     run_dir = Path(config.output_dir) / config.name
     if world.is_main:
@@ -91,7 +102,8 @@ def run(config: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
     data = build_dataset(config.data, tokenizer, model=model)
     eval_batch = max(1, config.finetune.optim.batch_size // world.size)
     summary: dict[str, Any] = {"name": config.name, "model": config.model, "data": data.describe(), "stages": {},
-                               "device": str(device), "dtype": str(dtype).removeprefix("torch."), "world_size": world.size}
+                               "device": str(device), "dtype": str(dtype).removeprefix("torch."), "world_size": world.size,
+                               "autocast": None if autocast_dtype is None else str(autocast_dtype).removeprefix("torch.")}
     model.eval()
     summary["teacher_heldout_loss"] = heldout_loss(model, data.heldout, batch_size=eval_batch, max_batches=None, device=device)
 

@@ -266,3 +266,70 @@ def test_fla_matches_reference(case: Case, dtype: torch.dtype, padded: bool) -> 
         diff = o.float() - r.float()
         ratio = (diff.pow(2).mean().sqrt() / r.float().pow(2).mean().sqrt().clamp_min(1e-12)).item()
         assert ratio <= tol, f"{name}: relative rms error {ratio:.2e} > {tol:.0e}, max abs error {diff.abs().max().item():.3e}"
+
+
+def normalized_inputs(c: Case, dtype=torch.float32, device="cpu", seed=0) -> dict[str, torch.Tensor]:
+    """Inputs of the normalised form: non-negative q and k (a feature map's output) and states with a
+    normaliser column (positive, as a real prefix leaves it)."""
+    x = make_inputs(c, torch.float64, seed=seed)
+    x["q"], x["k"] = F.softplus(x["q"]), F.softplus(x["k"])
+    for n in ("history", "recent"):
+        x[n] = torch.cat([x[n], x[n][..., :1].abs() + 1.0], dim=-1)
+    return {n: t.to(device=device, dtype=dtype) for n, t in x.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_normalized_chunked_matches_reference(case: Case, dtype: torch.dtype) -> None:
+    x = normalized_inputs(case, dtype)
+    ref = run(partial(dsla_attention_reference, normalize=True), x)
+    out = run(partial(dsla_attention, normalize=True, chunk=case.chunk), x)
+    dv = (case.dv or case.dk)
+    assert out[0].shape[-1] == dv and out[1].shape[-1] == dv + 1
+    assert_same_run(ref, out, *TOL[dtype])
+
+
+def test_normalized_read_is_a_convex_combination_of_values() -> None:
+    """With gates of 1 (no decay) and no initial state, each state's read is normalised linear
+    attention: a weighted mean of the values so far, so it stays within their range."""
+    case = Case(b=1, t=20, hq=2, dk=8)
+    x = normalized_inputs(case)
+    zeros = torch.zeros_like(x["g1"])
+    o, _ = dsla_attention(x["q"], x["k"], x["v"], zeros, zeros, x["gamma"], normalize=True)
+    kv = (x["k"] @ x["q"].transpose(-1, -2)).transpose(-1, -2).tril()  # (B, H, T, T): q_t . k_s for s <= t
+    expected = (kv / kv.sum(-1, keepdim=True)) @ x["v"]
+    assert_close("o", expected, o, 1e-5, 1e-5)
+
+
+@pytest.mark.parametrize("fn", [dsla_attention_reference, partial(dsla_attention, chunk=8)], ids=["reference", "torch"])
+def test_normalized_prefill_in_pieces_then_decode_equals_one_call(fn) -> None:
+    case = Case(b=2, t=30, hq=4, dk=8, hkv=2, dv=4)
+    x = normalized_inputs(case)
+    valid = torch.ones(case.b, case.t, dtype=torch.bool)
+    valid[0, :5] = False
+    args = (x["q"], x["k"], x["v"], x["g1"], x["g2"])
+    o_full, s_full = fn(*args, x["gamma"], valid=valid, normalize=True)
+    state, pieces = None, []
+    for lo, hi in [(0, 3), (3, 20), *((i, i + 1) for i in range(20, case.t))]:
+        o, state = fn(*(a[:, :, lo:hi] for a in args), x["gamma"], valid=valid[:, lo:hi], state=state, normalize=True)
+        pieces.append(o)
+    assert_close("o", o_full[1:], torch.cat(pieces, dim=2)[1:], 1e-5, 1e-5)
+    assert_close("o", o_full[0, :, 5:], torch.cat(pieces, dim=2)[0, :, 5:], 1e-5, 1e-5)
+    assert_close("history", s_full.history, state.history, 1e-5, 1e-5)
+    assert_close("recent", s_full.recent, state.recent, 1e-5, 1e-5)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="fla (fla-core) is not installed")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fla's kernels need a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.id)
+def test_normalized_fla_matches_reference(case: Case, dtype: torch.dtype) -> None:
+    x = normalized_inputs(case, device="cuda")
+    for n in ("q", "k", "v"):
+        x[n] = x[n].to(dtype)
+    ref = run(partial(dsla_attention_reference, normalize=True), {n: t.float() for n, t in x.items()})
+    out = run(partial(dsla_attention, normalize=True, backend="fla"), x)
+    for name, r, o in zip(("o", "history", "recent"), ref[:3], out[:3]):
+        diff = o.float() - r.float()
+        ratio = (diff.pow(2).mean().sqrt() / r.float().pow(2).mean().sqrt().clamp_min(1e-12)).item()
+        assert ratio <= GPU_TOL[dtype], f"{name}: relative rms error {ratio:.2e}"

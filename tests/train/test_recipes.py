@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -85,6 +86,28 @@ def test_killed_run_resumes_to_the_same_final_weights(tiny_model_dir, tiny_corpu
     for key in a:
         assert torch.equal(a[key], b[key]), key
     assert resumed["heldout_loss"] == straight["heldout_loss"]
+
+
+@pytest.mark.parametrize("name", ["lolcats", "dsla-chained"])
+def test_bf16_mixed_precision_trains_float32_weights_under_autocast(name, tiny_model_dir, tiny_corpus, tmp_path):
+    overrides = tiny_overrides(tiny_model_dir, tiny_corpus, tmp_path, dtype="bf16-mixed")
+    if name.startswith("dsla"):
+        overrides.pop("spec.window")
+    summary = run(load_recipe(name, overrides))
+    assert summary["autocast"] == "bfloat16" and summary["dtype"] == "float32"
+    assert math.isfinite(summary["heldout_loss"])
+    weights = load_file(os.path.join(summary["adapter"], "adapter.safetensors"))
+    assert weights and all(t.dtype == torch.float32 for t in weights.values())
+
+
+def test_wall_time_budget_stops_a_stage_early_and_evaluates(tiny_model_dir, tiny_corpus, tmp_path):
+    overrides = tiny_overrides(tiny_model_dir, tiny_corpus, tmp_path, **{
+        "transfer.max_steps": 1000, "transfer.max_minutes": 1e-6, "transfer.eval_every": 500, "finetune.enabled": False})
+    summary = run(load_recipe("lolcats", overrides))
+    transfer = summary["stages"]["transfer"]
+    assert transfer["steps"] == 1 and transfer["best_heldout_loss"] is not None
+    with pytest.raises(ConfigError, match="max_minutes"):
+        load_recipe("lolcats", {"transfer.max_minutes": -1})
 
 
 def test_bad_recipe_and_override_errors_list_the_valid_ones():

@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# One GPU lease's work, started detached so that it outlives the 10-minute calls:
+#   setsid nohup bash scripts/gpu_session.sh > "$WORK/driver.log" 2>&1 < /dev/null &
+# then, in later calls, `bash scripts/gpu_pack.sh` copies what has finished into $OUT.
+#
+# Order: the efficiency benchmark alone on the idle GPU (timings need it), then every recipe in
+# parallel (each a wall-time budget per stage), the teacher's evaluation beside them, and each
+# conversion's evaluation as soon as its training ends (core synthetic tasks + perplexity first,
+# then ablations, then the other synthetic tasks; LoLA budgets on the lolcats conversion).
+# Every piece writes its own report, so whatever has finished when the lease ends comes back.
+#
+# Environment (defaults are the real run; the CPU dry run sets small values):
+#   WORK (/root/assets/work)  DEVICE (cuda)  TRANSFER_MIN (3.5)  FINETUNE_MIN (3.5)  CHAINED_MIN (0.2)
+#   CORE_SAMPLES (100)  OTHER_SAMPLES (50)  ABLATE_SAMPLES (20)  LOLA_SAMPLES (50)  LENGTHS (1024,2048,4096,8192)
+#   PPL_LENGTHS (512,1024,2048,4096,8192)  ABLATE_LENGTHS (1024,2048)  DSLA_TRANSFER_MIN (2.5)
+#   TRAIN_EXTRA (--transfer.epochs=4 --transfer.max_steps=2000: the time budget decides)
+#   LONG_FINETUNE (--finetune.epochs=2 --finetune.max_steps=2000, for lolcats and inference-hybrid)
+#   BENCH (1)  BENCH_PREFILL (1024,4096,8192)  BENCH_DECODE (1024,4096,8192)
+#   RECIPES (lolcats hedgecats ssd inference-hybrid dsla-chained)
+set -u
+WORK=${WORK:-/root/assets/work}
+DEVICE=${DEVICE:-cuda}
+TRANSFER_MIN=${TRANSFER_MIN:-3.5}
+FINETUNE_MIN=${FINETUNE_MIN:-3.5}
+CHAINED_MIN=${CHAINED_MIN:-0.2}
+CORE_SAMPLES=${CORE_SAMPLES:-100}
+OTHER_SAMPLES=${OTHER_SAMPLES:-50}
+ABLATE_SAMPLES=${ABLATE_SAMPLES:-20}
+LOLA_SAMPLES=${LOLA_SAMPLES:-50}
+LENGTHS=${LENGTHS:-1024,2048,4096,8192}
+PPL_LENGTHS=${PPL_LENGTHS:-512,1024,2048,4096,8192}
+ABLATE_LENGTHS=${ABLATE_LENGTHS:-1024,2048}
+BENCH=${BENCH:-1}
+DSLA_TRANSFER_MIN=${DSLA_TRANSFER_MIN:-2.5}
+TRAIN_EXTRA=${TRAIN_EXTRA---transfer.epochs=4 --transfer.max_steps=2000}
+LONG_FINETUNE=${LONG_FINETUNE---finetune.epochs=2 --finetune.max_steps=2000}
+RECIPES=${RECIPES:-lolcats hedgecats ssd inference-hybrid dsla-chained}
+CORE_TASKS=niah_single_1,niah_single_2,niah_single_3,passkey
+OTHER_TASKS=niah_multikey_1,niah_multikey_2,niah_multikey_3,niah_multivalue,niah_multiquery,vt,cwe,fwe
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+L="python -m linearize.cli -v"
+mkdir -p "$WORK/logs" "$WORK/runs" "$WORK/eval" "$WORK/bench"
+log() { echo "[$(date +%T)] $*" | tee -a "$WORK/logs/timeline.log"; }
+step() {  # step NAME COMMAND...: run, log its wall time and exit code
+  local name=$1; shift
+  local start=$(date +%s)
+  "$@" > "$WORK/logs/$name.log" 2>&1
+  local rc=$?
+  log "$name: exit $rc, $(( $(date +%s) - start )) s"
+  return $rc
+}
+
+log "driver start on $DEVICE"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> "$WORK/logs/timeline.log" 2>&1
+step warm python -c "
+import linearize
+from linearize.train.data import DataConfig, build_dataset
+model, tok = linearize.load_model('smollm2-135m', device='cpu')
+build_dataset(DataConfig(source='wiki', seq_len=1024), tok)
+build_dataset(DataConfig(source='wiki', seq_len=64), tok)
+"
+
+if [ "$BENCH" = 1 ]; then  # alone on the GPU: latency ratios need an idle device
+  B="--prefill-lengths ${BENCH_PREFILL:-1024,4096,8192} --decode-contexts ${BENCH_DECODE:-1024,4096,8192} --decode-steps 16 --repeats 3 --device $DEVICE"
+  step bench-hybrid timeout 90 $L bench --attention hybrid --window 64 $B --out "$WORK/bench/hybrid"
+  step bench-dsla timeout 90 $L bench --attention dsla $B --out "$WORK/bench/dsla"
+  step bench-lola timeout 60 $L bench --attention lola --window 64 --sparse-cache 64 --chunk 64 $B --out "$WORK/bench/lola"
+fi
+
+evaluate() {  # evaluate NAME MODEL [spec flags...]: core, ablations, other tasks
+  local name=$1 model=$2; shift 2
+  local E="--device $DEVICE --mc-tasks none --batch-size 8"
+  step "eval-$name-core" $L eval --model "$model" "$@" --suite full --tasks $CORE_TASKS --samples "$CORE_SAMPLES" \
+    --lengths "$LENGTHS" --ppl-lengths "$PPL_LENGTHS" $E --out "$WORK/eval/$name/core"
+  if [ "$name" != teacher ]; then
+    step "ablate-$name" $L ablate --model "$model" "$@" --suite quick --tasks niah_single_1,passkey --samples "$ABLATE_SAMPLES" \
+      --lengths "$ABLATE_LENGTHS" --ppl-lengths "$ABLATE_LENGTHS" $E --out "$WORK/eval/$name/ablate"
+  fi
+  step "eval-$name-other" $L eval --model "$model" "$@" --suite full --tasks $OTHER_TASKS --samples "$OTHER_SAMPLES" \
+    --lengths "$LENGTHS" --ppl-lengths none $E --out "$WORK/eval/$name/other"
+}
+
+lola_budgets() {  # LoLA (window, sparse) vs the same explicit slots without the sparse cache
+  local model=$1
+  for ws in 64 256 512; do
+    local F="--device $DEVICE --mc-tasks none --batch-size 8 --suite quick --tasks niah_single_1 --samples $LOLA_SAMPLES --lengths $LENGTHS --ppl-lengths none"
+    step "lola-$ws-$ws" $L ablate --model "$model" --attention lola --window $ws --sparse-cache $ws --chunk 64 --kernel torch \
+      --modes hybrid,no_sparse,window_only $F --out "$WORK/eval/lola/w$ws-s$ws"
+    step "lola-$((2 * ws))-0" $L ablate --model "$model" --attention lola --window $((2 * ws)) --sparse-cache 0 --chunk 64 --kernel torch \
+      --modes hybrid,window_only $F --out "$WORK/eval/lola/w$((2 * ws))-s0"
+  done
+}
+
+pipeline() {  # pipeline RECIPE: train, then evaluate the trained conversion
+  local recipe=$1 name=smollm2-135m-$1
+  local transfer_min=$TRANSFER_MIN extra=$TRAIN_EXTRA
+  case $recipe in
+    lolcats|inference-hybrid) extra="$extra $LONG_FINETUNE" ;;  # hedgecats: one early-stopped epoch; ssd: its 5-epoch schedule
+    dsla-chained) transfer_min=$DSLA_TRANSFER_MIN ;;  # leaves time for the 30 chained steps
+  esac
+  local budget="--transfer.max_minutes=$transfer_min --finetune.max_minutes=$FINETUNE_MIN --chained.max_minutes=$CHAINED_MIN"
+  if ! step "train-$recipe" $L train --recipe "$recipe" --output_dir="$WORK/runs" $budget $extra; then
+    [ "$recipe" = dsla-chained ] || return
+    # fallback if fla's chunk_gla fails here: the exact torch kernel, in less memory
+    step "train-$recipe-torch" $L train --recipe "$recipe" --output_dir="$WORK/runs" $budget $extra \
+      --spec.kernel=torch --spec.chunk=8 --transfer.optim.batch_size=4 --chained.optim.batch_size=4 || return
+  fi
+  local adapter="$WORK/runs/$name/adapter" kernel=torch
+  [ "$recipe" = dsla-chained ] && kernel=auto  # DSLA's torch kernel is memory-hungry at 8K: fla
+  evaluate "$name" "$adapter" --kernel $kernel
+  if [ "$recipe" = lolcats ]; then lola_budgets "$adapter"; fi
+}
+
+for recipe in $RECIPES; do
+  pipeline "$recipe" &
+  sleep 2
+done
+evaluate teacher smollm2-135m &
+wait
+log "driver done"
+touch "$WORK/DONE"
