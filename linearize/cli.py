@@ -20,6 +20,7 @@ from . import spec as spec_module
 from .spec import ConversionSpec
 
 EXIT_USAGE = 2
+DEFAULT_CONVERSION = "smollm2-135m-lolcats"
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 DEMO_PROMPT = (
@@ -164,33 +165,42 @@ def cmd_generate(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    """The main job: teacher vs converted model, side by side, with the memory each holds."""
+    """The main job: teacher vs a trained conversion (or, with spec flags, a fresh untrained one),
+    side by side, with the memory each holds."""
     from .convert import convert
     from .generate import generate_text
+    from .memory import request_memory
 
-    model, tokenizer = _load(args.model, args)
-    teacher = generate_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, chat=True)
-    spec = spec_from_args(args) or ConversionSpec(attention="hybrid", layers="all", window=64)
-    convert(model, spec)
-    student = generate_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, chat=True)
+    teacher_model, tokenizer = _load(args.model, args)
+    teacher = generate_text(teacher_model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, chat=True)
+    spec = spec_from_args(args)
+    if spec is not None:  # a fresh conversion of --model with these flags
+        convert(teacher_model, spec)
+        student_model, label = teacher_model, f"{spec.attention}, window {spec.window}, untrained"
+    else:
+        student_model, _ = _load(args.conversion, args)
+        spec = ConversionSpec.from_dict(student_model.config.linearize)
+        label = f"{args.conversion}, trained"
+    student = generate_text(student_model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, chat=True)
     width = 60
     print(f"prompt: {args.prompt}\n")
-    print(f"{'TEACHER (softmax attention)':<{width}} | CONVERTED ({spec.attention}, window {spec.window}, untrained)")
+    print(f"{'TEACHER (softmax attention)':<{width}} | CONVERTED ({label})")
     print("-" * width + "-+-" + "-" * width)
     for left, right in _side_by_side(teacher.text, student.text, width):
         print(f"{left:<{width}} | {right}")
     print("-" * width + "-+-" + "-" * width)
-    for label, r in (("teacher", teacher), ("converted", student)):
-        print(f"{label:>9}: {r.new_tokens} tokens, {r.tokens_per_second:.1f} tok/s, memory held: {_mib(r.memory_bytes)} "
+    for name, r in (("teacher", teacher), ("converted", student)):
+        print(f"{name:>9}: {r.new_tokens} tokens, {r.tokens_per_second:.1f} tok/s, memory held: {_mib(r.memory_bytes)} "
               f"for {r.context_tokens} tokens of context (measured)")
-    from .memory import request_memory
-
-    dtype_bytes = next(model.parameters()).element_size()
+    dtype_bytes = next(student_model.parameters()).element_size()
     for tokens in (1024, 8192):
-        t_bytes, s_bytes = request_memory(None, model, tokens, dtype_bytes), request_memory(spec, model, tokens, dtype_bytes)
+        t_bytes = request_memory(None, student_model, tokens, dtype_bytes)
+        s_bytes = request_memory(spec, student_model, tokens, dtype_bytes)
         print(f"  at {tokens:>5} tokens (formula): teacher {_mib(t_bytes)}, converted {_mib(s_bytes)} ({t_bytes / s_bytes:.1f}x less)")
-    note = "the converted model is untrained (identity feature maps): expect degraded text until trained"
-    print(f"\nnote: {note}")
+    if "untrained" in label:
+        print("\nnote: the converted model is untrained: expect degraded text once the context outgrows the window")
+    else:
+        print("\nnote: held-out quality of the shipped conversions against the teacher: docs/results/training.md")
     return 0
 
 
@@ -514,8 +524,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_spec_flags(p)
     p.set_defaults(func=cmd_plots)
 
-    p = sub.add_parser("demo", help="main job: teacher vs converted model side by side, with memory held")
-    p.add_argument("--model", default=DEFAULT_MODEL)
+    p = sub.add_parser("demo", help="main job: teacher vs a trained conversion side by side, with memory held")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"the teacher (default: {DEFAULT_MODEL})")
+    p.add_argument("--conversion", default=DEFAULT_CONVERSION,
+                   help=f"trained conversion to compare: shipped name or adapter dir (default: {DEFAULT_CONVERSION}); "
+                        "spec flags instead convert --model afresh, untrained")
     p.add_argument("--prompt", default=DEMO_PROMPT)
     p.add_argument("--max-new-tokens", type=int, default=48)
     add_spec_flags(p)

@@ -7,7 +7,7 @@ WORK=${WORK:-/root/assets/work}
 OUT=${OUT:-out}
 wait_s=${1:-0}
 start=$(date +%s)
-while [ ! -e "$WORK/DONE" ] && [ $(( $(date +%s) - start )) -lt "$wait_s" ]; do
+while ! ls "$WORK"/DONE-* >/dev/null 2>&1 && [ $(( $(date +%s) - start )) -lt "$wait_s" ]; do
   sleep 20
   if [ $(( ($(date +%s) - start) % 120 )) -lt 20 ]; then
     echo "--- $(date +%T)"; tail -n 4 "$WORK/logs/timeline.log" 2>/dev/null

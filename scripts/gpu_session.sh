@@ -15,7 +15,8 @@
 #   PPL_LENGTHS (512,1024,2048,4096,8192)  ABLATE_LENGTHS (1024,2048)  DSLA_TRANSFER_MIN (2.5)
 #   TRAIN_EXTRA (--transfer.epochs=4 --transfer.max_steps=2000: the time budget decides)
 #   LONG_FINETUNE (--finetune.epochs=2 --finetune.max_steps=2000, for lolcats and inference-hybrid)
-#   BENCH (1)  BENCH_PREFILL (1024,4096,8192)  BENCH_DECODE (1024,4096,8192)
+#   BENCH (1)  BENCH_PREFILL (1024,4096,8192)  BENCH_DECODE (1024,4096,8000: + decode steps <= 8192)
+#   TEACHER (1: evaluate the teacher too)  TAG (1: the driver touches WORK/DONE-TAG when it ends)
 #   RECIPES (lolcats hedgecats ssd inference-hybrid dsla-chained)
 set -u
 WORK=${WORK:-/root/assets/work}
@@ -61,7 +62,7 @@ build_dataset(DataConfig(source='wiki', seq_len=64), tok)
 "
 
 if [ "$BENCH" = 1 ]; then  # alone on the GPU: latency ratios need an idle device
-  B="--prefill-lengths ${BENCH_PREFILL:-1024,4096,8192} --decode-contexts ${BENCH_DECODE:-1024,4096,8192} --decode-steps 16 --repeats 3 --device $DEVICE"
+  B="--prefill-lengths ${BENCH_PREFILL:-1024,4096,8192} --decode-contexts ${BENCH_DECODE:-1024,4096,8000} --decode-steps 16 --repeats 3 --device $DEVICE"
   step bench-hybrid timeout 90 $L bench --attention hybrid --window 64 $B --out "$WORK/bench/hybrid"
   step bench-dsla timeout 90 $L bench --attention dsla $B --out "$WORK/bench/dsla"
   step bench-lola timeout 60 $L bench --attention lola --window 64 --sparse-cache 64 --chunk 64 $B --out "$WORK/bench/lola"
@@ -115,7 +116,7 @@ for recipe in $RECIPES; do
   pipeline "$recipe" &
   sleep 2
 done
-evaluate teacher smollm2-135m &
+[ "${TEACHER:-1}" = 1 ] && evaluate teacher smollm2-135m &
 wait
 log "driver done"
-touch "$WORK/DONE"
+touch "$WORK/DONE-${TAG:-1}"

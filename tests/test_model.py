@@ -275,3 +275,14 @@ def test_shipped_names_resolve_or_say_they_are_not_shipped_yet():
             assert f"conversion {name!r} has not been trained and shipped yet" in str(err)
         else:
             assert (path / "linearize_adapter.json").is_file()
+
+
+@pytest.mark.parametrize("name", ["hybrid-joint", "lola", "dsla", "dsla-identity"])
+@torch.no_grad()
+def test_bfloat16_model_runs_with_float32_new_parameters(name):
+    """Shipped conversions load into bf16 models on GPUs: the new float32 modules must accept it."""
+    spec, mode = VARIANTS.get(name) or ({"attention": "dsla", "feature_map": "identity"}, None)
+    model = convert(tiny().to(torch.bfloat16), spec, mode)
+    ids, mask = padded_batch(model.config.vocab_size, [7, 5])
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits[mask.bool()].float()).all()

@@ -89,3 +89,21 @@ def test_cli_generate_and_info_on_the_real_model(smollm2, capsys):
     assert main(["info", "smollm2-135m"]) == 0
     out = capsys.readouterr().out
     assert "layers         30" in out and "KV bytes/token" in out
+
+
+@pytest.mark.parametrize("name", list(linearize.api.SHIPPED))
+@torch.no_grad()
+def test_shipped_conversions_load_offline_and_stay_close_to_the_teacher_on_short_text(smollm2, name):
+    """Every shipped conversion loads by name (bf16-stored adapter, float32 model); the joint-mix
+    hybrids, on text within their window, predict much like their teacher."""
+    teacher, tokenizer = smollm2
+    model, _ = linearize.load_model(name)
+    assert next(model.parameters()).dtype == torch.float32
+    assert model.config.linearize["attention"] in ("hybrid", "dsla")
+    ids = tokenizer("The Amazon rainforest covers much of the Amazon basin of South America.", return_tensors="pt").input_ids
+    logits = model(ids).logits
+    assert torch.isfinite(logits).all()
+    if model.config.linearize.get("mix") == "joint":  # short text: inside the 64-token window
+        # (not inference-hybrid: its gate mix always gives the linear branch half the weight)
+        agree = (logits.argmax(-1) == teacher(ids).logits.argmax(-1)).float().mean()
+        assert agree > 0.5, f"{name}: next-token argmax agrees with the teacher on only {agree:.0%} of positions"

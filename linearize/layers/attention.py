@@ -248,7 +248,8 @@ class LowRankGate(nn.Module):
         nn.init.zeros_(self.up.weight)  # starts data independent, at init_value
         nn.init.constant_(self.up.bias, init_gate_bias(init_value))
 
-    def forward(self, x: Tensor) -> Tensor:  # (B, T, hidden) -> (B, T, out)
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, hidden) -> (B, T, out), in float32
+        x = x.to(self.down.weight.dtype)  # the new parameters stay float32 in a bf16 model
         return F.logsigmoid(self.up(self.down(x)).float()) / 16.0
 
 

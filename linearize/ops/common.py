@@ -36,8 +36,16 @@ def default_valid(x: Tensor, valid: Tensor | None) -> Tensor:
     return valid.to(device=x.device, dtype=torch.bool)
 
 
+EMPTY_DENOMINATOR = 1e-12
+"""Normalisers at or below this read as empty (output 0). Linear-attention normalisers are sums of
+non-negative feature products; one that is this small means no key matched, and dividing by it
+would give d(num/den)/d(den) = -num/den^2 overflowing to inf and NaN gradients (seen with peaked
+Hedgehog features on SmolLM2, even in float32)."""
+
+
 def safe_divide(num: Tensor, den: Tensor) -> Tensor:
-    """num / den with 0 where den == 0 (den broadcast over the last axis of num)."""
+    """num / den with 0 where den <= EMPTY_DENOMINATOR (den broadcast over the last axis of num);
+    gradients stay finite."""
     den = den.unsqueeze(-1)
-    zero = den == 0
-    return torch.where(zero, torch.zeros_like(num), num / torch.where(zero, torch.ones_like(den), den))
+    empty = den <= EMPTY_DENOMINATOR
+    return torch.where(empty, torch.zeros_like(num), num / torch.where(empty, torch.ones_like(den), den))

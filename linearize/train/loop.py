@@ -92,6 +92,8 @@ class LoopState:
     best_step: int = -1
     evals_without_improvement: int = 0
     done: bool = False
+    skipped_steps: int = 0
+    """Steps whose gradients were not finite: no update was made (as AMP's GradScaler does)."""
     history: list[dict] = field(default_factory=list)
 
 
@@ -201,10 +203,14 @@ def run_stage(
             batch = batch.to(device)
             loss, values = model(batch, step=state.step, epoch=state.epoch)
             loss.backward()
-            grad_norm = None
-            if optim.max_grad_norm:
-                grad_norm = float(torch.nn.utils.clip_grad_norm_([params[n] for n in sorted(params)], optim.max_grad_norm))
-            optimizer.step()
+            grads = [params[n] for n in sorted(params)]
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, optim.max_grad_norm or math.inf))
+            if math.isfinite(grad_norm):
+                optimizer.step()
+            else:  # skip the update rather than write NaN into the weights
+                state.skipped_steps += 1
+                logger.warning("%s: step %d has non-finite gradients (norm %s); update skipped (%d so far)",
+                               stage, state.step + 1, grad_norm, state.skipped_steps)
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             state.step += 1
@@ -215,7 +221,7 @@ def run_stage(
             if state.step % log_every == 0 or state.step == total:
                 record = {"stage": stage, "step": state.step, "epoch": state.epoch, "loss": float(loss.detach()),
                           "lr": scheduler.get_last_lr()[0], "tokens": state.tokens, "seconds": round(state.seconds, 3),
-                          **({"grad_norm": grad_norm} if grad_norm is not None else {}), **values}
+                          "grad_norm": grad_norm, "skipped_steps": state.skipped_steps, **values}
                 metrics.write(record)
                 bar.set_postfix(loss=f"{record['loss']:.4g}")
             out_of_time = _out_of_time(state.seconds, cfg.max_minutes, world, device)

@@ -83,10 +83,17 @@ def run(config: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
     """Run a recipe; returns (and writes) the summary."""
     torch.manual_seed(config.seed)
     device, dtype, autocast_dtype = _device_and_dtype(config)
-    with contextlib.ExitStack() as stack:
-        if autocast_dtype is not None:
-            stack.enter_context(torch.autocast(device.type, dtype=autocast_dtype))
+    with precision(device, autocast_dtype):
         return _run(config, device, dtype, autocast_dtype, resume=resume)
+
+
+def precision(device: torch.device, autocast_dtype: torch.dtype | None):
+    """The autocast context a whole run sits in (or none). Its weight-cast cache is off: within one
+    context it would keep serving the first low-precision copy of every weight being trained, so
+    the forward would never see an update (our first GPU runs trained blind this way)."""
+    if autocast_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=autocast_dtype, cache_enabled=False)
 
 
 def _run(config: TrainConfig, device: torch.device, dtype: torch.dtype, autocast_dtype: torch.dtype | None, *, resume: bool) -> dict[str, Any]:
@@ -149,7 +156,7 @@ def _run(config: TrainConfig, device: torch.device, dtype: torch.dtype, autocast
 
 
 def _stage_summary(state) -> dict[str, Any]:
-    return {"steps": state.step, "tokens": state.tokens, "seconds": round(state.seconds, 2),
+    return {"steps": state.step, "tokens": state.tokens, "seconds": round(state.seconds, 2), "skipped_steps": state.skipped_steps,
             "best_heldout_loss": None if math.isinf(state.best_heldout) else state.best_heldout, "best_step": state.best_step}
 
 

@@ -177,3 +177,45 @@ def test_training_table_from_run_summaries(tmp_path):
     assert "| smollm2-135m-x | 1,000 / - / 2,000 | 1.5 / - / 3.0 | 1 | 2.0000 | 2.5000 | 7.39 | 12.18 | 1.65 |" in table
     with pytest.raises(FileNotFoundError, match="no summary.json"):
         load_summaries([tmp_path / "missing"])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bf16-mixed"])
+def test_lora_stage_changes_the_model_it_evaluates(dtype, tiny_model_dir, tiny_corpus, tmp_path):
+    """The fine-tuning stage's held-out loss must move as LoRA trains (the evaluated model is the one
+    being trained), and the reloaded adapter must reproduce the stage's final model."""
+    overrides = tiny_overrides(tiny_model_dir, tiny_corpus, tmp_path, **{
+        "finetune.max_steps": 4, "finetune.eval_every": 1, "finetune.optim.lr": 0.01, "dtype": dtype})
+    config = load_recipe("lolcats", overrides)
+    run(config)
+    records = [json.loads(line) for line in (tmp_path / config.name / "metrics.jsonl").read_text().splitlines()]
+    heldout = [r["heldout_loss"] for r in records if r["stage"] == "finetune" and "heldout_loss" in r]
+    assert len(heldout) == 4 and len(set(heldout)) == 4, heldout
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bf16-mixed"])
+def test_stage_evaluation_matches_the_reloaded_adapter(dtype, tiny_model_dir, tiny_corpus, tmp_path):
+    """The held-out loss a stage reports at its end is that of the model it saves."""
+    overrides = tiny_overrides(tiny_model_dir, tiny_corpus, tmp_path, **{
+        "transfer.max_steps": 4, "transfer.eval_every": 4, "transfer.eval_batches": 1000, "transfer.optim.lr": 0.05,
+        "finetune.enabled": False, "dtype": dtype})
+    config = load_recipe("lolcats", overrides)
+    summary = run(config)
+    records = [json.loads(line) for line in (tmp_path / config.name / "metrics.jsonl").read_text().splitlines()]
+    last = [r["heldout_loss"] for r in records if r["stage"] == "transfer" and "heldout_loss" in r][-1]
+    assert last == pytest.approx(summary["heldout_loss"], rel=2e-2 if dtype == "bf16-mixed" else 1e-5)
+
+
+def test_run_precision_context_sees_weight_updates():
+    """Inside the run-wide bf16 autocast context, a forward after an optimiser step uses the new
+    weights (autocast's cast cache would serve the old bf16 copy for the whole run)."""
+    from linearize.train.recipes import precision
+
+    layer = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    with precision(torch.device("cpu"), torch.bfloat16):
+        before = layer(x)
+        with torch.no_grad():
+            layer.weight.add_(1.0)
+        after = layer(x)
+    assert before.dtype == torch.bfloat16
+    assert not torch.allclose(before.float(), after.float()), "the forward did not see the weight update"
