@@ -1,6 +1,6 @@
 """Held-out loss of the teacher and every shipped conversion, as a fresh CPU machine loads them.
 
-    python scripts/shipped_heldout.py --out docs/results/shipped_heldout.json
+    python scripts/shipped_heldout.py --out docs/results/shipped_heldout.json [--models NAME_OR_DIR ...]
 
 Same held-out documents as the training recipes (wiki, seq_len 1024, seed 0, every held-out row),
 float32 on CPU. dsla-chained is measured at several active prefixes.
@@ -27,6 +27,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--dsla-prefixes", default="0,5,10,15,20,25,30")
+    parser.add_argument("--models", nargs="+", help="only these (names or adapter dirs) instead of the teacher and every shipped one")
     args = parser.parse_args()
     rows = []
     teacher, tokenizer = linearize.load_model("smollm2-135m")
@@ -41,6 +42,11 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
         atomic_write_text(args.out, json.dumps(rows, indent=2))
 
+    if args.models:
+        for name in args.models:
+            model, _ = linearize.load_model(name)
+            measure(name, model)
+        return
     measure("smollm2-135m", teacher)
     del teacher
     for name in SHIPPED:

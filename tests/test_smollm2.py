@@ -103,7 +103,8 @@ def test_shipped_conversions_load_offline_and_stay_close_to_the_teacher_on_short
     ids = tokenizer("The Amazon rainforest covers much of the Amazon basin of South America.", return_tensors="pt").input_ids
     logits = model(ids).logits
     assert torch.isfinite(logits).all()
-    if model.config.linearize.get("mix") == "joint":  # short text: inside the 64-token window
+    spec = model.config.linearize
+    if spec["attention"] == "hybrid" and spec["mix"] == "joint":  # short text: inside the 64-token window
         # (not inference-hybrid: its gate mix always gives the linear branch half the weight)
         agree = (logits.argmax(-1) == teacher(ids).logits.argmax(-1)).float().mean()
         assert agree > 0.5, f"{name}: next-token argmax agrees with the teacher on only {agree:.0%} of positions"
