@@ -174,7 +174,8 @@ def cmd_demo(args) -> int:
     teacher_model, tokenizer = _load(args.model, args)
     teacher = generate_text(teacher_model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, chat=True)
     spec = spec_from_args(args)
-    if spec is not None:  # a fresh conversion of --model with these flags
+    untrained = spec is not None
+    if untrained:  # a fresh conversion of --model with these flags
         convert(teacher_model, spec)
         student_model, label = teacher_model, f"{spec.attention}, window {spec.window}, untrained"
     else:
@@ -197,7 +198,7 @@ def cmd_demo(args) -> int:
         t_bytes = request_memory(None, student_model, tokens, dtype_bytes)
         s_bytes = request_memory(spec, student_model, tokens, dtype_bytes)
         print(f"  at {tokens:>5} tokens (formula): teacher {_mib(t_bytes)}, converted {_mib(s_bytes)} ({t_bytes / s_bytes:.1f}x less)")
-    if "untrained" in label:
+    if untrained:
         print("\nnote: the converted model is untrained: expect degraded text once the context outgrows the window")
     else:
         print("\nnote: held-out quality of the shipped conversions against the teacher: docs/results/training.md")
@@ -290,21 +291,14 @@ def _suite(args):
     if args.tasks is not None:
         changes["synthetic_tasks"] = [t for t in args.tasks.split(",") if t]
     if args.lengths is not None:
-        changes["synthetic_lengths"] = _ints("--lengths", args.lengths)
+        changes["synthetic_lengths"] = args.lengths
     if args.ppl_lengths is not None:
-        changes["perplexity_lengths"] = [] if args.ppl_lengths == "none" else _ints("--ppl-lengths", args.ppl_lengths)
+        changes["perplexity_lengths"] = args.ppl_lengths
     if args.mc_tasks is not None:
         changes["mc_tasks"] = [] if args.mc_tasks == "none" else [t for t in args.mc_tasks.split(",") if t]
     if args.batch_size is not None:
         changes["batch_size"] = args.batch_size
     return get_suite(args.suite, **changes)
-
-
-def _ints(flag: str, text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise SystemExit(f"error: {flag} takes comma-separated integers, got {text!r}") from None
 
 
 def _write_report(out: str | None, stem: str, markdown: str, data: dict) -> None:
@@ -407,6 +401,10 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _int_list_or_none(text: str) -> list[int]:
+    return [] if text == "none" else _int_list(text)
+
+
 def _side_by_side(a: str, b: str, width: int):
     import textwrap
 
@@ -477,10 +475,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--data-dir", help="folder with the multiple-choice data files (e.g. ../shared/data/eval); without it they are skipped")
         p.add_argument("--samples", type=int, help="synthetic samples per task and length (overrides the suite)")
         p.add_argument("--tasks", help="comma-separated synthetic tasks (overrides the suite)")
-        p.add_argument("--lengths", help="comma-separated synthetic lengths (overrides the suite)")
+        p.add_argument("--lengths", type=_int_list, help="comma-separated synthetic lengths (overrides the suite)")
         p.add_argument("--mc-limit", type=int, help="documents per multiple-choice task (overrides the suite)")
         p.add_argument("--mc-tasks", help="comma-separated lm-eval tasks, or 'none' (overrides the suite)")
-        p.add_argument("--ppl-lengths", help="comma-separated perplexity context lengths, or 'none' (overrides the suite)")
+        p.add_argument("--ppl-lengths", type=_int_list_or_none,
+                       help="comma-separated perplexity context lengths, or 'none' (overrides the suite)")
         p.add_argument("--batch-size", type=int, help="generation and scoring batch size (overrides the suite)")
         p.add_argument("--device", help="cpu | cuda (default: cpu)")
         p.add_argument("--out", help="directory for the markdown + JSON report")

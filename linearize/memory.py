@@ -33,8 +33,7 @@ def layer_memory(spec: LayerSpec | None, config, dtype_bytes: int = 2) -> LayerM
         return LayerMemory("softmax" if spec else "teacher", kv_token, 0)
     features = spec.features(head_dim)
     if spec.attention == "dsla":  # two (features x head_dim [+ 1 normaliser column]) states per head
-        normalised = spec.feature_map != "identity"
-        return LayerMemory("dsla", 0, 2 * h * features * (head_dim + normalised) * STATE_BYTES)
+        return LayerMemory("dsla", 0, 2 * h * features * (head_dim + spec.dsla_normalized) * STATE_BYTES)
     linear = h * features * (head_dim + 1) * STATE_BYTES
     window = spec.window * 2 * hkv * head_dim * STATE_BYTES
     if spec.attention == "lola":

@@ -46,7 +46,9 @@ class LayerSpec:
     """joint: one shared softmax denominator with a learned per-head window factor (LoLCATs);
     gate: g * SWA + (1 - g) * LA, each branch normalised (HedgeCATs Eq. 3)."""
     feature_map: str = "hedgehog"
-    """hedgehog (learned +-softmax) | exp | relu | elu (1 + elu) | identity."""
+    """hedgehog (learned +-softmax) | exp | relu | elu (1 + elu) | identity. DSLA: identity is the
+    paper's raw form (q, k as they are, no normaliser); any other map is applied to q and k and each
+    state's read is normalised."""
     feature_dim: int | None = None
     """Number of features phi produces. hedgehog: 2 * head_dim (square W, default) or head_dim
     (rectangular d x d/2 W). Fixed maps: head_dim (None means the default)."""
@@ -66,7 +68,7 @@ class LayerSpec:
     dsla_recent_gate: float = 0.9
     """DSLA: initial gate value of the fast (recent) state."""
     dsla_gate_rank: int = 16
-    """DSLA: rank of the low-rank gate projection (hidden -> rank -> heads * head_dim)."""
+    """DSLA: rank of the low-rank gate projection (hidden -> rank -> heads * features)."""
     kernel: str = "auto"
     """auto (fla on CUDA when installed, else torch) | torch | fla."""
 
@@ -94,6 +96,11 @@ class LayerSpec:
             raise SpecError(f"sparse_cache={self.sparse_cache} needs attention 'lola', got {self.attention!r}")
         if self.attention == "lola" and (self.mix != "joint" or self.overlap):
             raise SpecError("attention 'lola' builds on the joint, non-overlap hybrid: use mix 'joint' and overlap false")
+
+    @property
+    def dsla_normalized(self) -> bool:
+        """DSLA: feature-mapped q/k with normalised state reads (every feature map but identity)."""
+        return self.feature_map != "identity"
 
     def features(self, head_dim: int) -> int:
         """Number of features phi produces for this head size."""

@@ -87,3 +87,14 @@ def test_unknown_model_and_unsupported_architecture(tmp_path):
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(tmp_path / "gpt2")
     result = run_cli("convert", "--model", str(tmp_path / "gpt2"), "--out", str(tmp_path / "o"))
     assert result.returncode == 2 and "unsupported architecture 'gpt2'" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_eval_list_flags_parse_or_name_the_bad_value(capsys):
+    from linearize.cli import build_parser
+
+    args = build_parser().parse_args(["eval", "--ppl-lengths", "none", "--lengths", "1024,2048"])
+    assert args.ppl_lengths == [] and args.lengths == [1024, 2048]
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["eval", "--ppl-lengths", "512,5x"])
+    assert exit_info.value.code == 2
+    assert "argument --ppl-lengths: expected comma-separated integers, got '512,5x'" in capsys.readouterr().err

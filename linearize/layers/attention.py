@@ -265,7 +265,7 @@ class DslaAttention(ConvertedAttention):
     def __init__(self, teacher, spec, layer_idx, config):
         super().__init__(teacher, spec, layer_idx, config)
         hidden = config.hidden_size
-        self.normalize = spec.feature_map != "identity"
+        self.normalize = spec.dsla_normalized
         self.features = spec.features(self.head_dim)
         if self.normalize:
             self.feature_map_q = build_feature_map(spec.feature_map, self.num_heads, self.head_dim, self.features, seed=2 * layer_idx)

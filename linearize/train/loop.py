@@ -203,8 +203,8 @@ def run_stage(
             batch = batch.to(device)
             loss, values = model(batch, step=state.step, epoch=state.epoch)
             loss.backward()
-            grads = [params[n] for n in sorted(params)]
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, optim.max_grad_norm or math.inf))
+            trained = [params[n] for n in sorted(params)]
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(trained, optim.max_grad_norm or math.inf))
             if math.isfinite(grad_norm):
                 optimizer.step()
             else:  # skip the update rather than write NaN into the weights
