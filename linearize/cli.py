@@ -497,7 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("ablate", help="a converted model under each component mode, with Delta_LA")
     p.add_argument("--model", required=True)
-    p.add_argument("--modes", help="comma-separated modes (default: hybrid,swa_only,la_only,sinks_only,none; LoLA: its read ablations)")
+    p.add_argument("--modes", help="comma-separated modes (default per kind: hybrid: hybrid,swa_only,la_only,sinks_only,none; LoLA: hybrid,no_state,no_sparse,window_only; DSLA: hybrid,history_only,recent_only,sinks_only,none)")
     suite_flags(p)
     add_spec_flags(p)
     p.set_defaults(func=cmd_ablate)

@@ -14,11 +14,11 @@ from .spec import ConversionSpec, SpecError
 
 logger = logging.getLogger(__name__)
 
-MODES = ("hybrid", "swa_only", "la_only", "sinks_only", "none", "teacher", "no_state", "no_sparse", "window_only")
+MODES = ("hybrid", "swa_only", "la_only", "sinks_only", "none", "teacher", "no_state", "no_sparse", "window_only", "history_only", "recent_only")
 """Component modes: hybrid (normal), swa_only (LA output zeroed), la_only (window removed, LA over all
 positions), sinks_only (softmax over the first 8 tokens), none (attention output zeroed), teacher (the
 original softmax attention with plain KV; the new parameters stay, inactive); LoLA read
-ablations: no_state, no_sparse, window_only. Each layer kind supports a subset (see set_mode)."""
+ablations: no_state, no_sparse, window_only; DSLA read ablations: history_only, recent_only. Each layer kind supports a subset (see set_mode)."""
 
 
 def convert(model: PreTrainedModel, spec: ConversionSpec | dict[str, Any] | None = None) -> PreTrainedModel:

@@ -3,29 +3,38 @@
 #   setsid nohup bash scripts/gpu_session.sh > "$WORK/driver.log" 2>&1 < /dev/null &
 # then, in later calls, `bash scripts/gpu_pack.sh` copies what has finished into $OUT.
 #
-# Order: the efficiency benchmark alone on the idle GPU (timings need it), then every recipe in
-# parallel (each a wall-time budget per stage), the teacher's evaluation beside them, and each
-# conversion's evaluation as soon as its training ends (core synthetic tasks + perplexity first,
-# then ablations, then the other synthetic tasks; LoLA budgets on the lolcats conversion).
+# Order: the efficiency benchmarks alone on the idle GPU (timings need it), then dsla-chained alone
+# for HEAD_START seconds (fla's Triton autotuning runs uncontended and is cached on disk for the
+# later processes), then every other recipe in parallel (each a wall-time budget per stage; the
+# transfer objectives are checkpointed per layer, so five runs fit in one GPU's memory), the
+# teacher's evaluation beside them if asked, and each conversion's evaluation as soon as its
+# training ends (core synthetic tasks + perplexity first, then ablations, then the other synthetic
+# tasks; LoLA budgets on the lolcats conversion).
 # Every piece writes its own report, so whatever has finished when the lease ends comes back.
 #
 # Environment (defaults are the real run; the CPU dry run sets small values):
-#   WORK (/root/assets/work)  DEVICE (cuda)  TRANSFER_MIN (3.5)  FINETUNE_MIN (3.5)  CHAINED_MIN (0.2)
+#   WORK (/root/assets/work)  DEVICE (cuda)  TRANSFER_MIN (3)  FINETUNE_MIN (3)  CHAINED_MIN (0.15)
+#   DSLA_TRANSFER_MIN (2)  HEAD_START (60: seconds dsla-chained trains alone)
 #   CORE_SAMPLES (100)  OTHER_SAMPLES (50)  ABLATE_SAMPLES (20)  LOLA_SAMPLES (50)  LENGTHS (1024,2048,4096,8192)
-#   PPL_LENGTHS (512,1024,2048,4096,8192)  ABLATE_LENGTHS (1024,2048)  DSLA_TRANSFER_MIN (2.5)
+#   PPL_LENGTHS (512,1024,2048,4096,8192)  ABLATE_LENGTHS (1024,2048)
+#   EVAL_BATCH (100: prompts per generate call; the converted models' decoding is host-bound, so one
+#   call per task and length is ~4x faster than batches of 32, and their state is small)
+#   TRAIN (1: train, then evaluate the run; 0: evaluate the shipped conversions smollm2-135m-RECIPE)
+#   WARM_FLA (1: before anything else, one DSLA training step alone, so fla's Triton autotuning of the
+#   forward and backward kernels runs uncontended and lands in the on-disk autotune cache)
 #   TRAIN_EXTRA (--transfer.epochs=4 --transfer.max_steps=2000: the time budget decides)
 #   LONG_FINETUNE (--finetune.epochs=2 --finetune.max_steps=2000, for lolcats and inference-hybrid)
-#   BENCH (1)  BENCH_PREFILL (1024,4096,8192)  BENCH_DECODE (1024,4096,8000: + decode steps <= 8192)
-#   TEACHER (1: evaluate the teacher too)  TAG (1: the driver touches WORK/DONE-TAG when it ends)
-#   RECIPES (lolcats inference-hybrid dsla-chained: trained in parallel)
-#   SERIAL_RECIPES (hedgecats ssd: trained one after the other beside them; their attention-weight
-#   objective holds ~50 GB each at batch 8 x 1024, and two at once ran the others out of memory)
+#   BENCH (dsla lola: attention kinds benchmarked against the teacher; empty: none)
+#   BENCH_PREFILL (1024,4096,8192)  BENCH_DECODE (1024,4096,8000: + decode steps <= 8192)
+#   TEACHER (0: 1 evaluates the teacher too)  TAG (1: the driver touches WORK/DONE-TAG when it ends)
+#   RECIPES (lolcats hedgecats ssd inference-hybrid: trained in parallel after the head start)
+#   FIRST_RECIPE (dsla-chained: trained first, alone for HEAD_START seconds; empty: none)
 set -u
 WORK=${WORK:-/root/assets/work}
 DEVICE=${DEVICE:-cuda}
-TRANSFER_MIN=${TRANSFER_MIN:-3.5}
-FINETUNE_MIN=${FINETUNE_MIN:-3.5}
-CHAINED_MIN=${CHAINED_MIN:-0.2}
+TRANSFER_MIN=${TRANSFER_MIN:-3}
+FINETUNE_MIN=${FINETUNE_MIN:-3}
+CHAINED_MIN=${CHAINED_MIN:-0.15}
 CORE_SAMPLES=${CORE_SAMPLES:-100}
 OTHER_SAMPLES=${OTHER_SAMPLES:-50}
 ABLATE_SAMPLES=${ABLATE_SAMPLES:-20}
@@ -33,15 +42,20 @@ LOLA_SAMPLES=${LOLA_SAMPLES:-50}
 LENGTHS=${LENGTHS:-1024,2048,4096,8192}
 PPL_LENGTHS=${PPL_LENGTHS:-512,1024,2048,4096,8192}
 ABLATE_LENGTHS=${ABLATE_LENGTHS:-1024,2048}
-BENCH=${BENCH:-1}
-DSLA_TRANSFER_MIN=${DSLA_TRANSFER_MIN:-2.5}
+BENCH=${BENCH-dsla lola}
+EVAL_BATCH=${EVAL_BATCH:-100}
+TRAIN=${TRAIN:-1}
+WARM_FLA=${WARM_FLA:-1}
+HEAD_START=${HEAD_START:-60}
+DSLA_TRANSFER_MIN=${DSLA_TRANSFER_MIN:-2}
 TRAIN_EXTRA=${TRAIN_EXTRA---transfer.epochs=4 --transfer.max_steps=2000}
 LONG_FINETUNE=${LONG_FINETUNE---finetune.epochs=2 --finetune.max_steps=2000}
-RECIPES=${RECIPES-lolcats inference-hybrid dsla-chained}
-SERIAL_RECIPES=${SERIAL_RECIPES-hedgecats ssd}
+RECIPES=${RECIPES-lolcats hedgecats ssd inference-hybrid}
+FIRST_RECIPE=${FIRST_RECIPE-dsla-chained}
 CORE_TASKS=niah_single_1,niah_single_2,niah_single_3,passkey
 OTHER_TASKS=niah_multikey_1,niah_multikey_2,niah_multikey_3,niah_multivalue,niah_multiquery,vt,cwe,fwe
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 L="python -m linearize.cli -v"
 mkdir -p "$WORK/logs" "$WORK/runs" "$WORK/eval" "$WORK/bench"
 log() { echo "[$(date +%T)] $*" | tee -a "$WORK/logs/timeline.log"; }
@@ -64,16 +78,23 @@ build_dataset(DataConfig(source='wiki', seq_len=1024), tok)
 build_dataset(DataConfig(source='wiki', seq_len=64), tok)
 "
 
-if [ "$BENCH" = 1 ]; then  # alone on the GPU: latency ratios need an idle device
-  B="--prefill-lengths ${BENCH_PREFILL:-1024,4096,8192} --decode-contexts ${BENCH_DECODE:-1024,4096,8000} --decode-steps 16 --repeats 3 --device $DEVICE"
-  step bench-hybrid timeout 90 $L bench --attention hybrid --window 64 $B --out "$WORK/bench/hybrid"
-  step bench-dsla timeout 90 $L bench --attention dsla $B --out "$WORK/bench/dsla"
-  step bench-lola timeout 60 $L bench --attention lola --window 64 --sparse-cache 64 --chunk 64 $B --out "$WORK/bench/lola"
+if [ "$WARM_FLA" = 1 ] && [ "$DEVICE" = cuda ]; then
+  step warm-fla $L train --recipe dsla-chained --output_dir="$WORK/warm" --transfer.max_steps=2 --transfer.eval_every=1000 \
+    --chained.enabled=false --data.max_train_sequences=16
 fi
+B="--prefill-lengths ${BENCH_PREFILL:-1024,4096,8192} --decode-contexts ${BENCH_DECODE:-1024,4096,8000} --decode-steps 16 --repeats 3 --device $DEVICE"
+for kind in $BENCH; do  # alone on the GPU: latency ratios need an idle device
+  case $kind in
+    hybrid) step bench-hybrid timeout 90 $L bench --attention hybrid --window 64 $B --out "$WORK/bench/hybrid" ;;
+    dsla) step bench-dsla timeout 240 $L bench --attention dsla $B --out "$WORK/bench/dsla" ;;
+    lola) step bench-lola timeout 180 $L bench --attention lola --window 64 --sparse-cache 64 --chunk 64 $B --out "$WORK/bench/lola" ;;
+    *) log "unknown BENCH kind $kind (valid: hybrid dsla lola)" ;;
+  esac
+done
 
 evaluate() {  # evaluate NAME MODEL [spec flags...]: core, ablations, other tasks
   local name=$1 model=$2; shift 2
-  local E="--device $DEVICE --mc-tasks none --batch-size 8"
+  local E="--device $DEVICE --mc-tasks none --batch-size $EVAL_BATCH"
   step "eval-$name-core" $L eval --model "$model" "$@" --suite full --tasks $CORE_TASKS --samples "$CORE_SAMPLES" \
     --lengths "$LENGTHS" --ppl-lengths "$PPL_LENGTHS" $E --out "$WORK/eval/$name/core"
   if [ "$name" != teacher ]; then
@@ -84,19 +105,27 @@ evaluate() {  # evaluate NAME MODEL [spec flags...]: core, ablations, other task
     --lengths "$LENGTHS" --ppl-lengths none $E --out "$WORK/eval/$name/other"
 }
 
-lola_budgets() {  # LoLA (window, sparse) vs the same explicit slots without the sparse cache
+lola_budgets() {  # LoLA (w, s) vs the same 2w explicit slots without the sparse cache: window 2w + linear state, and window only
   local model=$1
   for ws in 64 256 512; do
-    local F="--device $DEVICE --mc-tasks none --batch-size 8 --suite quick --tasks niah_single_1 --samples $LOLA_SAMPLES --lengths $LENGTHS --ppl-lengths none"
+    local F="--device $DEVICE --mc-tasks none --batch-size $EVAL_BATCH --suite quick --tasks niah_single_1 --samples $LOLA_SAMPLES --lengths $LENGTHS --ppl-lengths none"
     step "lola-$ws-$ws" $L ablate --model "$model" --attention lola --window $ws --sparse-cache $ws --chunk 64 --kernel torch \
-      --modes hybrid,no_sparse,window_only $F --out "$WORK/eval/lola/w$ws-s$ws"
+      --modes hybrid $F --out "$WORK/eval/lola/w$ws-s$ws"
     step "lola-$((2 * ws))-0" $L ablate --model "$model" --attention lola --window $((2 * ws)) --sparse-cache 0 --chunk 64 --kernel torch \
       --modes hybrid,window_only $F --out "$WORK/eval/lola/w$((2 * ws))-s0"
   done
 }
 
-pipeline() {  # pipeline RECIPE: train, then evaluate the trained conversion
+pipeline() {  # pipeline RECIPE: train, then evaluate the trained conversion (TRAIN=0: the shipped one)
   local recipe=$1 name=smollm2-135m-$1
+  local kernel=torch
+  [ "$recipe" = dsla-chained ] && kernel=auto  # DSLA's torch kernel is memory-hungry at 8K: fla
+  if [ "$TRAIN" = 0 ]; then
+    if [ "$recipe" = lolcats ]; then lola_budgets "$name" & fi
+    evaluate "$name" "$name" --kernel $kernel
+    wait
+    return
+  fi
   local transfer_min=$TRANSFER_MIN extra=$TRAIN_EXTRA
   case $recipe in
     lolcats|inference-hybrid) extra="$extra $LONG_FINETUNE" ;;  # hedgecats: one early-stopped epoch; ssd: its 5-epoch schedule
@@ -109,23 +138,21 @@ pipeline() {  # pipeline RECIPE: train, then evaluate the trained conversion
     step "train-$recipe-torch" $L train --recipe "$recipe" --output_dir="$WORK/runs" $budget $extra \
       --spec.kernel=torch --spec.chunk=8 --transfer.optim.batch_size=4 --chained.optim.batch_size=4 || return
   fi
-  local adapter="$WORK/runs/$name/adapter" kernel=torch
-  [ "$recipe" = dsla-chained ] && kernel=auto  # DSLA's torch kernel is memory-hungry at 8K: fla
+  local adapter="$WORK/runs/$name/adapter"
+  if [ "$recipe" = lolcats ]; then lola_budgets "$adapter" & fi  # beside its evaluation: decoding is host-bound
   evaluate "$name" "$adapter" --kernel $kernel
-  if [ "$recipe" = lolcats ]; then lola_budgets "$adapter"; fi
+  wait
 }
 
+if [ -n "$FIRST_RECIPE" ]; then
+  pipeline "$FIRST_RECIPE" &
+  sleep "$HEAD_START"
+fi
 for recipe in $RECIPES; do
   pipeline "$recipe" &
   sleep 2
 done
-if [ -n "$SERIAL_RECIPES" ]; then  # one after another (each one's evaluation still runs beside)
-  ( for recipe in $SERIAL_RECIPES; do
-      pipeline "$recipe" &
-      while ! grep -q "train-$recipe: exit" "$WORK/logs/timeline.log"; do sleep 10; done
-    done; wait ) &
-fi
-[ "${TEACHER:-1}" = 1 ] && evaluate teacher smollm2-135m &
+[ "${TEACHER:-0}" = 1 ] && evaluate teacher smollm2-135m &
 wait
 log "driver done"
 touch "$WORK/DONE-${TAG:-1}"

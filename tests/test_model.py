@@ -233,7 +233,7 @@ def test_bad_input_errors_name_the_value():
     with pytest.raises(linearize.SpecError, match="unknown spec field"):
         linearize.convert(model, {"windw": 3})
     linearize.convert(model, {"attention": "dsla", "layers": [0]})
-    with pytest.raises(ValueError, match="valid modes: hybrid, sinks_only, none"):
+    with pytest.raises(ValueError, match="valid modes: hybrid, history_only, recent_only, sinks_only, none"):
         linearize.set_mode(model, "swa_only")
     with pytest.raises(ValueError, match="unknown mode 'fast'"):
         linearize.set_mode(model, "fast")

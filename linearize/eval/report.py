@@ -3,8 +3,8 @@
 A suite (``quick`` or ``full``) runs held-out perplexity by context length, the synthetic
 long-context tasks and the multiple-choice / LAMBADA tasks through lm-evaluation-harness, and
 returns one JSON-able dict; ``to_markdown`` renders it. ``ablate`` runs a suite under each component
-mode (hybrid, swa_only, la_only, sinks_only, none; LoLA: hybrid, no_state, no_sparse, window_only)
-and reports Delta_LA = score(hybrid) - score(swa_only): a conversion whose Delta_LA is ~0 has not
+mode (hybrid, swa_only, la_only, sinks_only, none; LoLA: hybrid, no_state, no_sparse, window_only;
+DSLA: hybrid, history_only, recent_only, sinks_only, none) and reports Delta_LA = score(hybrid) - score(swa_only): a conversion whose Delta_LA is ~0 has not
 learned linear attention, whatever its total score.
 """
 
@@ -26,6 +26,9 @@ logger = logging.getLogger(__name__)
 HELDOUT_ROW = 64
 HYBRID_ABLATIONS = ("hybrid", "swa_only", "la_only", "sinks_only", "none")
 LOLA_ABLATIONS = ("hybrid", "no_state", "no_sparse", "window_only")
+DSLA_ABLATIONS = ("hybrid", "history_only", "recent_only", "sinks_only", "none")
+ABLATIONS_BY_KIND = {"hybrid": HYBRID_ABLATIONS, "lola": LOLA_ABLATIONS, "dsla": DSLA_ABLATIONS}
+"""Default ablation modes per attention kind of the converted layers."""
 
 
 @dataclass
@@ -137,8 +140,15 @@ def ablate(model, tokenizer, suite: EvalSuite, *, modes: list[str] | None = None
     if not layers:
         raise ValueError("ablate needs a converted model (no converted layers found)")
     kinds = {m.spec.attention for m in layers.values()}
-    default = LOLA_ABLATIONS if kinds == {"lola"} else HYBRID_ABLATIONS
-    modes = list(modes or default)
+    if modes is None:
+        if len(kinds) != 1:
+            raise ValueError(f"converted layers of several kinds ({', '.join(sorted(kinds))}): name the modes to ablate")
+        modes = list(ABLATIONS_BY_KIND[kinds.pop()])
+    modes = list(modes)
+    for mode in modes:  # every mode must exist for every converted layer: fail before any evaluation
+        for i, m in layers.items():
+            if mode not in m.modes():
+                raise ValueError(f"unknown mode {mode!r} for layer {i} ({m.spec.attention}); valid modes: {', '.join(m.modes())}")
     saved = {i: m.mode for i, m in layers.items()}
     results = {}
     try:

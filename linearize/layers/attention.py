@@ -288,20 +288,30 @@ class DslaAttention(ConvertedAttention):
         return heads(self.gate_history(x)), heads(self.gate_recent(x))
 
     def attend_modes(self):
+        """hybrid: both states mixed by gamma; history_only / recent_only: read one state alone
+        (gamma fixed to 1 / 0; both states are still written, so modes can switch at run time)."""
+        return {
+            "hybrid": self._dsla(None),
+            "history_only": self._dsla(1.0),
+            "recent_only": self._dsla(0.0),
+        }
+
+    def _dsla(self, fixed_gamma: float | None) -> Attend:
         def dsla(q, k, v, x, valid, state):
             log_h, log_r = self.log_gates(x)
+            gamma = self.gamma() if fixed_gamma is None else torch.full((), fixed_gamma, device=q.device)
             scale = self.scaling
             if self.normalize:  # feature maps are per query head: repeat the kv heads first
                 n_rep = q.shape[1] // k.shape[1]
                 q, k = self.feature_map_q(q), self.feature_map_k(repeat_kv(k, n_rep))
                 v, scale = repeat_kv(v, n_rep), 1.0  # the normaliser cancels any scale
             return dsla_attention(
-                q, k, v, log_h, log_r, self.gamma(),
+                q, k, v, log_h, log_r, gamma,
                 valid=valid, state=_expect(state, DslaState, self), scale=scale,
                 backend=resolve_kernel(self.spec.kernel, q.device), normalize=self.normalize, chunk=self.spec.chunk,
             )
 
-        return {"hybrid": dsla}
+        return dsla
 
 
 ATTENTION_CLASSES: dict[str, type[ConvertedAttention]] = {

@@ -111,6 +111,10 @@ class TransferConfig(StageConfig):
     """Objective name -> weight; names: weights, la_weights, la_mse, hybrid_mse, output_mse."""
     gate_similarity_weight: float = 0.1
     """DSLA: lambda, the weight of the cosine similarity of the two gates (pushes them apart)."""
+    checkpoint_layers: bool = True
+    """Recompute each layer's objective in the backward pass (torch.utils.checkpoint) instead of
+    holding every layer's activations at once: the same gradients, in the memory of one layer
+    (the attention-weight objectives hold B x H x T x T per layer), for ~1.3x the compute."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-2))
     """Optimiser of stage 1 (the papers: lr 1e-2)."""
 

@@ -124,7 +124,7 @@ def _run(config: TrainConfig, device: torch.device, dtype: torch.dtype, autocast
 
     if config.transfer.enabled:
         t = config.transfer
-        objective = TransferObjective(model, layers, t.objectives, t.gate_similarity_weight)
+        objective = TransferObjective(model, layers, t.objectives, t.gate_similarity_weight, checkpoint_layers=t.checkpoint_layers)
         params = _train_only(model, _layer_params(model, layers))
         state = run_stage(stage="transfer", objective=objective, params=params, train=data.train, cfg=t, optim=t.optim,
                           heldout_loss=evaluate(t), **common)

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from ..convert import converted_layers
 from ..layers.attention import ConvertedAttention, DslaAttention, HybridAttention, key_padding_from_mask
@@ -126,8 +127,17 @@ HYBRID_ONLY = ("weights", "la_weights", "la_mse")
 class TransferObjective(nn.Module):
     """forward(batch) -> (sum over layers of weighted objectives, per-objective metrics)."""
 
-    def __init__(self, model: nn.Module, layers: list[int], objectives: dict[str, float], gate_similarity_weight: float = 0.0):
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: list[int],
+        objectives: dict[str, float],
+        gate_similarity_weight: float = 0.0,
+        *,
+        checkpoint_layers: bool = False,
+    ):
         super().__init__()
+        self.checkpoint_layers = checkpoint_layers
         self.model = model
         self.layers = layers
         self.objectives = dict(objectives)
@@ -145,12 +155,26 @@ class TransferObjective(nn.Module):
         metrics: dict[str, float] = {}
         for i in self.layers:
             module, inp = modules[i], captured[i]
-            for name, weight in self.objectives.items():
-                value = OBJECTIVE_FUNCTIONS[name](module, inp)
+            if self.checkpoint_layers and torch.is_grad_enabled():
+                # the layer's objectives are recomputed in backward: one layer's activations at a time
+                values = checkpoint(self._layer_losses, module, inp, use_reentrant=False)
+            else:
+                values = self._layer_losses(module, inp)
+            for name, value in zip(self._loss_names(module), values):
+                weight = self.gate_similarity_weight if name == "gate_cosine" else self.objectives[name]
                 total = total + weight * value
                 metrics[name] = metrics.get(name, 0.0) + float(value.detach()) / len(self.layers)
-            if isinstance(module, DslaAttention) and self.gate_similarity_weight:
-                sim = _gate_similarity(module, inp)
-                total = total + self.gate_similarity_weight * sim
-                metrics["gate_cosine"] = metrics.get("gate_cosine", 0.0) + float(sim.detach()) / len(self.layers)
         return total / len(self.layers), metrics
+
+    def _loss_names(self, module: ConvertedAttention) -> list[str]:
+        names = list(self.objectives)
+        if isinstance(module, DslaAttention) and self.gate_similarity_weight:
+            names.append("gate_cosine")
+        return names
+
+    def _layer_losses(self, module: ConvertedAttention, inp: LayerInput) -> tuple[Tensor, ...]:
+        """One layer's unweighted losses, in the order of _loss_names."""
+        values = [OBJECTIVE_FUNCTIONS[name](module, inp) for name in self.objectives]
+        if isinstance(module, DslaAttention) and self.gate_similarity_weight:
+            values.append(_gate_similarity(module, inp))
+        return tuple(values)

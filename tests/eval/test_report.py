@@ -9,7 +9,7 @@ import torch
 
 import linearize
 from linearize.cli import main
-from linearize.eval.report import HYBRID_ABLATIONS, LOLA_ABLATIONS, ablate, get_suite, headline, run_suite, table, to_markdown
+from linearize.eval.report import DSLA_ABLATIONS, HYBRID_ABLATIONS, LOLA_ABLATIONS, ablate, get_suite, headline, run_suite, table, to_markdown
 from linearize.hub import build_tiny_llama
 
 from ..train.conftest import tiny_tokenizer
@@ -64,6 +64,31 @@ def test_ablation_reports_every_mode_and_delta_la(corpus):
     assert md.splitlines()[0] == "| metric | hybrid | swa_only | la_only | sinks_only | none | Delta_LA |"
     linearize.convert(model, {"attention": "lola", "window": 4, "sparse_cache": 2})
     assert ablate(model, tok, tiny_suite(heldout_source=corpus, synthetic_tasks=[]))["modes"] == list(LOLA_ABLATIONS)
+
+
+def test_dsla_ablation_reads_each_state_alone(corpus):
+    """DSLA's default ablation: history_only / recent_only are the layer with gamma fixed to 1 / 0."""
+    model, tok = build_tiny_llama(seed=0, num_hidden_layers=2), tiny_tokenizer()
+    linearize.convert(model, {"attention": "dsla", "layers": [1]})
+    layer = model.model.layers[1].self_attn
+    with torch.no_grad():
+        layer.gamma_logit.fill_(0.3)
+    ids = torch.randint(3, 100, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        outputs = {}
+        for mode, logit in (("history_only", 50.0), ("recent_only", -50.0), ("hybrid", 0.3)):
+            linearize.set_mode(model, mode)
+            outputs[mode] = model(ids).logits
+            linearize.set_mode(model, "hybrid")
+            layer.gamma_logit.fill_(logit)  # sigmoid(+-50) is 1 / 0 in float32
+            torch.testing.assert_close(model(ids).logits, outputs[mode])
+            layer.gamma_logit.fill_(0.3)
+    assert not torch.allclose(outputs["history_only"], outputs["recent_only"])
+    out = ablate(model, tok, tiny_suite(heldout_source=corpus, synthetic_tasks=[]))
+    assert out["modes"] == list(DSLA_ABLATIONS) and set(out["table"]) == set(DSLA_ABLATIONS)
+    assert out["delta_la"] == {}  # no swa_only mode: Delta_LA is a hybrid-layer diagnostic
+    with pytest.raises(ValueError, match="unknown mode 'swa_only' for layer 1 \\(dsla\\); valid modes: hybrid, history_only"):
+        ablate(model, tok, tiny_suite(heldout_source=corpus, synthetic_tasks=[]), modes=["hybrid", "swa_only"])
 
 
 def test_ablate_refuses_an_unconverted_model_and_unknown_suite():

@@ -73,6 +73,34 @@ def test_dsla_transfer_includes_gate_similarity():
     assert model.model.layers[1].self_attn.gate_recent.up.weight.grad is not None
 
 
+@pytest.mark.parametrize(
+    "spec,objectives,gate_weight",
+    [
+        ({"attention": "hybrid", "window": 3}, {"weights": 1.0, "hybrid_mse": 100.0}, 0.0),
+        ({"attention": "dsla", "layers": [0, 2]}, {"output_mse": 1.0}, 0.5),
+    ],
+)
+def test_layer_checkpointing_gives_the_same_loss_and_gradients(spec, objectives, gate_weight):
+    """checkpoint_layers recomputes each layer's objective in backward: identical loss, metrics, grads."""
+    results = []
+    for checkpoint_layers in (False, True):
+        model, ids = model_and_batch(spec)
+        layers = sorted(converted_layers(model))
+        new = linearize.new_parameters(model)
+        for name, p in model.named_parameters():
+            p.requires_grad_(name in new)
+        loss, metrics = TransferObjective(model, layers, objectives, gate_weight, checkpoint_layers=checkpoint_layers)(ids)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((loss.detach(), metrics, grads))
+    (loss_a, metrics_a, grads_a), (loss_b, metrics_b, grads_b) = results
+    torch.testing.assert_close(loss_b, loss_a)
+    assert metrics_b == pytest.approx(metrics_a)
+    assert grads_a and set(grads_b) == set(grads_a)
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], msg=name)
+
+
 @torch.no_grad()
 def test_window_dropout_rows_run_linear_attention_over_all_positions():
     model, ids = model_and_batch({"attention": "hybrid", "window": 3})
