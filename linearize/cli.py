@@ -15,6 +15,7 @@ import logging
 import sys
 import typing
 from pathlib import Path
+from typing import Callable
 
 from . import spec as spec_module
 from .spec import ConversionSpec
@@ -298,17 +299,35 @@ def _suite(args):
         changes["mc_tasks"] = [] if args.mc_tasks == "none" else [t for t in args.mc_tasks.split(",") if t]
     if args.batch_size is not None:
         changes["batch_size"] = args.batch_size
+    if args.ppl_source is not None:
+        changes["heldout_source"] = args.ppl_source
     return get_suite(args.suite, **changes)
 
 
 def _write_report(out: str | None, stem: str, markdown: str, data: dict) -> None:
+    """Write OUT/STEM.md and .json atomically; the final report replaces any partial one."""
     if out is None:
         return
     from .io import atomic_write_text
 
     atomic_write_text(Path(out) / f"{stem}.md", markdown)
     atomic_write_text(Path(out) / f"{stem}.json", json.dumps(data, indent=2, default=str))
+    for suffix in (".md", ".json"):
+        (Path(out) / f"{stem}.partial{suffix}").unlink(missing_ok=True)
     print(f"wrote {Path(out) / stem}.md and .json")
+
+
+def _partial_writer(out: str | None, stem: str, render: Callable[[dict], str]) -> Callable[[dict], None] | None:
+    """on_update callback writing OUT/STEM.partial.md and .json (atomically) after each finished part."""
+    if out is None:
+        return None
+    from .io import atomic_write_text
+
+    def write(data: dict) -> None:
+        atomic_write_text(Path(out) / f"{stem}.partial.md", "(partial: the run has not finished)\n\n" + render(data))
+        atomic_write_text(Path(out) / f"{stem}.partial.json", json.dumps({**data, "partial": True}, indent=2, default=str))
+
+    return write
 
 
 def _load_converted(args):
@@ -329,7 +348,8 @@ def cmd_eval(args) -> int:
 
     suite = _suite(args)
     model, tokenizer = _load_converted(args)
-    result = run_suite(model, tokenizer, suite, data_dir=args.data_dir, device=args.device)
+    partial = _partial_writer(args.out, "report", lambda r: to_markdown(f"{args.model}: {suite.name} suite", r))
+    result = run_suite(model, tokenizer, suite, data_dir=args.data_dir, device=args.device, on_update=partial)
     result["model"] = args.model
     markdown = to_markdown(f"{args.model}: {suite.name} suite", result)
     print(markdown)
@@ -356,13 +376,16 @@ def cmd_compare(args) -> int:
 
 
 def cmd_ablate(args) -> int:
-    from .eval.report import ablate, table
+    from .eval.report import ablate, headline, table
 
     suite = _suite(args)
     model, tokenizer = _load_converted(args)
-    result = ablate(model, tokenizer, suite, modes=args.modes.split(",") if args.modes else None, data_dir=args.data_dir, device=args.device)
+    title = f"# Component ablation: {args.model} ({suite.name} suite)\n\n"
+    partial = _partial_writer(args.out, "ablation", lambda r: title + table({m: headline(x) for m, x in r.items()}) + "\n")
+    result = ablate(model, tokenizer, suite, modes=args.modes.split(",") if args.modes else None, data_dir=args.data_dir,
+                    device=args.device, on_update=partial)
     extra = {"Delta_LA": result["delta_la"]} if result["delta_la"] else None
-    markdown = f"# Component ablation: {args.model} ({suite.name} suite)\n\n" + table(result["table"], extra=extra) + "\n"
+    markdown = title + table(result["table"], extra=extra) + "\n"
     print(markdown)
     _write_report(args.out, "ablation", markdown, result)
     return 0
@@ -477,6 +500,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--tasks", help="comma-separated synthetic tasks (overrides the suite)")
         p.add_argument("--lengths", type=_int_list, help="comma-separated synthetic lengths (overrides the suite)")
         p.add_argument("--mc-limit", type=int, help="documents per multiple-choice task (overrides the suite)")
+        p.add_argument("--ppl-source", help="held-out text of the perplexity: a data source (wiki, essays, a local "
+                       ".txt/.jsonl/.parquet file or folder); its held-out documents (default: wiki)")
         p.add_argument("--mc-tasks", help="comma-separated lm-eval tasks, or 'none' (overrides the suite)")
         p.add_argument("--ppl-lengths", type=_int_list_or_none,
                        help="comma-separated perplexity context lengths, or 'none' (overrides the suite)")

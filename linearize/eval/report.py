@@ -10,11 +10,12 @@ learned linear attention, whatever its total score.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -85,24 +86,48 @@ def get_suite(name: str, **changes) -> EvalSuite:
     return dataclasses.replace(SUITES[name], **changes)
 
 
-def run_suite(model, tokenizer, suite: EvalSuite, *, data_dir: str | None = None, device=None) -> dict[str, Any]:
-    """Run every part of ``suite`` on ``model`` as it is (its current modes)."""
+def run_suite(
+    model,
+    tokenizer,
+    suite: EvalSuite,
+    *,
+    data_dir: str | None = None,
+    device=None,
+    on_update: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Run every part of ``suite`` on ``model`` as it is (its current modes).
+
+    ``on_update(result)``, if given, is called with the result so far after each finished part
+    (perplexity, each synthetic task and length, the multiple-choice tasks), so that a run stopped
+    midway still leaves what it measured (``linearize eval --out`` writes it as report.partial.*).
+    """
     from .perplexity import heldout_tokens, perplexity_by_length
-    from .synthetic import run_synthetic
+    from .synthetic import check_lengths, run_synthetic
 
     start = time.perf_counter()
     device = torch.device(device) if device is not None else next(model.parameters()).device
     result: dict[str, Any] = {"suite": suite.name}
+
+    def update() -> None:
+        if on_update is not None:
+            on_update(copy.deepcopy({**result, "seconds": round(time.perf_counter() - start, 2)}))  # a snapshot
+
+    if suite.synthetic_tasks:
+        check_lengths(model, suite.synthetic_lengths)  # a bad length fails before anything runs
     if suite.perplexity_lengths:
         data = DataConfig(source=suite.heldout_source, seq_len=HELDOUT_ROW)  # the split is by document: any row length
         tokens = heldout_tokens(tokenizer, data, max_tokens=suite.perplexity_tokens)
         result["perplexity"] = perplexity_by_length(model, tokens, suite.perplexity_lengths, batch_size=1, device=device)
+        update()
     if suite.synthetic_tasks:
         synthetic: dict[str, Any] = {}
-        for task in suite.synthetic_tasks:
-            synthetic.update(run_synthetic(model, tokenizer, [task], suite.synthetic_lengths, suite.samples(task),
-                                           seed=suite.seed, batch_size=suite.batch_size, device=device, examples=2))
         result["synthetic"] = synthetic
+        for task in suite.synthetic_tasks:
+            for length in suite.synthetic_lengths:
+                part = run_synthetic(model, tokenizer, [task], [length], suite.samples(task),
+                                     seed=suite.seed, batch_size=suite.batch_size, device=device, examples=2)
+                synthetic.setdefault(task, {}).update(part[task])
+                update()
     if suite.mc_tasks:
         if data_dir is None:
             logger.warning("multiple-choice tasks skipped: pass data_dir (e.g. ../shared/data/eval) to run them offline")
@@ -134,8 +159,19 @@ def headline(result: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def ablate(model, tokenizer, suite: EvalSuite, *, modes: list[str] | None = None, data_dir: str | None = None, device=None) -> dict[str, Any]:
-    """The suite under each component mode of the converted layers; modes restored afterwards."""
+def ablate(
+    model,
+    tokenizer,
+    suite: EvalSuite,
+    *,
+    modes: list[str] | None = None,
+    data_dir: str | None = None,
+    device=None,
+    on_update: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """The suite under each component mode of the converted layers; modes restored afterwards.
+
+    ``on_update(results)``, if given, gets {mode: suite result so far} after each finished part."""
     layers = converted_layers(model)
     if not layers:
         raise ValueError("ablate needs a converted model (no converted layers found)")
@@ -155,7 +191,11 @@ def ablate(model, tokenizer, suite: EvalSuite, *, modes: list[str] | None = None
         for mode in modes:
             set_mode(model, mode)
             logger.info("ablation: mode %s", mode)
-            results[mode] = run_suite(model, tokenizer, suite, data_dir=data_dir, device=device)
+            def update(partial: dict[str, Any], mode: str = mode) -> None:
+                if on_update is not None:
+                    on_update({**results, mode: partial})
+
+            results[mode] = run_suite(model, tokenizer, suite, data_dir=data_dir, device=device, on_update=update)
     finally:
         for i, m in layers.items():
             m.mode = saved[i]

@@ -577,6 +577,14 @@ def _predict(model, tokenizer, samples: list[Sample], *, batch_size: int, device
     return predictions
 
 
+def check_lengths(model, lengths: Sequence[int]) -> None:
+    """ValueError naming the first length beyond the model's max_position_embeddings."""
+    limit = _max_positions(model)
+    for length in lengths:
+        if limit is not None and length > limit:
+            raise ValueError(f"length {length} exceeds the model's max_position_embeddings {limit}; use lengths <= {limit}")
+
+
 def run_synthetic(
     model,
     tokenizer,
@@ -597,10 +605,7 @@ def run_synthetic(
     raise ValueError before anything runs.
     """
     config = SyntheticConfig(list(tasks), list(lengths), n_samples, seed, batch_size, examples)
-    limit = _max_positions(model)
-    for length in config.lengths:
-        if limit is not None and length > limit:
-            raise ValueError(f"length {length} exceeds the model's max_position_embeddings {limit}; use lengths <= {limit}")
+    check_lengths(model, config.lengths)
     device = torch.device(device) if device is not None else next(model.parameters()).device
     eos = _eos_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else None)

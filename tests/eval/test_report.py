@@ -50,6 +50,47 @@ def test_suite_runs_and_renders(corpus):
     assert "| ppl@32 |" in markdown and "| passkey | 128 |" in markdown
 
 
+def test_suite_reports_each_finished_part(corpus):
+    """on_update sees the result grow part by part: perplexity, then each synthetic task and length."""
+    model, tok = build_tiny_llama(seed=0, num_hidden_layers=2), tiny_tokenizer()
+    updates = []
+    result = run_suite(model, tok, tiny_suite(heldout_source=corpus, synthetic_lengths=[96, 128]), on_update=updates.append)
+    assert [set(headline(u)) for u in updates] == [
+        {"ppl@32", "ppl@64"},
+        {"ppl@32", "ppl@64", "passkey@96"},
+        {"ppl@32", "ppl@64", "passkey@96", "passkey@128"},
+    ]
+    assert headline(updates[-1]) == headline(result)
+
+
+def test_cli_eval_stopped_midway_leaves_a_partial_report(tmp_path, model_dir, corpus, monkeypatch):
+    """A run killed after its first synthetic length keeps what it measured; a finished run removes it."""
+    import linearize.eval.synthetic as synthetic
+
+    real = synthetic.run_synthetic
+    calls = []
+
+    def dies_on_second_call(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # as when the lease ends
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(synthetic, "run_synthetic", dies_on_second_call)
+    out = tmp_path / "ev"
+    argv = ["eval", "--model", str(model_dir), "--tasks", "passkey", "--lengths", "96,128", "--samples", "1",
+            "--ppl-lengths", "32", "--ppl-source", corpus, "--mc-tasks", "none", "--out", str(out)]
+    with pytest.raises(KeyboardInterrupt):
+        main(argv + ["--data-dir", str(tmp_path)])
+    partial = json.loads((out / "report.partial.json").read_text())
+    assert partial["partial"] is True and set(partial["synthetic"]["passkey"]) == {"96"}
+    assert partial["perplexity"][0]["length"] == 32
+    assert "passkey" in (out / "report.partial.md").read_text() and not (out / "report.json").exists()
+    monkeypatch.setattr(synthetic, "run_synthetic", real)
+    assert main(argv) == 0
+    assert (out / "report.json").exists() and not (out / "report.partial.json").exists() and not (out / "report.partial.md").exists()
+
+
 def test_ablation_reports_every_mode_and_delta_la(corpus):
     model, tok = build_tiny_llama(seed=0, num_hidden_layers=2), tiny_tokenizer()
     linearize.convert(model, {"attention": "hybrid", "window": 4})
