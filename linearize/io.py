@@ -10,6 +10,12 @@ from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_dir(target: str | Path) -> Iterator[Path]:
     """Yield a temporary directory beside ``target``; on success it replaces ``target`` in one rename.
@@ -20,6 +26,7 @@ def atomic_dir(target: str | Path) -> Iterator[Path]:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700: give it a normal directory's mode
         yield tmp
         old = None
         if target.exists():
@@ -41,6 +48,7 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0600: give it a normal file's mode
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
