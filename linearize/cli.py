@@ -348,10 +348,11 @@ def cmd_eval(args) -> int:
 
     suite = _suite(args)
     model, tokenizer = _load_converted(args)
-    partial = _partial_writer(args.out, "report", lambda r: to_markdown(f"{args.model}: {suite.name} suite", r))
+    title = f"{args.model}: {suite.name} suite"
+    partial = _partial_writer(args.out, "report", lambda r: to_markdown(title, r))
     result = run_suite(model, tokenizer, suite, data_dir=args.data_dir, device=args.device, on_update=partial)
     result["model"] = args.model
-    markdown = to_markdown(f"{args.model}: {suite.name} suite", result)
+    markdown = to_markdown(title, result)
     print(markdown)
     _write_report(args.out, "report", markdown, result)
     return 0

@@ -118,14 +118,17 @@ lola_budgets() {  # LoLA (w, s) vs the same 2w explicit slots without the sparse
 
 pipeline() {  # pipeline RECIPE: train, then evaluate the trained conversion (TRAIN=0: the shipped one)
   local recipe=$1 name=smollm2-135m-$1
+  local model=$name
+  [ "$TRAIN" = 1 ] && { train "$recipe" || return; model="$WORK/runs/$name/adapter"; }
   local kernel=torch
   [ "$recipe" = dsla-chained ] && kernel=auto  # DSLA's torch kernel is memory-hungry at 8K: fla
-  if [ "$TRAIN" = 0 ]; then
-    if [ "$recipe" = lolcats ]; then lola_budgets "$name" & fi
-    evaluate "$name" "$name" --kernel $kernel
-    wait
-    return
-  fi
+  if [ "$recipe" = lolcats ]; then lola_budgets "$model" & fi  # beside its evaluation: decoding is host-bound
+  evaluate "$name" "$model" --kernel $kernel
+  wait
+}
+
+train() {  # train RECIPE: the recipe with this lease's time budgets (dsla-chained: torch fallback)
+  local recipe=$1
   local transfer_min=$TRANSFER_MIN extra=$TRAIN_EXTRA
   case $recipe in
     lolcats|inference-hybrid) extra="$extra $LONG_FINETUNE" ;;  # hedgecats: one early-stopped epoch; ssd: its 5-epoch schedule
@@ -136,12 +139,8 @@ pipeline() {  # pipeline RECIPE: train, then evaluate the trained conversion (TR
     [ "$recipe" = dsla-chained ] || return
     # fallback if fla's chunk_gla fails here: the exact torch kernel, in less memory
     step "train-$recipe-torch" $L train --recipe "$recipe" --output_dir="$WORK/runs" $budget $extra \
-      --spec.kernel=torch --spec.chunk=8 --transfer.optim.batch_size=4 --chained.optim.batch_size=4 || return
+      --spec.kernel=torch --spec.chunk=8 --transfer.optim.batch_size=4 --chained.optim.batch_size=4
   fi
-  local adapter="$WORK/runs/$name/adapter"
-  if [ "$recipe" = lolcats ]; then lola_budgets "$adapter" & fi  # beside its evaluation: decoding is host-bound
-  evaluate "$name" "$adapter" --kernel $kernel
-  wait
 }
 
 if [ -n "$FIRST_RECIPE" ]; then

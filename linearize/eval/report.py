@@ -4,8 +4,9 @@ A suite (``quick`` or ``full``) runs held-out perplexity by context length, the 
 long-context tasks and the multiple-choice / LAMBADA tasks through lm-evaluation-harness, and
 returns one JSON-able dict; ``to_markdown`` renders it. ``ablate`` runs a suite under each component
 mode (hybrid, swa_only, la_only, sinks_only, none; LoLA: hybrid, no_state, no_sparse, window_only;
-DSLA: hybrid, history_only, recent_only, sinks_only, none) and reports Delta_LA = score(hybrid) - score(swa_only): a conversion whose Delta_LA is ~0 has not
-learned linear attention, whatever its total score.
+DSLA: hybrid, history_only, recent_only, sinks_only, none) and reports
+Delta_LA = score(hybrid) - score(swa_only): a conversion whose Delta_LA is ~0 has not learned
+linear attention, whatever its total score.
 """
 
 from __future__ import annotations
@@ -179,12 +180,11 @@ def ablate(
     if modes is None:
         if len(kinds) != 1:
             raise ValueError(f"converted layers of several kinds ({', '.join(sorted(kinds))}): name the modes to ablate")
-        modes = list(ABLATIONS_BY_KIND[kinds.pop()])
+        modes = ABLATIONS_BY_KIND[kinds.pop()]
     modes = list(modes)
     for mode in modes:  # every mode must exist for every converted layer: fail before any evaluation
-        for i, m in layers.items():
-            if mode not in m.modes():
-                raise ValueError(f"unknown mode {mode!r} for layer {i} ({m.spec.attention}); valid modes: {', '.join(m.modes())}")
+        for m in layers.values():
+            m.check_mode(mode)
     saved = {i: m.mode for i, m in layers.items()}
     results = {}
     try:

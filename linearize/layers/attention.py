@@ -85,9 +85,14 @@ class ConvertedAttention(nn.Module):
     def modes(self) -> tuple[str, ...]:
         return tuple(self.attend_modes()) + GENERIC_MODES
 
-    def set_mode(self, mode: str) -> None:
+    def check_mode(self, mode: str) -> None:
+        """ValueError naming ``mode``, this layer and its valid modes, unless this layer has ``mode``."""
         if mode not in self.modes():
-            raise ValueError(f"unknown mode {mode!r} for a {self.spec.attention} layer; valid modes: {', '.join(self.modes())}")
+            raise ValueError(f"unknown mode {mode!r} for layer {self.layer_idx} ({self.spec.attention}); "
+                             f"valid modes: {', '.join(self.modes())}")
+
+    def set_mode(self, mode: str) -> None:
+        self.check_mode(mode)
         self.mode = mode
 
     def _attend(self, q, k, v, x, valid, state):

@@ -122,6 +122,7 @@ OBJECTIVE_FUNCTIONS: dict[str, Objective] = {
 }
 """Objective name -> loss of one layer (see TransferConfig.objectives)."""
 HYBRID_ONLY = ("weights", "la_weights", "la_mse")
+_LAYER_LOSSES: dict[str, Objective] = {**OBJECTIVE_FUNCTIONS, "gate_cosine": _gate_similarity}
 
 
 class TransferObjective(nn.Module):
@@ -155,26 +156,23 @@ class TransferObjective(nn.Module):
         metrics: dict[str, float] = {}
         for i in self.layers:
             module, inp = modules[i], captured[i]
+            weights = self._weights(module)
             if self.checkpoint_layers and torch.is_grad_enabled():
                 # the layer's objectives are recomputed in backward: one layer's activations at a time
                 values = checkpoint(self._layer_losses, module, inp, use_reentrant=False)
             else:
                 values = self._layer_losses(module, inp)
-            for name, value in zip(self._loss_names(module), values):
-                weight = self.gate_similarity_weight if name == "gate_cosine" else self.objectives[name]
-                total = total + weight * value
+            for name, value in values.items():
+                total = total + weights[name] * value
                 metrics[name] = metrics.get(name, 0.0) + float(value.detach()) / len(self.layers)
         return total / len(self.layers), metrics
 
-    def _loss_names(self, module: ConvertedAttention) -> list[str]:
-        names = list(self.objectives)
+    def _weights(self, module: ConvertedAttention) -> dict[str, float]:
+        """Loss name -> weight for one layer: the objectives, plus DSLA's gate similarity."""
         if isinstance(module, DslaAttention) and self.gate_similarity_weight:
-            names.append("gate_cosine")
-        return names
+            return {**self.objectives, "gate_cosine": self.gate_similarity_weight}
+        return self.objectives
 
-    def _layer_losses(self, module: ConvertedAttention, inp: LayerInput) -> tuple[Tensor, ...]:
-        """One layer's unweighted losses, in the order of _loss_names."""
-        values = [OBJECTIVE_FUNCTIONS[name](module, inp) for name in self.objectives]
-        if isinstance(module, DslaAttention) and self.gate_similarity_weight:
-            values.append(_gate_similarity(module, inp))
-        return tuple(values)
+    def _layer_losses(self, module: ConvertedAttention, inp: LayerInput) -> dict[str, Tensor]:
+        """One layer's unweighted losses, by the names of _weights."""
+        return {name: _LAYER_LOSSES[name](module, inp) for name in self._weights(module)}
