@@ -234,6 +234,16 @@ def cmd_train(args) -> int:
 
         print(training_table(load_summaries(args.report)))
         return 0
+    if args.compare_runs:
+        from .train.report import plot_runs, runs_markdown, runs_report
+
+        report = runs_report(args.compare_runs)
+        markdown = runs_markdown(report)
+        print(markdown)
+        if args.out:
+            _write_report(args.out, "runs", markdown, report)
+            plot_runs(report, Path(args.out) / "runs.png")
+        return 0
     if args.list:
         for name in recipe_names():
             config = load_recipe(name)
@@ -482,6 +492,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="list the recipes and exit")
     p.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
     p.add_argument("--report", nargs="+", metavar="RUN_DIR", help="print the markdown results table of finished runs and exit")
+    p.add_argument("--compare-runs", nargs="+", metavar="RUN_DIR",
+                   help="held-out curves of finished runs against each other (data-parallel vs one process, seed noise), "
+                        "tokens/s and scaling efficiency; writes OUT/runs.{md,json} and OUT/runs.png with --out, and exits")
+    p.add_argument("--out", help="directory for --compare-runs output")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("sensitivity", help="per-layer attention entropy vs measured loss increase; saves the order")

@@ -22,5 +22,5 @@ for run in "$WORK"/runs/*/; do
   cp "$WORK/logs/train-${name#smollm2-135m-}.log" "$run/train.log" 2>/dev/null
   (cd "$WORK/runs" && tar czf "$OUT/run-$name.tgz" "$name/adapter" "$name/summary.json" "$name/metrics.jsonl" "$name/config.yaml" "$name/train.log")
 done
-(cd "$WORK" && tar czf "$OUT/results.tgz" --exclude='*.pt' --exclude='adapter' eval bench logs runs 2>/dev/null)
+(cd "$WORK" && tar czf "$OUT/results.tgz" --exclude='*.pt' --exclude='adapter' eval bench logs runs ddp 2>/dev/null)
 ls -la "$OUT"

@@ -29,6 +29,11 @@
 #   TEACHER (0: 1 evaluates the teacher too)  TAG (1: the driver touches WORK/DONE-TAG when it ends)
 #   RECIPES (lolcats hedgecats ssd inference-hybrid: trained in parallel after the head start)
 #   FIRST_RECIPE (dsla-chained: trained first, alone for HEAD_START seconds; empty: none)
+#   GPUS (0: the GPU indices evaluations are spread over, round-robin, e.g. "0 1" on nvidia-h200-x2)
+#   PROBE (0: 1 runs the CUDA-vs-CPU tests and scripts/gpu_probe.py first)
+#   DDP (0: 1 runs scripts/gpu_ddp.sh, the 2-GPU vs 1-GPU lolcats check, before the benchmarks)
+#   MC_DATA (empty: the folder of the multiple-choice data files; each model then also runs PIQA,
+#   WinoGrande, COPA, OpenBookQA and LAMBADA in full through lm-evaluation-harness)
 set -u
 WORK=${WORK:-/root/assets/work}
 DEVICE=${DEVICE:-cuda}
@@ -52,6 +57,9 @@ TRAIN_EXTRA=${TRAIN_EXTRA---transfer.epochs=4 --transfer.max_steps=2000}
 LONG_FINETUNE=${LONG_FINETUNE---finetune.epochs=2 --finetune.max_steps=2000}
 RECIPES=${RECIPES-lolcats hedgecats ssd inference-hybrid}
 FIRST_RECIPE=${FIRST_RECIPE-dsla-chained}
+GPUS=(${GPUS:-0})
+PROBE=${PROBE:-0}
+DDP=${DDP:-0}
 CORE_TASKS=niah_single_1,niah_single_2,niah_single_3,passkey
 OTHER_TASKS=niah_multikey_1,niah_multikey_2,niah_multikey_3,niah_multivalue,niah_multiquery,vt,cwe,fwe
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
@@ -70,6 +78,19 @@ step() {  # step NAME COMMAND...: run, log its wall time and exit code
 
 log "driver start on $DEVICE"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> "$WORK/logs/timeline.log" 2>&1
+slot=0
+gpu() {  # gpu: the next GPU index of GPUS, round-robin
+  echo "${GPUS[$(( slot % ${#GPUS[@]} ))]}"
+}
+on() {  # on INDEX COMMAND...: run COMMAND with only that GPU visible
+  local index=$1; shift
+  CUDA_VISIBLE_DEVICES=$index "$@"
+}
+
+if [ "$PROBE" = 1 ] && [ "$DEVICE" = cuda ]; then
+  step probe-tests on "${GPUS[0]}" timeout 180 python -m pytest -q -rs tests/test_cuda_model.py &
+  step probe on "${GPUS[$(( 1 % ${#GPUS[@]} ))]}" timeout 240 python scripts/gpu_probe.py &
+fi
 step warm python -c "
 import linearize
 from linearize.train.data import DataConfig, build_dataset
@@ -82,38 +103,60 @@ if [ "$WARM_FLA" = 1 ] && [ "$DEVICE" = cuda ]; then
   step warm-fla $L train --recipe dsla-chained --output_dir="$WORK/warm" --transfer.max_steps=2 --transfer.eval_every=1000 \
     --chained.enabled=false --data.max_train_sequences=16
 fi
+wait
+if [ "$DDP" = 1 ]; then
+  step ddp env WORK="$WORK" bash scripts/gpu_ddp.sh
+fi
 B="--prefill-lengths ${BENCH_PREFILL:-1024,4096,8192} --decode-contexts ${BENCH_DECODE:-1024,4096,8000} --decode-steps 16 --repeats 3 --device $DEVICE"
-for kind in $BENCH; do  # alone on the GPU: latency ratios need an idle device
+# Alone on their GPUs (one kind per GPU, in parallel when there are several): latency ratios need
+# an otherwise idle device.
+for kind in $BENCH; do
+  g=$(gpu); slot=$((slot + 1))
   case $kind in
-    hybrid) step bench-hybrid timeout 90 $L bench --attention hybrid --window 64 $B --out "$WORK/bench/hybrid" ;;
-    dsla) step bench-dsla timeout 240 $L bench --attention dsla $B --out "$WORK/bench/dsla" ;;
-    lola) step bench-lola timeout 180 $L bench --attention lola --window 64 --sparse-cache 64 --chunk 64 $B --out "$WORK/bench/lola" ;;
+    hybrid) step bench-hybrid on "$g" timeout "${BENCH_TIMEOUT:-150}" $L bench --attention hybrid --window 64 $B --out "$WORK/bench/hybrid" ;;
+    dsla) step bench-dsla on "$g" timeout "${BENCH_TIMEOUT:-150}" $L bench --attention dsla $B --out "$WORK/bench/dsla" ;;
+    lola) step bench-lola on "$g" timeout "${BENCH_TIMEOUT:-150}" $L bench --attention lola --window 64 --sparse-cache 64 --chunk 64 $B --out "$WORK/bench/lola" ;;
     *) log "unknown BENCH kind $kind (valid: hybrid dsla lola)" ;;
-  esac
+  esac &
+  [ "${#GPUS[@]}" -gt 1 ] || wait
 done
+wait
+slot=0
 
-evaluate() {  # evaluate NAME MODEL [spec flags...]: core, ablations, other tasks
+evaluate() {  # evaluate NAME MODEL [spec flags...]: core then ablations, beside the other tasks (decoding is host-bound)
   local name=$1 model=$2; shift 2
   local E="--device $DEVICE --mc-tasks none --batch-size $EVAL_BATCH"
-  step "eval-$name-core" $L eval --model "$model" "$@" --suite full --tasks $CORE_TASKS --samples "$CORE_SAMPLES" \
-    --lengths "$LENGTHS" --ppl-lengths "$PPL_LENGTHS" $E --out "$WORK/eval/$name/core"
-  if [ "$name" != teacher ]; then
-    step "ablate-$name" $L ablate --model "$model" "$@" --suite quick --tasks niah_single_1,passkey --samples "$ABLATE_SAMPLES" \
-      --lengths "$ABLATE_LENGTHS" --ppl-lengths "$ABLATE_LENGTHS" $E --out "$WORK/eval/$name/ablate"
-  fi
-  step "eval-$name-other" $L eval --model "$model" "$@" --suite full --tasks $OTHER_TASKS --samples "$OTHER_SAMPLES" \
+  local g=$(gpu)
+  {
+    step "eval-$name-core" on "$g" $L eval --model "$model" "$@" --suite full --tasks $CORE_TASKS --samples "$CORE_SAMPLES" \
+      --lengths "$LENGTHS" --ppl-lengths "$PPL_LENGTHS" $E --out "$WORK/eval/$name/core"
+    if [ "$name" != teacher ]; then
+      step "ablate-$name" on "$g" $L ablate --model "$model" "$@" --suite quick --tasks niah_single_1,passkey --samples "$ABLATE_SAMPLES" \
+        --lengths "$ABLATE_LENGTHS" --ppl-lengths "$ABLATE_LENGTHS" $E --out "$WORK/eval/$name/ablate"
+    fi
+  } &
+  step "eval-$name-other" on "$g" $L eval --model "$model" "$@" --suite full --tasks $OTHER_TASKS --samples "$OTHER_SAMPLES" \
     --lengths "$LENGTHS" --ppl-lengths none $E --out "$WORK/eval/$name/other"
+  if [ -n "${MC_DATA:-}" ]; then
+    step "eval-$name-mc" on "$g" $L eval --model "$model" "$@" --suite full --tasks "" --ppl-lengths none \
+      --mc-tasks piqa,winogrande,copa,openbook_qa,lambada_openai --data-dir "$MC_DATA" --device $DEVICE --batch-size 64 \
+      --out "$WORK/eval/$name/mc"
+  fi
+  wait
 }
 
 lola_budgets() {  # LoLA (w, s) vs the same 2w explicit slots without the sparse cache: window 2w + linear state, and window only
   local model=$1
-  for ws in 64 256 512; do
-    local F="--device $DEVICE --mc-tasks none --batch-size $EVAL_BATCH --suite quick --tasks niah_single_1 --samples $LOLA_SAMPLES --lengths $LENGTHS --ppl-lengths none"
-    step "lola-$ws-$ws" $L ablate --model "$model" --attention lola --window $ws --sparse-cache $ws --chunk 64 --kernel torch \
-      --modes hybrid $F --out "$WORK/eval/lola/w$ws-s$ws"
-    step "lola-$((2 * ws))-0" $L ablate --model "$model" --attention lola --window $((2 * ws)) --sparse-cache 0 --chunk 64 --kernel torch \
-      --modes hybrid,window_only $F --out "$WORK/eval/lola/w$((2 * ws))-s0"
+  local F="--device $DEVICE --mc-tasks none --batch-size $EVAL_BATCH --suite quick --tasks niah_single_1 --samples $LOLA_SAMPLES --lengths $LENGTHS --ppl-lengths none"
+  for ws in 64 256 512; do  # six processes in parallel, spread over the GPUs
+    step "lola-$ws-$ws" on "$(gpu)" $L ablate --model "$model" --attention lola --window $ws --sparse-cache $ws --chunk 64 --kernel torch \
+      --modes hybrid $F --out "$WORK/eval/lola/w$ws-s$ws" &
+    slot=$((slot + 1))
+    step "lola-$((2 * ws))-0" on "$(gpu)" $L ablate --model "$model" --attention lola --window $((2 * ws)) --sparse-cache 0 --chunk 64 --kernel torch \
+      --modes hybrid,window_only $F --out "$WORK/eval/lola/w$((2 * ws))-s0" &
+    slot=$((slot + 1))
   done
+  wait
 }
 
 pipeline() {  # pipeline RECIPE: train, then evaluate the trained conversion (TRAIN=0: the shipped one)
@@ -145,10 +188,12 @@ train() {  # train RECIPE: the recipe with this lease's time budgets (dsla-chain
 
 if [ -n "$FIRST_RECIPE" ]; then
   pipeline "$FIRST_RECIPE" &
+  slot=$((slot + 1))
   sleep "$HEAD_START"
 fi
 for recipe in $RECIPES; do
   pipeline "$recipe" &
+  slot=$((slot + 1))
   sleep 2
 done
 [ "${TEACHER:-0}" = 1 ] && evaluate teacher smollm2-135m &

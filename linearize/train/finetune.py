@@ -75,12 +75,29 @@ def next_token_loss(model: nn.Module, input_ids: Tensor, attention_mask: Tensor 
 
 
 @torch.no_grad()
-def heldout_loss(model: nn.Module, heldout: Tensor, *, batch_size: int, max_batches: int | None, device) -> float:
-    """Mean next-token loss over (up to ``max_batches``) held-out batches, in order."""
-    n = heldout.shape[0] // batch_size if heldout.shape[0] >= batch_size else 1
+def heldout_loss(model: nn.Module, heldout: Tensor, *, batch_size: int, max_batches: int | None, device,
+                 rank: int = 0, world_size: int = 1) -> float:
+    """Mean next-token loss per token over the first ``max_batches`` (all when None) held-out batches
+    of ``batch_size`` sequences (all sequences when there are fewer than one batch).
+
+    Under data parallelism each of ``world_size`` ranks scores a disjoint share of those same
+    sequences (micro-batches of batch_size / world_size, dealt round-robin) and the token sums are
+    all-reduced, so every world size measures the same sequences and gets the same value.
+    """
+    n = max(1, heldout.shape[0] // batch_size)
     n = min(n, max_batches) if max_batches else n
-    losses = [float(next_token_loss(model, heldout[i * batch_size:(i + 1) * batch_size].to(device))) for i in range(n)]
-    return sum(losses) / len(losses)
+    rows = heldout[: n * batch_size]
+    micro = max(1, -(-min(batch_size, rows.shape[0]) // world_size))
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # (loss sum, tokens)
+    for index, start in enumerate(range(0, rows.shape[0], micro)):
+        if index % world_size != rank:
+            continue
+        batch = rows[start:start + micro].to(device)
+        tokens = batch.shape[0] * (batch.shape[1] - 1)
+        total += torch.tensor([float(next_token_loss(model, batch)) * tokens, tokens], dtype=torch.float64, device=device)
+    if world_size > 1:
+        torch.distributed.all_reduce(total)
+    return float(total[0] / total[1])
 
 
 class FinetuneObjective(nn.Module):

@@ -94,6 +94,8 @@ class LoopState:
     done: bool = False
     skipped_steps: int = 0
     """Steps whose gradients were not finite: no update was made (as AMP's GradScaler does)."""
+    overhead_seconds: float = 0.0
+    """Part of ``seconds`` spent on held-out evaluation and checkpoints, not training."""
     history: list[dict] = field(default_factory=list)
 
 
@@ -221,17 +223,20 @@ def run_stage(
             if state.step % log_every == 0 or state.step == total:
                 record = {"stage": stage, "step": state.step, "epoch": state.epoch, "loss": float(loss.detach()),
                           "lr": scheduler.get_last_lr()[0], "tokens": state.tokens, "seconds": round(state.seconds, 3),
+                          "train_seconds": round(state.seconds - state.overhead_seconds, 3),
                           "grad_norm": grad_norm, "skipped_steps": state.skipped_steps, **values}
                 metrics.write(record)
                 bar.set_postfix(loss=f"{record['loss']:.4g}")
             out_of_time = _out_of_time(state.seconds, cfg.max_minutes, world, device)
             if out_of_time:
                 logger.info("%s: %.1f-minute budget reached at step %d", stage, cfg.max_minutes, state.step)
+            paused = time.perf_counter()
             if heldout_loss is not None and (state.step % cfg.eval_every == 0 or state.step == total or out_of_time):
                 stop, best = _evaluate(stage, state, params, best, heldout_loss, cfg, metrics, objective)
             stop = stop or out_of_time
             if state.step % cfg.save_every == 0 and world.is_main:
                 save_checkpoint(ckpt, params, optimizer, scheduler, state, best)
+            state.overhead_seconds += time.perf_counter() - paused
             if state.step >= total or stop:
                 break
         else:
@@ -270,7 +275,8 @@ def _evaluate(stage, state: LoopState, params, best, heldout_loss, cfg: StageCon
     else:
         state.evals_without_improvement += 1
     state.history.append({"step": state.step, "heldout_loss": value})
-    metrics.write({"stage": stage, "step": state.step, "heldout_loss": value, "heldout_ppl": math.exp(min(value, 50.0))})
+    metrics.write({"stage": stage, "step": state.step, "tokens": state.tokens, "heldout_loss": value,
+                   "heldout_ppl": math.exp(min(value, 50.0))})
     patience = cfg.early_stopping_patience
     stop = patience is not None and state.evals_without_improvement >= patience
     if stop:

@@ -107,12 +107,13 @@ def _run(config: TrainConfig, device: torch.device, dtype: torch.dtype, autocast
     if tokenizer is None:
         raise ValueError(f"model {config.model!r} has no tokenizer: training needs one to build its data")
     data = build_dataset(config.data, tokenizer, model=model)
-    eval_batch = max(1, config.finetune.optim.batch_size // world.size)
+    eval_batch = config.finetune.optim.batch_size  # global: ranks share each held-out batch
+    shard = dict(rank=world.rank, world_size=world.size)
     summary: dict[str, Any] = {"name": config.name, "model": config.model, "data": data.describe(), "stages": {},
                                "device": str(device), "dtype": str(dtype).removeprefix("torch."), "world_size": world.size,
                                "autocast": None if autocast_dtype is None else str(autocast_dtype).removeprefix("torch.")}
     model.eval()
-    summary["teacher_heldout_loss"] = heldout_loss(model, data.heldout, batch_size=eval_batch, max_batches=None, device=device)
+    summary["teacher_heldout_loss"] = heldout_loss(model, data.heldout, batch_size=eval_batch, max_batches=None, device=device, **shard)
 
     spec = config.conversion_spec()
     convert(model, spec)
@@ -120,7 +121,7 @@ def _run(config: TrainConfig, device: torch.device, dtype: torch.dtype, autocast
     common = dict(run_dir=run_dir, seed=config.seed, device=device, world=world, metrics=metrics, resume=resume, log_every=config.log_every)
 
     def evaluate(stage_cfg):
-        return lambda: heldout_loss(model, data.heldout, batch_size=eval_batch, max_batches=stage_cfg.eval_batches, device=device)
+        return lambda: heldout_loss(model, data.heldout, batch_size=eval_batch, max_batches=stage_cfg.eval_batches, device=device, **shard)
 
     if config.transfer.enabled:
         t = config.transfer
@@ -144,7 +145,7 @@ def _run(config: TrainConfig, device: torch.device, dtype: torch.dtype, autocast
     if world.size > 1:
         torch.distributed.barrier()
     reloaded, _ = load_model(str(adapter_dir), dtype=dtype, device=device)
-    summary["heldout_loss"] = heldout_loss(reloaded, data.heldout, batch_size=eval_batch, max_batches=None, device=device)
+    summary["heldout_loss"] = heldout_loss(reloaded, data.heldout, batch_size=eval_batch, max_batches=None, device=device, **shard)
     summary["heldout_ppl"] = math.exp(summary["heldout_loss"])
     summary["teacher_heldout_ppl"] = math.exp(summary["teacher_heldout_loss"])
     summary["adapter"] = str(adapter_dir)
@@ -156,7 +157,9 @@ def _run(config: TrainConfig, device: torch.device, dtype: torch.dtype, autocast
 
 
 def _stage_summary(state) -> dict[str, Any]:
-    return {"steps": state.step, "tokens": state.tokens, "seconds": round(state.seconds, 2), "skipped_steps": state.skipped_steps,
+    train_seconds = state.seconds - state.overhead_seconds
+    return {"steps": state.step, "tokens": state.tokens, "seconds": round(state.seconds, 2), "train_seconds": round(train_seconds, 2),
+            "tokens_per_s": round(state.tokens / train_seconds, 1) if train_seconds > 0 else None, "skipped_steps": state.skipped_steps,
             "best_heldout_loss": None if math.isinf(state.best_heldout) else state.best_heldout, "best_step": state.best_step}
 
 

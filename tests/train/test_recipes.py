@@ -133,8 +133,10 @@ def test_cli_train_list_and_bad_override(capsys):
 
 
 def test_two_process_data_parallel_matches_one_process(tiny_model_dir, tiny_corpus, tmp_path):
-    """torchrun, 2 CPU processes on gloo, same global batch and seed: same weights as 1 process."""
-    overrides = tiny_overrides(tiny_model_dir, tiny_corpus, tmp_path, **{"transfer.max_steps": 2, "finetune.max_steps": 2})
+    """torchrun, 2 CPU processes on gloo, same global batch and seed: same weights, and the same held-out
+    curve (each rank scores half of the same held-out sequences), as 1 process."""
+    overrides = tiny_overrides(tiny_model_dir, tiny_corpus, tmp_path, **{"transfer.max_steps": 2, "finetune.max_steps": 2,
+                                                                         "transfer.eval_every": 1, "finetune.eval_every": 1})
     args = [f"--{k}={json.dumps(v)}" for k, v in overrides.items() if k != "output_dir"]
     common = ["-m", "linearize.cli", "train", "--recipe", "lolcats", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -149,6 +151,29 @@ def test_two_process_data_parallel_matches_one_process(tiny_model_dir, tiny_corp
     b = load_file(str(tmp_path / "two" / "smollm2-135m-lolcats" / "adapter" / "lora.safetensors"))
     for key in a:
         torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=1e-4)
+
+    def curve(run):
+        lines = (tmp_path / run / "smollm2-135m-lolcats" / "metrics.jsonl").read_text().splitlines()
+        return [(r["stage"], r["step"], r["tokens"], r["heldout_loss"]) for r in map(json.loads, lines) if "heldout_loss" in r]
+
+    one_curve, two_curve = curve("one"), curve("two")
+    assert [c[:3] for c in one_curve] == [c[:3] for c in two_curve] and len(one_curve) == 4
+    torch.testing.assert_close(torch.tensor([c[3] for c in two_curve]), torch.tensor([c[3] for c in one_curve]), atol=1e-5, rtol=1e-5)
+    one_summary = json.loads((tmp_path / "one" / "smollm2-135m-lolcats" / "summary.json").read_text())
+    for key in ("teacher_heldout_loss", "heldout_loss"):
+        assert abs(summary[key] - one_summary[key]) < 1e-5, (key, summary[key], one_summary[key])
+    assert summary["stages"]["finetune"]["tokens_per_s"] > 0
+
+    from linearize.cli import main
+
+    runs = [str(tmp_path / run / "smollm2-135m-lolcats") for run in ("one", "two")]
+    assert main(["train", "--compare-runs", *runs, "--out", str(tmp_path / "cmp")]) == 0
+    report = json.loads((tmp_path / "cmp" / "runs.json").read_text())
+    (pair,) = report["pairs"]
+    assert pair["kind"] == "same seed" and pair["points"] == 4 and pair["max_abs"] < 1e-5
+    assert {s["stage"] for s in report["scaling"]} == {"transfer", "finetune"} and all(s["world_size"] == 2 for s in report["scaling"])
+    assert "scaling efficiency" in (tmp_path / "cmp" / "runs.md").read_text()
+    assert (tmp_path / "cmp" / "runs.png").stat().st_size > 1000
 
 
 def test_cli_sensitivity_writes_order_and_plot(tiny_model_dir, tiny_corpus, tmp_path, capsys):
