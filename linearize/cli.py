@@ -372,6 +372,10 @@ def cmd_compare(args) -> int:
     from .eval.perplexity import plot_perplexity_vs_length
     from .eval.report import headline, run_suite, table
 
+    if args.reports:
+        return _compare_reports(args)
+    if not args.models:
+        raise ValueError("name the models to compare (or give --reports NAME=REPORT.json[,REPORT.json ...])")
     suite = _suite(args)
     results = {}
     for name in args.models:
@@ -383,6 +387,32 @@ def cmd_compare(args) -> int:
     _write_report(args.out, "compare", markdown, results)
     if args.out and suite.perplexity_lengths:
         plot_perplexity_vs_length({n: r["perplexity"] for n, r in results.items()}, Path(args.out) / "perplexity_vs_length.png")
+    return 0
+
+
+def _compare_reports(args) -> int:
+    """linearize compare --reports NAME=A.json,B.json ...: side by side from saved reports, no evaluation."""
+    from .eval.perplexity import plot_perplexity_vs_length
+    from .eval.report import headline, merge_results, table
+
+    results = {}
+    for item in args.reports:
+        name, eq, files = item.partition("=")
+        if not eq or not name or not files:
+            raise ValueError(f"--reports expects NAME=REPORT.json[,REPORT.json ...], got {item!r}")
+        parts = []
+        for file in files.split(","):
+            path = Path(file)
+            if not path.is_file():
+                raise FileNotFoundError(f"report {file!r} (for {name!r}) does not exist")
+            parts.append(json.loads(path.read_text()))
+        results[name] = merge_results(parts)
+    markdown = "# Comparison (from saved reports)\n\n" + table({n: headline(r) for n, r in results.items()}) + "\n"
+    print(markdown)
+    _write_report(args.out, "compare", markdown, results)
+    with_ppl = {n: r["perplexity"] for n, r in results.items() if r.get("perplexity")}
+    if args.out and with_ppl:
+        plot_perplexity_vs_length(with_ppl, Path(args.out) / "perplexity_vs_length.png")
     return 0
 
 
@@ -530,8 +560,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_spec_flags(p)
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("compare", help="evaluate several models side by side")
-    p.add_argument("models", nargs="+")
+    p = sub.add_parser("compare", help="evaluate several models side by side (or tabulate saved reports)")
+    p.add_argument("models", nargs="*")
+    p.add_argument("--reports", nargs="+", metavar="NAME=REPORT.json[,...]",
+                   help="no evaluation: merge each model's saved report JSONs (later files win) and tabulate them")
     suite_flags(p)
     p.set_defaults(func=cmd_compare)
 

@@ -30,6 +30,8 @@
 #   RECIPES (lolcats hedgecats ssd inference-hybrid: trained in parallel after the head start)
 #   FIRST_RECIPE (dsla-chained: trained first, alone for HEAD_START seconds; empty: none)
 #   GPUS (0: the GPU indices evaluations are spread over, round-robin, e.g. "0 1" on nvidia-h200-x2)
+#   MAX_PER_GPU (6: processes at once per GPU; more wait for a slot. Session 4 ran ~9 per GPU at
+#   batch 100 and 8K, and 11 of 29 evaluations ran out of GPU memory)
 #   PROBE (0: 1 runs the CUDA-vs-CPU tests and scripts/gpu_probe.py first)
 #   DDP (0: 1 runs scripts/gpu_ddp.sh, the 2-GPU vs 1-GPU lolcats check, before the benchmarks)
 #   MC_DATA (empty: the folder of the multiple-choice data files; each model then also runs PIQA,
@@ -58,6 +60,7 @@ LONG_FINETUNE=${LONG_FINETUNE---finetune.epochs=2 --finetune.max_steps=2000}
 RECIPES=${RECIPES-lolcats hedgecats ssd inference-hybrid}
 FIRST_RECIPE=${FIRST_RECIPE-dsla-chained}
 GPUS=(${GPUS:-0})
+MAX_PER_GPU=${MAX_PER_GPU:-6}
 PROBE=${PROBE:-0}
 DDP=${DDP:-0}
 CORE_TASKS=niah_single_1,niah_single_2,niah_single_3,passkey
@@ -82,9 +85,23 @@ slot=0
 gpu() {  # gpu: the next GPU index of GPUS, round-robin
   echo "${GPUS[$(( slot % ${#GPUS[@]} ))]}"
 }
-on() {  # on INDEX COMMAND...: run COMMAND with only that GPU visible
-  local index=$1; shift
-  CUDA_VISIBLE_DEVICES=$index "$@"
+on() {  # on INDEX COMMAND...: run COMMAND with only that GPU visible, once one of its MAX_PER_GPU slots is free
+  local index=$1 k fd rc; shift
+  command -v flock > /dev/null || { CUDA_VISIBLE_DEVICES=$index "$@"; return; }
+  mkdir -p "$WORK/locks"
+  while :; do
+    for k in $(seq 1 "$MAX_PER_GPU"); do
+      exec {fd}> "$WORK/locks/gpu$index-slot$k"
+      if flock -n "$fd"; then
+        CUDA_VISIBLE_DEVICES=$index "$@"
+        rc=$?
+        exec {fd}>&-
+        return $rc
+      fi
+      exec {fd}>&-
+    done
+    sleep 5
+  done
 }
 
 if [ "$PROBE" = 1 ] && [ "$DEVICE" = cuda ]; then

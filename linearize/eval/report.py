@@ -160,6 +160,29 @@ def headline(result: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def merge_results(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One suite result from several (pieces of a suite run apart, partial reports of runs that died):
+    perplexity rows by length, synthetic scores by (task, length), multiple-choice rows by task; where
+    two parts measured the same thing, the later part wins."""
+    perplexity: dict[int, dict[str, Any]] = {}
+    synthetic: dict[str, dict[Any, dict[str, Any]]] = {}
+    mc: dict[str, dict[str, Any]] = {}
+    for part in parts:
+        for row in part.get("perplexity", []):
+            perplexity[row["length"]] = row
+        for task, by_length in part.get("synthetic", {}).items():
+            synthetic.setdefault(task, {}).update(by_length)
+        mc.update(part.get("mc", {}))
+    merged: dict[str, Any] = {"suite": "merged", "parts": len(parts)}
+    if perplexity:
+        merged["perplexity"] = [perplexity[k] for k in sorted(perplexity)]
+    if synthetic:
+        merged["synthetic"] = {t: dict(sorted(v.items(), key=lambda kv: int(kv[0]))) for t, v in synthetic.items()}
+    if mc:
+        merged["mc"] = mc
+    return merged
+
+
 def ablate(
     model,
     tokenizer,

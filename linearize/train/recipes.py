@@ -83,8 +83,12 @@ def run(config: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
     """Run a recipe; returns (and writes) the summary."""
     torch.manual_seed(config.seed)
     device, dtype, autocast_dtype = _device_and_dtype(config)
-    with precision(device, autocast_dtype):
-        return _run(config, device, dtype, autocast_dtype, resume=resume)
+    try:
+        with precision(device, autocast_dtype):
+            return _run(config, device, dtype, autocast_dtype, resume=resume)
+    finally:  # leave no process group behind (torchrun ranks exit cleanly)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 def precision(device: torch.device, autocast_dtype: torch.dtype | None):

@@ -182,3 +182,33 @@ def test_cli_plots_for_a_lola_conversion(tmp_path, model_dir, corpus, capsys):
                  "--source", corpus, "--tokens", "48", "--layer", "1", "--out", str(tmp_path / "plots")]) == 0, capsys.readouterr().err
     names = sorted(p.name for p in (tmp_path / "plots").iterdir())
     assert names == ["attention_mass_layer1.png", "self_recall_layer1.png"]
+
+
+def test_merge_results_later_parts_win_and_nothing_is_lost():
+    from linearize.eval.report import headline, merge_results
+
+    core_partial = {"perplexity": [{"length": 512, "ppl": 10.0}, {"length": 1024, "ppl": 9.0}],
+                    "synthetic": {"passkey": {"1024": {"score": 50.0, "n": 2}}}}
+    core_rerun = {"synthetic": {"passkey": {"1024": {"score": 0.0, "n": 100}, "2048": {"score": 0.0, "n": 100}}}}
+    mc = {"mc": {"copa": {"acc": 0.6, "acc_norm": 0.5, "n": 100}}}
+    merged = merge_results([core_partial, core_rerun, mc])
+    assert headline(merged) == {"ppl@512": 10.0, "ppl@1024": 9.0, "passkey@1024": 0.0, "passkey@2048": 0.0,
+                                "copa acc": 60.0, "copa acc_norm": 50.0}
+    assert merged["synthetic"]["passkey"]["1024"]["n"] == 100
+
+
+def test_cli_compare_from_saved_reports(tmp_path, capsys):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"perplexity": [{"length": 128, "ppl": 12.5}], "synthetic": {"passkey": {"128": {"score": 100.0, "n": 3}}}}))
+    b.write_text(json.dumps({"synthetic": {"passkey": {"128": {"score": 0.0, "n": 3}}}}))
+    assert main(["compare", "--reports", f"teacher={a}", f"converted={a},{b}", "--out", str(tmp_path / "cmp")]) == 0
+    table = (tmp_path / "cmp" / "compare.md").read_text()
+    assert "| passkey@128 | 100.00 | 0.00 |" in table and "| ppl@128 | 12.50 | 12.50 |" in table
+    assert (tmp_path / "cmp" / "perplexity_vs_length.png").is_file()
+    capsys.readouterr()
+    assert main(["compare", "--reports", "teacher"]) == 2
+    assert "NAME=REPORT.json" in capsys.readouterr().err
+    assert main(["compare", "--reports", f"x={tmp_path / 'missing.json'}"]) == 2
+    assert "missing.json" in capsys.readouterr().err
+    assert main(["compare"]) == 2
+    assert "name the models" in capsys.readouterr().err
