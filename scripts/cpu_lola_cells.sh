@@ -13,5 +13,4 @@ $L ablate $M --window 128 --sparse-cache 0 --modes window_only $F --lengths 1024
 $L ablate $M --window 512 --sparse-cache 0 --modes window_only $F --lengths 1024,2048,4096,8192 --out "$out/w512-s0-window"
 # the check of the GPU's window-1,024 cell at 4K (1 of 100): the same first 25 samples in float32
 $L ablate $M --window 1024 --sparse-cache 0 --modes window_only $F --lengths 4096 --out "$out/w1024-s0-window-4k"
-# not run in session 4 (time):
 $L ablate $M --window 64 --sparse-cache 64 --modes hybrid $F --lengths 8192 --out "$out/w64-s64-8k"
