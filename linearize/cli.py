@@ -373,30 +373,31 @@ def cmd_compare(args) -> int:
     from .eval.report import headline, run_suite, table
 
     if args.reports:
-        return _compare_reports(args)
-    if not args.models:
+        title, results = "Comparison (from saved reports)", _saved_reports(args.reports)
+    elif not args.models:
         raise ValueError("name the models to compare (or give --reports NAME=REPORT.json[,REPORT.json ...])")
-    suite = _suite(args)
-    results = {}
-    for name in args.models:
-        model, tokenizer = _load(name, args)
-        results[name] = run_suite(model, tokenizer, suite, data_dir=args.data_dir, device=args.device)
-        del model
-    markdown = f"# Comparison: {suite.name} suite\n\n" + table({n: headline(r) for n, r in results.items()}) + "\n"
+    else:
+        suite = _suite(args)
+        title, results = f"Comparison: {suite.name} suite", {}
+        for name in args.models:
+            model, tokenizer = _load(name, args)
+            results[name] = run_suite(model, tokenizer, suite, data_dir=args.data_dir, device=args.device)
+            del model
+    markdown = f"# {title}\n\n" + table({n: headline(r) for n, r in results.items()}) + "\n"
     print(markdown)
     _write_report(args.out, "compare", markdown, results)
-    if args.out and suite.perplexity_lengths:
-        plot_perplexity_vs_length({n: r["perplexity"] for n, r in results.items()}, Path(args.out) / "perplexity_vs_length.png")
+    with_ppl = {n: r["perplexity"] for n, r in results.items() if r.get("perplexity")}
+    if args.out and with_ppl:
+        plot_perplexity_vs_length(with_ppl, Path(args.out) / "perplexity_vs_length.png")
     return 0
 
 
-def _compare_reports(args) -> int:
-    """linearize compare --reports NAME=A.json,B.json ...: side by side from saved reports, no evaluation."""
-    from .eval.perplexity import plot_perplexity_vs_length
-    from .eval.report import headline, merge_results, table
+def _saved_reports(items: list[str]) -> dict[str, dict]:
+    """--reports NAME=A.json,B.json ...: each model's saved report JSONs merged (later files win)."""
+    from .eval.report import merge_results
 
     results = {}
-    for item in args.reports:
+    for item in items:
         name, eq, files = item.partition("=")
         if not eq or not name or not files:
             raise ValueError(f"--reports expects NAME=REPORT.json[,REPORT.json ...], got {item!r}")
@@ -407,13 +408,7 @@ def _compare_reports(args) -> int:
                 raise FileNotFoundError(f"report {file!r} (for {name!r}) does not exist")
             parts.append(json.loads(path.read_text()))
         results[name] = merge_results(parts)
-    markdown = "# Comparison (from saved reports)\n\n" + table({n: headline(r) for n, r in results.items()}) + "\n"
-    print(markdown)
-    _write_report(args.out, "compare", markdown, results)
-    with_ppl = {n: r["perplexity"] for n, r in results.items() if r.get("perplexity")}
-    if args.out and with_ppl:
-        plot_perplexity_vs_length(with_ppl, Path(args.out) / "perplexity_vs_length.png")
-    return 0
+    return results
 
 
 def cmd_ablate(args) -> int:

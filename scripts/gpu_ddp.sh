@@ -4,7 +4,7 @@
 # measure run-to-run noise. Both phases run two training processes on the host (the 2 ranks; then
 # seed 0 on GPU 0 beside seed 1 on GPU 1), so the host load is alike when tokens/s are compared.
 #
-#   WORK=/root/assets/work bash scripts/gpu_ddp.sh        # then: python scripts/ddp_report.py RUNS_DIR
+#   WORK=/root/assets/work bash scripts/gpu_ddp.sh   # then: linearize train --compare-runs WORK/ddp/* --out DIR
 #
 # Environment: STEPS (100 per stage)  BATCH (16, global)  EVAL_EVERY (10)  WORK (/root/assets/work)
 # NVLink multicast stays off (the machine sets NCCL_NVLS_ENABLE=0; kept here for any other host).

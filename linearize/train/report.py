@@ -95,15 +95,17 @@ def runs_report(run_dirs: list[str | Path]) -> dict[str, Any]:
                     scaling.append({"stage": stage, "one": one["name"], "many": many["name"], "world_size": many["world_size"],
                                     "tokens_per_s_one": t1, "tokens_per_s_many": tn, "speedup": tn / t1,
                                     "efficiency": tn / (many["world_size"] * t1)})
-    for r in runs:
-        r["curve"] = [{"stage": s, "step": t, "heldout_loss": v} for (s, t), v in sorted(r["curve"].items(), key=lambda kv: (kv[0][0] != "transfer", kv[0]))]
+    for r in runs:  # in the order the run logged them
+        r["curve"] = [{"stage": s, "step": t, "heldout_loss": v} for (s, t), v in r["curve"].items()]
     return {"runs": runs, "pairs": pairs, "scaling": scaling}
 
 
 def runs_markdown(report: dict[str, Any]) -> str:
-    lines = ["| run | world | seed | transfer tokens/s | finetune tokens/s | teacher loss | final held-out loss |", "|---|---:|---:|---:|---:|---:|---:|"]
+    stages = list(dict.fromkeys(stage for r in report["runs"] for stage in r["stages"]))
+    lines = ["| run | world | seed | " + " | ".join(f"{s} tokens/s" for s in stages) + " | teacher loss | final held-out loss |",
+             "|---|---:|---:|" + "---:|" * (len(stages) + 2)]
     for r in report["runs"]:
-        tps = [r["stages"].get(s, {}).get("tokens_per_s") for s in ("transfer", "finetune")]
+        tps = [r["stages"].get(s, {}).get("tokens_per_s") for s in stages]
         cells = " | ".join(f"{v:,.0f}" if v else "-" for v in tps)
         lines.append(f"| {r['name']} | {r['world_size']} | {r['seed']} | {cells} | {r['teacher_heldout_loss']:.4f} | {r['heldout_loss']:.4f} |")
     lines += ["", "Held-out loss curves, |a - b| at the evaluations both made:", "",
@@ -121,15 +123,15 @@ def runs_markdown(report: dict[str, Any]) -> str:
 
 def plot_runs(report: dict[str, Any], path: str | Path) -> None:
     """Held-out loss against step, one panel per stage, one line per run (PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure  # no pyplot: no global backend state
 
     from ..io import save_png
 
     stages = list(dict.fromkeys(p["stage"] for r in report["runs"] for p in r["curve"]))
-    fig, axes = plt.subplots(1, len(stages), figsize=(5 * len(stages), 3.6), squeeze=False)
+    fig = Figure(figsize=(5 * len(stages), 3.6))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(stages), squeeze=False)
     for ax, stage in zip(axes[0], stages):
         for r in report["runs"]:
             pts = [(p["step"], p["heldout_loss"]) for p in r["curve"] if p["stage"] == stage]
@@ -139,4 +141,3 @@ def plot_runs(report: dict[str, Any], path: str | Path) -> None:
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     save_png(fig, path)
-    plt.close(fig)
