@@ -106,11 +106,18 @@ def _default(f: dataclasses.Field):
     return f.default if f.default is not dataclasses.MISSING else f.default_factory()
 
 
-def spec_from_args(args: argparse.Namespace) -> ConversionSpec | None:
-    """The spec the flags describe, or None when no spec flag was given."""
-    base = ConversionSpec.from_file(args.spec_file).to_dict() if args.spec_file else None
-    flags = {k[5:]: v for k, v in vars(args).items() if k.startswith("spec_") and k != "spec_file" and v is not None}
-    if base is None and not flags:
+def _spec_flags(args: argparse.Namespace) -> dict:
+    """The spec fields given as flags (--window 8 -> {"window": 8})."""
+    return {k[5:]: v for k, v in vars(args).items() if k.startswith("spec_") and k != "spec_file" and v is not None}
+
+
+def spec_from_args(args: argparse.Namespace, base: dict | None = None) -> ConversionSpec | None:
+    """The spec the flags describe, or None when no spec flag was given. The flags override --spec;
+    without --spec they override ``base`` (a loaded model's own spec), if given."""
+    if args.spec_file:
+        base = ConversionSpec.from_file(args.spec_file).to_dict()
+    flags = _spec_flags(args)
+    if not flags and not args.spec_file:
         return None
     return ConversionSpec.from_dict({**(base or {}), **flags})
 
@@ -345,11 +352,10 @@ def _load_converted(args):
     from .convert import convert
 
     model, tokenizer = _load(args.model, args)
-    spec = spec_from_args(args)
+    # flags change the model's own spec (e.g. --active 10 of a chained family's order); --spec replaces it
+    spec = spec_from_args(args, base=getattr(model.config, "linearize", None))
     if spec is not None:
-        base = getattr(model.config, "linearize", None) or {}
-        flags = {k[5:]: v for k, v in vars(args).items() if k.startswith("spec_") and k != "spec_file" and v is not None}
-        convert(model, spec if args.spec_file else {**base, **flags})  # flags change the model's own spec
+        convert(model, spec)
     return model, tokenizer
 
 

@@ -195,10 +195,12 @@ def ablate(
 ) -> dict[str, Any]:
     """The suite under each component mode of the converted layers; modes restored afterwards.
 
+    Layers running the teacher's attention (a nested family's layers beyond ``active``) are left as
+    they are: the ablation is of the layers that run converted.
     ``on_update(results)``, if given, gets {mode: suite result so far} after each finished part."""
-    layers = converted_layers(model)
+    layers = {i: m for i, m in converted_layers(model).items() if m.mode != "teacher"}
     if not layers:
-        raise ValueError("ablate needs a converted model (no converted layers found)")
+        raise ValueError("ablate needs a converted model (no converted layers found, or all of them run the teacher)")
     kinds = {m.spec.attention for m in layers.values()}
     if modes is None:
         if len(kinds) != 1:
@@ -212,8 +214,8 @@ def ablate(
     results = {}
     try:
         for mode in modes:
-            set_mode(model, mode)
-            logger.info("ablation: mode %s", mode)
+            set_mode(model, mode, layers=sorted(layers))
+            logger.info("ablation: mode %s on layers %s", mode, sorted(layers))
             def update(partial: dict[str, Any], mode: str = mode) -> None:
                 if on_update is not None:
                     on_update({**results, mode: partial})

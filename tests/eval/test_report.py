@@ -212,3 +212,37 @@ def test_cli_compare_from_saved_reports(tmp_path, capsys):
     assert "missing.json" in capsys.readouterr().err
     assert main(["compare"]) == 2
     assert "name the models" in capsys.readouterr().err
+
+
+def test_ablation_of_a_nested_family_leaves_its_teacher_layers_alone(tmp_path, corpus):
+    """With active=1 of order [1, 0], layer 0 runs the teacher: every mode is applied to layer 1 only,
+    and the CLI takes --active on a saved conversion (merged into the model's own spec)."""
+    model, tok = build_tiny_llama(seed=0, num_hidden_layers=2), tiny_tokenizer()
+    linearize.convert(model, {"attention": "dsla", "order": [1, 0], "active": 1})
+    assert linearize.layer_modes(model) == {0: "teacher", 1: "hybrid"}
+    seen = []
+
+    def watch(results):
+        seen.append(linearize.layer_modes(model))
+
+    out = ablate(model, tok, tiny_suite(heldout_source=corpus, synthetic_tasks=[]), modes=["hybrid", "none"], on_update=watch)
+    assert {0: "teacher", 1: "none"} in seen and all(modes[0] == "teacher" for modes in seen)
+    assert out["table"]["none"]["ppl@32"] != out["table"]["hybrid"]["ppl@32"]
+    assert linearize.layer_modes(model) == {0: "teacher", 1: "hybrid"}  # restored
+    linearize.set_active(model, 0)
+    with pytest.raises(ValueError, match="all of them run the teacher"):
+        ablate(model, tok, tiny_suite(heldout_source=corpus, synthetic_tasks=[]))
+
+    path = tmp_path / "nested"
+    linearize.set_active(model, 2)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    argv = ["ablate", "--model", str(path), "--modes", "none", "--tasks", "", "--ppl-lengths", "32", "--ppl-source", corpus,
+            "--mc-tasks", "none"]
+    assert main(argv + ["--active", "1", "--out", str(tmp_path / "a1")]) == 0
+    assert main(argv + ["--out", str(tmp_path / "a2")]) == 0
+    one = json.loads((tmp_path / "a1" / "ablation.json").read_text())["table"]["none"]["ppl@32"]
+    two = json.loads((tmp_path / "a2" / "ablation.json").read_text())["table"]["none"]["ppl@32"]
+    assert one != two  # --active 1 ablates one layer, the saved active=2 both
+    assert main(["eval", "--model", str(path), "--active", "1", "--tasks", "", "--ppl-lengths", "32", "--ppl-source", corpus,
+                 "--mc-tasks", "none", "--out", str(tmp_path / "e1")]) == 0
