@@ -46,10 +46,12 @@ def request_memory(spec, model, tokens: int, dtype_bytes: int = 2) -> int:
     """Formula bytes one request holds over all layers at ``tokens`` of context.
 
     ``spec`` None = the teacher (every layer softmax); else a ConversionSpec applied to ``model``'s layers.
+    A nested family's layers beyond ``active`` run the teacher's attention and hold its KV cache.
     """
     n = model.config.num_hidden_layers
+    inactive = set(spec.inactive_layers(n)) if spec is not None else set()
     total = 0
     for i in range(n):
-        layer_spec = spec.layer_spec(i, n) if spec is not None else None
+        layer_spec = spec.layer_spec(i, n) if spec is not None and i not in inactive else None
         total += layer_memory(layer_spec, model.config, dtype_bytes).at(tokens)
     return total

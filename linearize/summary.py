@@ -17,7 +17,8 @@ def model_info(model, *, as_json: bool = False, dtype_bytes: int | None = None) 
     rows = []
     for i in range(len(layers)):
         spec = converted[i].spec if i in converted else None
-        mem = layer_memory(spec, config, dtype_bytes)
+        running = spec if spec is not None and converted[i].mode != "teacher" else None  # inactive: the teacher's KV
+        mem = layer_memory(running, config, dtype_bytes)
         rows.append({
             "layer": i,
             "attention": spec.attention if spec else "teacher",

@@ -7,7 +7,10 @@
 #     tasks (50 samples), ablation;
 #   - LoLA budgets on lolcats: window 128 / 512 + linear at 8K, and the window-only baselines at 100
 #     samples (session 4 measured them on CPU at 25);
-#   - then, alone on the GPU, the efficiency benchmark at batch 16 (dsla and hybrid vs the teacher).
+#   - then, alone on the GPU, the efficiency benchmark at batch 16 and 64 (dsla and hybrid vs the
+#     teacher) and at batch 16 (LoLA 64 + 64);
+#   - with MC_DATA (the folder of ../shared/data/eval's files; lm-evaluation-harness installed):
+#     multiple choice and LAMBADA of dsla-chained --active 10.
 # A job that fails is rerun once at half its batch size. Writes $WORK/DONE-gaps at the end.
 #   WORK=/root/assets/work bash scripts/gpu_gaps.sh
 set -u
@@ -60,7 +63,14 @@ job dsla10-ablate 50 $L ablate $D10 $ABL $E --out "$WORK/eval/dsla-active10/abla
 
 # Alone on the GPU: latency ratios need an otherwise idle device.
 B="--prefill-lengths 1024,4096,8192 --decode-contexts 1024,4096,8000 --decode-steps 16 --repeats 3 --device $DEVICE"
-job bench-dsla-b16 16 timeout 200 $L bench --attention dsla $B --out "$WORK/bench/dsla-b16"
-job bench-hybrid-b16 16 timeout 200 $L bench --attention hybrid $B --out "$WORK/bench/hybrid-b16"
+for batch in 16 64; do
+  job bench-dsla-b$batch $batch timeout 200 $L bench --attention dsla $B --out "$WORK/bench/dsla-b$batch"
+  job bench-hybrid-b$batch $batch timeout 200 $L bench --attention hybrid $B --out "$WORK/bench/hybrid-b$batch"
+done
+job bench-lola-b16 16 timeout 240 $L bench --attention lola --window 64 --sparse-cache 64 --chunk 64 $B --out "$WORK/bench/lola-b16"
+if [ -n "${MC_DATA:-}" ]; then
+  job dsla10-mc 64 $L eval $D10 --suite full --tasks "" --ppl-lengths none \
+    --mc-tasks piqa,winogrande,copa,openbook_qa,lambada_openai --data-dir "$MC_DATA" --device $DEVICE --out "$WORK/eval/dsla-active10/mc"
+fi
 log "gaps done"
 touch "$WORK/DONE-gaps"

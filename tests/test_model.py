@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -160,6 +162,28 @@ def test_memory_formula_matches_measured_state():
     assert formula.fixed <= measured[1] <= formula.fixed + 16 * spec.window
     teacher = layer_memory(None, model.config, dtype_bytes=4)
     assert measured[0] == teacher.at(10)
+
+
+@torch.no_grad()
+def test_memory_formula_counts_a_nested_familys_teacher_layers():
+    """Layers beyond ``active`` run the teacher and hold its KV cache: the formula (request_memory and
+    ``info``) must say so, and agree with the measured cache."""
+    from linearize.memory import request_memory
+    from linearize.spec import ConversionSpec
+    from linearize.summary import model_info
+
+    model = tiny()
+    linearize.convert(model, {"attention": "dsla", "order": [2, 0, 1], "active": 1})
+    ids, mask = padded_batch(model.config.vocab_size, [10])
+    cache = DynamicCache()
+    model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    measured = cache_nbytes(cache)
+    teacher, dsla = layer_memory(None, model.config, 4), layer_memory(ConversionSpec(attention="dsla"), model.config, 4)
+    assert measured[0] == measured[1] == teacher.at(10) and measured[2] == dsla.at(10)
+    spec = ConversionSpec.from_dict(model.config.linearize)
+    assert request_memory(spec, model, 10, dtype_bytes=4) == 2 * teacher.at(10) + dsla.at(10)
+    rows = json.loads(model_info(model, as_json=True))["per_layer"]
+    assert [r["kv_bytes_per_token"] > 0 for r in rows] == [True, True, False]
 
 
 @pytest.mark.parametrize("spec", [{"attention": "hybrid", "window": 4, "mix": "gate", "learn_gate": True}, {"attention": "dsla"}])
