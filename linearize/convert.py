@@ -40,6 +40,12 @@ def converted_layers(model: PreTrainedModel) -> dict[int, ConvertedAttention]:
     return {i: layer.self_attn for i, layer in enumerate(decoder_layers(model)) if isinstance(layer.self_attn, ConvertedAttention)}
 
 
+def running_layers(model: PreTrainedModel) -> dict[int, ConvertedAttention]:
+    """Converted layers that run converted: all but a nested family's layers beyond ``active``, which
+    run the teacher's attention (and hold its KV cache)."""
+    return {i: m for i, m in converted_layers(model).items() if m.mode != "teacher"}
+
+
 def set_mode(model: PreTrainedModel, mode: str, layers: Sequence[int] | None = None) -> PreTrainedModel:
     """Switch the component mode of converted layers (all of them when ``layers`` is None)."""
     if mode not in MODES:
@@ -90,4 +96,4 @@ def _teacher_params(attn) -> list[torch.nn.Parameter]:
     return list(teacher.parameters())
 
 
-__all__ = ["convert", "set_mode", "set_active", "layer_modes", "converted_layers", "new_parameters", "MODES", "GENERIC_MODES"]
+__all__ = ["convert", "set_mode", "set_active", "layer_modes", "converted_layers", "running_layers", "new_parameters", "MODES", "GENERIC_MODES"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .convert import converted_layers, new_parameters
+from .convert import converted_layers, new_parameters, running_layers
 from .memory import layer_memory
 from .modeling import decoder_layers
 
@@ -13,12 +13,12 @@ def model_info(model, *, as_json: bool = False, dtype_bytes: int | None = None) 
     config = model.config
     layers = decoder_layers(model)
     converted = converted_layers(model)
+    running = running_layers(model)
     dtype_bytes = dtype_bytes or next(model.parameters()).element_size()
     rows = []
     for i in range(len(layers)):
         spec = converted[i].spec if i in converted else None
-        running = spec if spec is not None and converted[i].mode != "teacher" else None  # inactive: the teacher's KV
-        mem = layer_memory(running, config, dtype_bytes)
+        mem = layer_memory(running[i].spec if i in running else None, config, dtype_bytes)
         rows.append({
             "layer": i,
             "attention": spec.attention if spec else "teacher",

@@ -33,7 +33,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..cache import cache_nbytes
-from ..convert import convert, converted_layers
+from ..convert import convert, converted_layers, running_layers
 from ..eval.perplexity import check_length, eval_mode
 from ..io import atomic_write_text, save_png
 from ..memory import layer_memory
@@ -144,12 +144,11 @@ def bench_decode(
 
 def formula_bytes(model, tokens: int) -> int:
     """Formula bytes one request holds at ``tokens`` of context, from each layer's current attention."""
-    converted = converted_layers(model)
+    running = running_layers(model)
     dtype_bytes = next(model.parameters()).element_size()
     total = 0
     for i in range(len(decoder_layers(model))):
-        module = converted.get(i)
-        spec = module.spec if module is not None and module.mode != "teacher" else None
+        spec = running[i].spec if i in running else None
         total += layer_memory(spec, model.config, dtype_bytes).at(tokens)
     return total
 

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..convert import converted_layers, set_mode
+from ..convert import running_layers, set_mode
 from ..train.data import DataConfig
 
 logger = logging.getLogger(__name__)
@@ -198,7 +198,7 @@ def ablate(
     Layers running the teacher's attention (a nested family's layers beyond ``active``) are left as
     they are: the ablation is of the layers that run converted.
     ``on_update(results)``, if given, gets {mode: suite result so far} after each finished part."""
-    layers = {i: m for i, m in converted_layers(model).items() if m.mode != "teacher"}
+    layers = running_layers(model)
     if not layers:
         raise ValueError("ablate needs a converted model (no converted layers found, or all of them run the teacher)")
     kinds = {m.spec.attention for m in layers.values()}
