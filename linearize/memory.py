@@ -35,7 +35,7 @@ def layer_memory(spec: LayerSpec | None, config, dtype_bytes: int = 2) -> LayerM
     if spec.attention == "dsla":  # two (features x head_dim [+ 1 normaliser column]) states per head
         return LayerMemory("dsla", 0, 2 * h * features * (head_dim + spec.dsla_normalized) * STATE_BYTES)
     linear = h * features * (head_dim + 1) * STATE_BYTES
-    window = spec.window * 2 * hkv * head_dim * STATE_BYTES
+    window = spec.window * (2 + (not spec.linear_rope)) * hkv * head_dim * STATE_BYTES  # + keys before RoPE
     if spec.attention == "lola":
         sparse = spec.sparse_cache * 2 * h * head_dim * STATE_BYTES
         return LayerMemory("lola", 0, window + sparse + linear)

@@ -49,6 +49,10 @@ class LayerSpec:
     """hedgehog (learned +-softmax) | exp | relu | elu (1 + elu) | identity. DSLA: identity is the
     paper's raw form (q, k as they are, no normaliser); any other map is applied to q and k and each
     state's read is normalised."""
+    linear_rope: bool = True
+    """True: the feature maps act on RoPE-rotated q/k (LoLCATs). False: on q/k before RoPE, so the
+    linear part depends on no absolute position (it cannot drift past the positions seen in
+    training) while the window softmax keeps RoPE; DSLA then runs without RoPE."""
     feature_dim: int | None = None
     """Number of features phi produces. hedgehog: 2 * head_dim (square W, default) or head_dim
     (rectangular d x d/2 W). Fixed maps: head_dim (None means the default)."""
@@ -92,6 +96,11 @@ class LayerSpec:
         for name in ("dsla_history_gate", "dsla_recent_gate"):
             if not 0.0 < getattr(self, name) < 1.0:
                 raise SpecError(f"{name} must lie in (0, 1), got {getattr(self, name)}")
+        if not isinstance(self.linear_rope, bool):
+            raise SpecError(f"linear_rope must be true or false, got {self.linear_rope!r}")
+        if self.attention == "lola" and not self.linear_rope:
+            raise SpecError("attention 'lola' scores RoPE-rotated keys: linear_rope false is not supported for it; "
+                            "valid: linear_rope true")
         if self.sparse_cache and self.attention != "lola":
             raise SpecError(f"sparse_cache={self.sparse_cache} needs attention 'lola', got {self.attention!r}")
         if self.attention == "lola" and (self.mix != "joint" or self.overlap):

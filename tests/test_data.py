@@ -5,7 +5,10 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import platform
 import sys
+import sysconfig
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -114,7 +117,7 @@ def test_hf_source_through_datasets(tmp_path, monkeypatch):
 
 
 def test_bad_values_name_the_choices(tmp_path):
-    with pytest.raises(DataConfigError, match=r"unknown source 'wikipedia'.*'wiki', 'essays', 'teacher'.*hf:NAME"):
+    with pytest.raises(DataConfigError, match=r"unknown source 'wikipedia'.*'wiki', 'essays', 'pysource', 'teacher'.*hf:NAME"):
         DataConfig(source="wikipedia")
     with pytest.raises(DataConfigError, match="teacher_prompt_source 'teacher'"):
         DataConfig(source="teacher", teacher_prompt_source="teacher")
@@ -196,6 +199,52 @@ def test_wiki():
     texts = load_texts(DataConfig(source="wiki"))
     assert len(texts) == 10_033 and texts[0].startswith("20th-century classical music is")
     assert load_texts(DataConfig(source="wiki", max_documents=5)) == texts[:5]
+
+
+def test_pysource_is_the_stdlib_source_deterministic_and_long(tmp_path):
+    files = D._pysource_files()
+    texts = load_texts(DataConfig(source="pysource"))
+    assert len(texts) == len(files) > 100 and texts == load_texts(DataConfig(source="pysource"))
+    rels = [rel for rel, _, _ in files]
+    assert rels == sorted(rels) and "asyncio/base_events.py" in rels and "os.py" in rels
+    for rel, _, size in files:
+        assert not D.PYSOURCE_EXCLUDED_DIRS & set(rel.split("/")[:-1]) and 2048 <= size <= 400 * 1024, rel
+    assert not any(rel.startswith(("test/", "idlelib/", "lib2to3/", "tkinter/", "turtledemo/", "site-packages/")) for rel in rels)
+    assert texts[rels.index("os.py")] == (Path(sysconfig.get_paths()["stdlib"]) / "os.py").read_text(encoding="utf-8")
+    assert sum(len(t) > 4000 for t in texts) > 0.5 * len(texts)  # long documents are what it is for
+    fingerprint = D._source_fingerprint("pysource")
+    assert platform.python_version() in fingerprint and fingerprint[-1] == [[rel, size] for rel, _, size in files]
+    cfg = DataConfig(source="pysource", seq_len=256, max_documents=30, cache_dir=str(tmp_path))
+    a, b = build_dataset(cfg, bpe_tokenizer()), build_dataset(cfg, bpe_tokenizer())
+    assert a.info["documents_train"] + a.info["documents_heldout"] == 30 and len(a.train) > 100 and a.heldout.shape[1] == 256
+    assert not a.info["from_cache"] and b.info["from_cache"] and torch.equal(a.train, b.train) and torch.equal(a.heldout, b.heldout)
+    assert Path(a.info["cache"]).name.startswith("pysource-256-")
+    words = build_dataset(dataclasses.replace(cfg, cache=False), doc_tokenizer())  # a word-level tokenizer: mostly <unk>, still packs
+    assert words.train.shape[1] == 256 and len(words.train) > 0
+
+
+def test_pysource_skips_excluded_folders_and_sizes_and_keys_the_cache(tmp_path, monkeypatch):
+    stdlib = tmp_path / "lib"
+    body = "x = 1\n" * 500  # 3,000 bytes
+    for rel, text in {"b.py": body, "a/z.py": body, "a/c.py": body, "small.py": "x = 1\n", "big.py": body * 140, "notes.txt": body,
+                      "test/t.py": body, "pkg/tests/t.py": body, "idlelib/i.py": body, "lib2to3/l.py": body, "tkinter/k.py": body,
+                      "turtledemo/d.py": body, "site-packages/s.py": body, ".hidden/h.py": body, "latin.py": "# -*- coding: latin-1 -*-\n" + body}.items():
+        (stdlib / rel).parent.mkdir(parents=True, exist_ok=True)
+        (stdlib / rel).write_bytes(text.encode() if rel != "latin.py" else (text + "s = 'caf\xe9'\n").encode("latin-1"))
+    monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: {"stdlib": str(stdlib)})
+    assert [rel for rel, _, _ in D._pysource_files()] == ["a/c.py", "a/z.py", "b.py", "latin.py"]
+    texts = load_texts(DataConfig(source="pysource"))
+    assert texts[:3] == [body] * 3 and texts[3].endswith("s = 'caf\xe9'\n")  # the declared encoding is honoured
+    tok, cfg = doc_tokenizer(), DataConfig(source="pysource", seq_len=16, cache_dir=str(tmp_path / "cache"))
+    before = D.cache_path(cfg, tok)
+    (stdlib / "b.py").write_text(body + "y = 2\n")  # another stdlib: another cache
+    assert D.cache_path(cfg, tok) != before
+    key = D.cache_path(cfg, tok)
+    monkeypatch.setattr(platform, "python_version", lambda: "3.99.0")
+    assert D.cache_path(cfg, tok) != key
+    monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: {"stdlib": str(tmp_path / "none")})
+    with pytest.raises(FileNotFoundError, match="standard library folder"):
+        load_texts(DataConfig(source="pysource"))
 
 
 # ----------------------------------------------------------------------------- teacher samples

@@ -22,6 +22,9 @@ VARIANTS = {
     "hybrid-gate": ({"attention": "hybrid", "window": 4, "mix": "gate"}, None),
     "hybrid-gate-learned-rect": ({"attention": "hybrid", "window": 3, "mix": "gate", "learn_gate": True, "feature_dim": 16}, None),
     "hybrid-relu": ({"attention": "hybrid", "window": 4, "feature_map": "relu"}, None),
+    "hybrid-nope": ({"attention": "hybrid", "window": 4, "linear_rope": False}, None),
+    "hybrid-nope-la_only": ({"attention": "hybrid", "window": 4, "linear_rope": False}, "la_only"),
+    "dsla-nope": ({"attention": "dsla", "linear_rope": False}, None),
     "hybrid-swa_only": ({"attention": "hybrid", "window": 4}, "swa_only"),
     "hybrid-la_only": ({"attention": "hybrid", "window": 4}, "la_only"),
     "hybrid-sinks_only": ({"attention": "hybrid", "window": 4}, "sinks_only"),
@@ -150,8 +153,9 @@ def test_states_split_and_merge_per_request():
 
 
 @torch.no_grad()
-def test_memory_formula_matches_measured_state():
-    model = convert(tiny(), {"attention": "hybrid", "window": 4, "layers": [1]}, None)
+@pytest.mark.parametrize("linear_rope", [True, False])
+def test_memory_formula_matches_measured_state(linear_rope):
+    model = convert(tiny(), {"attention": "hybrid", "window": 4, "layers": [1], "linear_rope": linear_rope}, None)
     ids, mask = padded_batch(model.config.vocab_size, [10])
     cache = DynamicCache()
     model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from ..convert import converted_layers
 from ..io import save_png
-from ..layers.attention import ConvertedAttention, DslaAttention, HybridAttention
+from ..layers.attention import ConvertedAttention, DslaAttention, HybridAttention, Projection
 from ..modeling import decoder_layers
 from ..ops.common import gqa_groups, repeat_kv
 from ..ops.hybrid import hybrid_attention_weights
@@ -74,9 +74,17 @@ def _layer_inputs(model, input_ids: Ids, layers: list[int]) -> dict[int, LayerIn
     return capture_teacher(model, _ids(input_ids, next(model.parameters()).device), None, layers)
 
 
+def _projection(module: ConvertedAttention, inp: LayerInput) -> Projection:
+    """The layer's float32 projection: q (B, Hq, T, D), k and v (B, Hkv, T, D) with RoPE, and the
+    feature maps' inputs, as the layer computes them."""
+    p = module.project(inp.hidden_states, inp.position_embeddings)
+    q, k, v = (x.float() for x in p[:3])
+    return Projection(q, k, v, q, k) if not p.separate else Projection(q, k, v, p.q_lin.float(), p.k_lin.float())
+
+
 def _qkv(module: ConvertedAttention, inp: LayerInput) -> tuple[Tensor, Tensor, Tensor]:
     """float32 q (B, Hq, T, D), k and v (B, Hkv, T, D), RoPE applied, as the layer computes them."""
-    return tuple(x.float() for x in module.project(inp.hidden_states, inp.position_embeddings))  # type: ignore[return-value]
+    return tuple(_projection(module, inp)[:3])  # type: ignore[return-value]
 
 
 # ----------------------------------------------------------------------------- LoLA step by step
@@ -265,7 +273,8 @@ def attention_mass_data(model, input_ids: Ids, *, layer: int | None = None, quer
     """
     index, module = _pick_layer(model, layer)
     inp = _layer_inputs(model, input_ids, [index])[index]
-    q, k, v = _qkv(module, inp)
+    proj = _projection(module, inp)
+    q, k, v = proj[:3]
     t = q.shape[2]
     queries = max(1, t // 8) if queries is None else min(max(1, queries), t)
     kind, mode = module.spec.attention, module.mode
@@ -293,7 +302,7 @@ def attention_mass_data(model, input_ids: Ids, *, layer: int | None = None, quer
         w = hybrid_attention_weights(
             q, k, phi_q=module.feature_map_q, phi_k=module.feature_map_k, window=window, mix=module.spec.mix,
             overlap=module.spec.overlap, window_factor=module.window_factor(), gate=module.gate(),
-            branches=HYBRID_BRANCHES.get(mode, "both"), scale=module.scaling,
+            branches=HYBRID_BRANCHES.get(mode, "both"), scale=module.scaling, **module.linear_inputs(proj),
         ).float()
         parts = {"window": w * band, "linear": w * ~band}
     return out | {

@@ -309,6 +309,22 @@ def _passkey(rng, size, env) -> _Prompt:
     return _Prompt("\n".join(lines), " The pass key is", [key])
 
 
+RECALL_INTRO = "Read the notes below. One of them gives a box number that you will be asked for at the end."
+RECALL_NEEDLE = "Note: the {key} box opens with the number {value}."
+
+
+def _recall(rng, size, env) -> _Prompt:
+    """A needle test in our own wording (not RULER's or the passkey's): one note "the {key} box opens
+    with the number {value}" at a random depth of ``size`` essay words; asked for at the end."""
+    key, value = _word_key(rng).replace("-", " "), _number(rng)
+    depth = rng.choice(DEPTHS)
+    text = " ".join(itertools.islice(itertools.cycle(env.essay_words), size))
+    sentences = re.split(r"(?<=[.!?])\s+", text)
+    context = " ".join(_insert(sentences, [RECALL_NEEDLE.format(key=key, value=value)], [int(len(sentences) * depth / 100)]))
+    question = f"{RECALL_INTRO}\n{context}\nWhich number opens the {key} box?"
+    return _Prompt(question, f" The {key} box opens with the number", [value])
+
+
 # ----------------------------------------------------------------------------- scoring
 
 
@@ -375,9 +391,11 @@ TASKS: dict[str, Task] = {
         Task("cwe", _cwe, CWE_TOKENS, "list words", min_size=10, max_size=len(CWE_WORDS)),
         Task("fwe", _fwe, FWE_TOKENS, "coded words", min_size=100),  # 100: ranks 2-4 appear, more often than rank 5
         Task("passkey", _passkey, PASSKEY_TOKENS, "noise blocks", min_size=0, metric="passkey"),
+        Task("needle_recall", _recall, PASSKEY_TOKENS, "essay words", min_size=1),
     )
 }
-"""Task name -> Task: RULER's 11 synthetic tasks (its QA tasks need outside data) and passkey."""
+"""Task name -> Task: RULER's 11 synthetic tasks (its QA tasks need outside data), passkey, and
+needle_recall: a single needle in wording of our own, so that no conversion is tuned to RULER's."""
 
 
 def get_task(name: str) -> Task:

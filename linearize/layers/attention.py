@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +35,33 @@ GENERIC_MODES = ("sinks_only", "none", "teacher")
 'teacher' (the layer runs the teacher's original attention with plain KV; its new parameters stay,
 inactive: nested conversions and run-time conversion switch layers this way)."""
 
-Attend = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor | None, BatchState | None], tuple[Tensor, BatchState | None]]
+
+
+class Projection(NamedTuple):
+    """A layer's projected inputs: q (B, Hq, T, D), k and v (B, Hkv, T, D), RoPE applied to q and k;
+    q_lin and k_lin are what the linear part's feature maps see: the same tensors as q and k, or
+    q and k before RoPE when the spec's ``linear_rope`` is false."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    q_lin: Tensor
+    k_lin: Tensor
+
+    @property
+    def separate(self) -> bool:
+        """Whether the feature maps see other tensors than the softmax (q_lin is not q)."""
+        return self.q_lin is not self.q
+
+    def rows(self, index: Tensor) -> "Projection":
+        """Batch rows ``index`` of every tensor (keeps q_lin identical to q when it was)."""
+        q, k, v = self.q[index], self.k[index], self.v[index]
+        if not self.separate:
+            return Projection(q, k, v, q, k)
+        return Projection(q, k, v, self.q_lin[index], self.k_lin[index])
+
+
+Attend = Callable[[Projection, Tensor, Tensor | None, BatchState | None], tuple[Tensor, BatchState | None]]
 
 
 def key_padding_from_mask(attention_mask: Tensor | None, query_length: int) -> Tensor | None:
@@ -79,7 +105,7 @@ class ConvertedAttention(nn.Module):
 
     # --- modes -------------------------------------------------------------------------------
     def attend_modes(self) -> dict[str, Attend]:
-        """Kind-specific modes: name -> fn(q, k, v, x, valid, state) -> (out, state)."""
+        """Kind-specific modes: name -> fn(projection, x, valid, state) -> (out, state)."""
         raise NotImplementedError
 
     def modes(self) -> tuple[str, ...]:
@@ -95,12 +121,12 @@ class ConvertedAttention(nn.Module):
         self.check_mode(mode)
         self.mode = mode
 
-    def _attend(self, q, k, v, x, valid, state):
+    def _attend(self, p: Projection, x, valid, state):
         if self.mode == "sinks_only":
-            return sinks_attention(q, k, v, n_sinks=N_SINKS, valid=valid, state=_expect(state, KVState, self), scale=self.scaling)
+            return sinks_attention(p.q, p.k, p.v, n_sinks=N_SINKS, valid=valid, state=_expect(state, KVState, self), scale=self.scaling)
         if self.mode == "none":
-            return zero_attention(q, v), None
-        return self.attend_modes()[self.mode](q, k, v, x, valid, state)
+            return zero_attention(p.q, p.v), None
+        return self.attend_modes()[self.mode](p, x, valid, state)
 
     # --- forward -----------------------------------------------------------------------------
     def forward(
@@ -117,25 +143,28 @@ class ConvertedAttention(nn.Module):
                 past_key_values=past_key_values, **kwargs,
             )
         b, t, _ = hidden_states.shape
-        q, k, v = self.project(hidden_states, position_embeddings)
+        proj = self.project(hidden_states, position_embeddings)
         valid = key_padding_from_mask(attention_mask, t)
         cache = past_key_values if past_key_values is not None else kwargs.get("cache")
         slot = state_layer(cache, self.layer_idx) if cache is not None else None
-        out, state = self._attend(q, k, v, hidden_states, valid, slot.state if slot is not None else None)
+        out, state = self._attend(proj, hidden_states, valid, slot.state if slot is not None else None)
         if slot is not None:
             slot.store(state, t)
         out = out.transpose(1, 2).reshape(b, t, -1).to(hidden_states.dtype)  # (B, T, Hq * D)
         return self.o_proj(out), None
 
-    def project(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-        """q (B, Hq, T, D), k and v (B, Hkv, T, D), RoPE applied to q and k."""
+    def project(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor]) -> Projection:
+        """q (B, Hq, T, D), k and v (B, Hkv, T, D), RoPE applied to q and k; the feature maps'
+        inputs q_lin, k_lin (before RoPE when the spec's ``linear_rope`` is false)."""
         b, t, _ = hidden_states.shape
-        q = self.q_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
-        k = self.k_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        q_pre = self.q_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
+        k_pre = self.k_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.v_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         cos, sin = position_embeddings
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        return q, k, v
+        q, k = apply_rotary_pos_emb(q_pre, k_pre, cos, sin)
+        if self.spec.linear_rope:
+            return Projection(q, k, v, q, k)
+        return Projection(q, k, v, q_pre, k_pre)
 
     def extra_repr(self) -> str:
         return f"layer={self.layer_idx}, attention={self.spec.attention}, mode={self.mode}"
@@ -154,8 +183,8 @@ class SoftmaxAttention(ConvertedAttention):
     """The teacher's causal softmax, re-implemented over a KVState (reference and diagnostics host)."""
 
     def attend_modes(self):
-        def softmax(q, k, v, x, valid, state):
-            return softmax_attention(q, k, v, valid=valid, state=_expect(state, KVState, self), scale=self.scaling)
+        def softmax(p, x, valid, state):
+            return softmax_attention(p.q, p.k, p.v, valid=valid, state=_expect(state, KVState, self), scale=self.scaling)
 
         return {"hybrid": softmax}
 
@@ -186,25 +215,30 @@ class HybridAttention(ConvertedAttention):
     def window_factor(self) -> Tensor:
         return torch.sigmoid(self.window_factor_logit.float())
 
-    def _attend(self, q, k, v, x, valid, state):
+    def _attend(self, p, x, valid, state):
         drop = self.window_dropout
         if drop is None or self.mode != "hybrid" or self.spec.attention != "hybrid" or not bool(drop.any()):
-            return super()._attend(q, k, v, x, valid, state)
+            return super()._attend(p, x, valid, state)
         if state is not None:
             raise ValueError("window dropout is a training setting: it cannot run with a cache")
         modes = self.attend_modes()
         out = None
         for rows, mode in ((~drop, "hybrid"), (drop, "la_only")):
-            idx = rows.to(q.device).nonzero().flatten()
+            idx = rows.to(p.q.device).nonzero().flatten()
             if idx.numel() == 0:
                 continue
             sub_valid = valid[idx] if valid is not None else None
-            o, _ = modes[mode](q[idx], k[idx], v[idx], x[idx], sub_valid, None)  # (b, Hq, T, Dv)
-            out = (o.new_zeros(q.shape[0], *o.shape[1:]) if out is None else out).index_copy(0, idx, o)
+            o, _ = modes[mode](p.rows(idx), x[idx], sub_valid, None)  # (b, Hq, T, Dv)
+            out = (o.new_zeros(p.q.shape[0], *o.shape[1:]) if out is None else out).index_copy(0, idx, o)
         return out, None
 
     def gate(self) -> Tensor:
         return torch.sigmoid(self.gate_logit.float())
+
+    @staticmethod
+    def linear_inputs(p: Projection) -> dict[str, Tensor]:
+        """The hybrid ops' q_lin/k_lin keyword arguments: empty when the feature maps see q and k."""
+        return {"q_lin": p.q_lin, "k_lin": p.k_lin} if p.separate else {}
 
     def attend_modes(self):
         if self.spec.attention == "lola":
@@ -217,22 +251,23 @@ class HybridAttention(ConvertedAttention):
         return {"hybrid": self._hybrid("both"), "swa_only": self._hybrid("window"), "la_only": self._hybrid("linear")}
 
     def _hybrid(self, branches: str) -> Attend:
-        def attend(q, k, v, x, valid, state):
+        def attend(p, x, valid, state):
             return hybrid_attention(
-                q, k, v,
+                p.q, p.k, p.v,
                 phi_q=self.feature_map_q, phi_k=self.feature_map_k,
                 window=self.spec.window, mix=self.spec.mix, overlap=self.spec.overlap,
                 window_factor=self.window_factor(), gate=self.gate(), branches=branches,
                 valid=valid, state=_expect(state, HybridState, self), scale=self.scaling,
-                backend=resolve_kernel(self.spec.kernel, q.device),
+                backend=resolve_kernel(self.spec.kernel, p.q.device),
+                **self.linear_inputs(p),
             )
 
         return attend
 
     def _lola(self, *, read_state: bool, read_sparse: bool) -> Attend:
-        def attend(q, k, v, x, valid, state):
+        def attend(p, x, valid, state):
             return lola_attention(
-                q, k, v,
+                p.q, p.k, p.v,
                 phi_q=self.feature_map_q, phi_k=self.feature_map_k,
                 window=self.spec.window, sparse=self.spec.sparse_cache, window_factor=self.window_factor(),
                 chunk=self.spec.chunk, valid=valid, state=_expect(state, LolaState, self), scale=self.scaling,
@@ -302,7 +337,8 @@ class DslaAttention(ConvertedAttention):
         }
 
     def _dsla(self, fixed_gamma: float | None) -> Attend:
-        def dsla(q, k, v, x, valid, state):
+        def dsla(p, x, valid, state):
+            q, k, v = p.q_lin, p.k_lin, p.v  # linear attention only: q/k before RoPE unless linear_rope
             log_h, log_r = self.log_gates(x)
             gamma = self.gamma() if fixed_gamma is None else torch.full((), fixed_gamma, device=q.device)
             scale = self.scaling

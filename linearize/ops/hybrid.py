@@ -14,7 +14,9 @@ window slots); "older" = the real tokens before W_t. With s_j = scale * q_t.k_j 
 "linear" = LA only over all tokens up to t (window removed), normalised; "both" = the hybrid.
 
 Layout: q (B, Hq, T, D), k/v (B, Hkv, T, D) after RoPE; keys/values are repeated for GQA here,
-then featurised by ``phi_k`` (queries by ``phi_q``). ``valid`` (B, T) marks real tokens: padding
+then featurised by ``phi_k`` (queries by ``phi_q``). ``q_lin`` / ``k_lin`` (same shapes as q / k),
+when given, are what the feature maps see instead of q / k: e.g. q and k before RoPE, so that the
+linear term depends on no absolute position while the window softmax keeps RoPE. ``valid`` (B, T) marks real tokens: padding
 keys contribute nothing and never enter a state; outputs at padded queries are zero.
 
 State (``HybridState``, float32, or float64 for float64 inputs): the window holds the last
@@ -49,10 +51,12 @@ def hybrid_state_empty(
     *,
     device=None,
     dtype: torch.dtype = torch.float32,
+    linear_keys: bool = False,
 ) -> HybridState:
-    """The state before any token: an empty window and zero linear sums."""
+    """The state before any token: an empty window and zero linear sums (``linear_keys``: the
+    window also keeps the feature maps' own keys, for calls with ``k_lin``)."""
     return HybridState(
-        window=WindowState.empty(batch, kv_heads, window, dk, dv, device=device, dtype=dtype),
+        window=WindowState.empty(batch, kv_heads, window, dk, dv, device=device, dtype=dtype, linear_keys=linear_keys),
         linear=LinearState.zeros(batch, heads, features, dv, device=device, dtype=dtype),
     )
 
@@ -66,7 +70,13 @@ def _per_head(x: Tensor, heads: int, name: str, default: float, like: Tensor) ->
     return x.to(like.dtype)
 
 
-def _check_args(q: Tensor, k: Tensor, window: int, mix: str, branches: str) -> int:
+def _check_args(q: Tensor, k: Tensor, window: int, mix: str, branches: str,
+                q_lin: Tensor | None = None, k_lin: Tensor | None = None) -> int:
+    if (q_lin is None) != (k_lin is None):
+        raise ValueError("q_lin and k_lin go together: give both (the feature maps' inputs) or neither")
+    if q_lin is not None and (q_lin.shape != q.shape or k_lin.shape != k.shape):
+        raise ValueError(f"q_lin/k_lin have shapes {tuple(q_lin.shape)}/{tuple(k_lin.shape)}; expected those of "
+                         f"q/k {tuple(q.shape)}/{tuple(k.shape)}")
     if mix not in MIXES:
         raise ValueError(f"unknown mix {mix!r}; valid: {MIXES}")
     if branches not in BRANCHES:
@@ -133,19 +143,23 @@ def hybrid_attention_reference(
     branches: str = "both",
     valid: Tensor | None = None,
     scale: float | None = None,
+    q_lin: Tensor | None = None,
+    k_lin: Tensor | None = None,
 ) -> tuple[Tensor, HybridState]:
     """Plain quadratic form over the full sequence (the specification).
 
     window_factor None means f = 1; gate None means g = 0.5. Returns (out (B, Hq, T, Dv) in v's
     dtype, the HybridState after the sequence).
     """
-    n_rep = _check_args(q, k, window, mix, branches)
+    n_rep = _check_args(q, k, window, mix, branches, q_lin, k_lin)
     valid = default_valid(q, valid)
     b, hq, t, d = q.shape
     dt = accumulation_dtype(v.dtype)
     scale = d**-0.5 if scale is None else scale
     kr, vr = repeat_kv(k, n_rep), repeat_kv(v, n_rep).to(dt)  # (B, Hq, T, D|Dv)
-    qf, kf = phi_q(q).to(dt), phi_k(kr).to(dt)  # (B, Hq, T, F)
+    q_feat = q if q_lin is None else q_lin
+    k_feat = kr if k_lin is None else repeat_kv(k_lin, n_rep)
+    qf, kf = phi_q(q_feat).to(dt), phi_k(k_feat).to(dt)  # (B, Hq, T, F)
     pos = valid.long().cumsum(dim=1) - 1  # (B, T) real-token index
     causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()  # (T, T)
     seen = causal & valid[:, None, :] & valid[:, :, None]  # (B, T, T) real keys up to the real query
@@ -172,11 +186,13 @@ def hybrid_attention_reference(
     older = valid & (pos < (n_real - window)[:, None])  # (B, T)
     kf_old = kf * older[:, None, :, None]  # (B, Hq, T, F)
     linear = LinearState(kv=torch.einsum("bhtf,bhtd->bhfd", kf_old, vr), k_sum=kf_old.sum(dim=2))
-    ws = WindowState.empty(b, k.shape[1], window, d, v.shape[-1], device=q.device, dtype=dt)
+    ws = WindowState.empty(b, k.shape[1], window, d, v.shape[-1], device=q.device, dtype=dt, linear_keys=k_lin is not None)
     for row in range(b):
         idx = valid[row].nonzero().flatten()[-window:]  # (n,) indices of the kept real tokens
         n = idx.numel()
         ws.keys[row, :, window - n :] = k[row, :, idx].to(dt)
+        if k_lin is not None:
+            ws.linear_keys[row, :, window - n :] = k_lin[row, :, idx].to(dt)
         ws.values[row, :, window - n :] = v[row, :, idx].to(dt)
         ws.valid[row, window - n :] = True
         ws.positions[row, window - n :] = pos[row, idx]
@@ -218,6 +234,8 @@ def hybrid_attention(
     scale: float | None = None,
     backend: str = "torch",
     chunk: int = 64,
+    q_lin: Tensor | None = None,
+    k_lin: Tensor | None = None,
 ) -> tuple[Tensor, HybridState]:
     """The exact hybrid in O(T (chunk + window)) memory, continuing from ``state``.
 
@@ -227,18 +245,24 @@ def hybrid_attention(
     reference, window_factor None means f = 1 and gate None means g = 0.5.
     Returns (out (B, Hq, T, Dv) in v's dtype, the new HybridState).
     """
-    n_rep = _check_args(q, k, window, mix, branches)
+    n_rep = _check_args(q, k, window, mix, branches, q_lin, k_lin)
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     b, hq, t, d = q.shape
     dt = accumulation_dtype(v.dtype)
     scale = d**-0.5 if scale is None else scale
+    separate = k_lin is not None  # the feature maps see their own keys (e.g. before RoPE)
     if state is None:
-        ws, lin_state = WindowState.empty(b, k.shape[1], window, d, v.shape[-1], device=q.device, dtype=dt), None
+        ws = WindowState.empty(b, k.shape[1], window, d, v.shape[-1], device=q.device, dtype=dt, linear_keys=separate)
+        lin_state = None
     else:
         ws, lin_state = state.window, state.linear
     if ws.keys.shape[2] != window:
         raise ValueError(f"state window has {ws.keys.shape[2]} slots, expected window={window}")
+    if (ws.linear_keys is not None) != separate:
+        raise ValueError("the state's window " + ("keeps" if ws.linear_keys is not None else "does not keep")
+                         + " separate feature-map keys but this call " + ("gives" if separate else "does not give")
+                         + " q_lin/k_lin: a sequence cannot switch between them")
 
     # Extended sequence (L = window + T): the state's window slots, then the new tokens.
     new_valid = default_valid(q, valid)  # (B, T)
@@ -248,7 +272,9 @@ def hybrid_attention(
     ext_pos = torch.cat([ws.positions, new_pos], dim=1)  # (B, L)
     keys = torch.cat([ws.keys.to(k.dtype), k], dim=2)  # (B, Hkv, L, D)
     values = torch.cat([ws.values.to(v.dtype), v], dim=2)  # (B, Hkv, L, Dv)
+    lin_keys = torch.cat([ws.linear_keys.to(k_lin.dtype), k_lin], dim=2) if separate else None  # (B, Hkv, L, D)
     queries = q  # query slot i holds extended token window + i
+    lin_queries = q_lin if separate else None
     if valid is not None:
         # Move padding to the left of each row (stable). Real tokens then sit at consecutive
         # indices, so the window is the last `window` indices. (The state's window is already
@@ -258,12 +284,18 @@ def hybrid_attention(
         ext_valid, ext_pos = ext_valid.gather(1, order), ext_pos.gather(1, order)
         keys, values = _gather_tokens(keys, order), _gather_tokens(values, order)
         queries = _gather_tokens(F.pad(q, (0, 0, window, 0)), order[:, window:])  # (B, Hq, T, D)
+        if separate:
+            lin_keys = _gather_tokens(lin_keys, order)
+            lin_queries = _gather_tokens(F.pad(q_lin, (0, 0, window, 0)), order[:, window:])  # (B, Hq, T, D)
     keys = torch.where(ext_valid[:, None, :, None], keys, torch.zeros_like(keys))
     values = torch.where(ext_valid[:, None, :, None], values, torch.zeros_like(values))
+    if separate:
+        lin_keys = torch.where(ext_valid[:, None, :, None], lin_keys, torch.zeros_like(lin_keys))
 
     kr, vr = repeat_kv(keys, n_rep), repeat_kv(values, n_rep).to(dt)  # (B, Hq, L, D|Dv)
-    kf = phi_k(kr).to(dt) * ext_valid[:, None, :, None]  # (B, Hq, L, F); padding/empty slots -> 0
-    qf = phi_q(queries).to(dt)  # (B, Hq, T, F)
+    k_feat = repeat_kv(lin_keys, n_rep) if separate else kr
+    kf = phi_k(k_feat).to(dt) * ext_valid[:, None, :, None]  # (B, Hq, L, F); padding/empty slots -> 0
+    qf = phi_q(lin_queries if separate else queries).to(dt)  # (B, Hq, T, F)
 
     # Older than the window: query slot i (extended index window + i) has older keys 0..i, i.e.
     # causal LA over the extended keys shifted right by `window`, continuing the lagged state.
@@ -320,5 +352,6 @@ def hybrid_attention(
         values=values[:, :, t:].to(dt),  # (B, Hkv, window, Dv)
         valid=ext_valid[:, t:],
         positions=ext_pos[:, t:],
+        linear_keys=lin_keys[:, :, t:].to(dt) if separate else None,  # (B, Hkv, window, D)
     )
     return out.to(v.dtype), HybridState(window=new_window, linear=new_linear)

@@ -3,21 +3,48 @@
 Inference-only op on top of the joint-mode in-head hybrid (methods.md sections 1 and 2). Per head
 the memory holds exactly ``window`` (eta) KV, ``sparse`` (lambda) KV and the linear state (H, s).
 
-Per-token step for a real token t ("evict before attend"):
-  1. append (k_t, v_t) to the window; if it now holds eta + 1 real tokens, the oldest one leaves;
-  2. candidates = sparse cache G  U  {the leaving KV}, in position order; score each by its
-     self-recall error against the state BEFORE this step's update; a stable descending sort keeps
-     the top lambda as the new G (ties: the earlier position wins); the rest go into (H, s) for good;
-  3. attend: window U G (explicit, one softmax with the window factor f and a shared max m_t)
-     plus the linear state, all over one denominator.
+Chunked step, chunk C <= eta (C = 1 is the per-token decode step). Let n be the chunk's real
+tokens and L the window tokens that leave during it (the window's n oldest slots; all of them are
+tokens from before the chunk, because C <= eta):
 
-Chunked prefill (chunk C): the window tokens that will have left by the end of the chunk are the
-candidates, scored once against the state before the chunk; then every query of the chunk attends
-to the remaining window, the chunk tokens up to itself, G and the updated state. C = 1 is the
-per-token step.
+  1. select: candidates = sparse cache G  U  L, in position order; score each by its self-recall
+     error against the state BEFORE the chunk; a stable descending sort keeps the top lambda as the
+     new cache G' (ties: the earlier position wins); the rest, R, go into (H, s) for good. The
+     selection reads only tokens from before the chunk, so it is causal for every query of the chunk.
+  2. attend: query t reads its TRUE sliding window W_t (the last eta real tokens up to and
+     including t) exactly, and every older token where step 1 put it: exactly if it is in G', through
+     the linear path if it is in R or in the state before the chunk. Concretely, with one softmax
+     (window factor f on every explicit entry, one max m_t over the explicit entries) and one
+     denominator,
+         explicit_t = W_t  U  {j in G' : j older than W_t}
+         linear_t   = (H, s) before the chunk  +  sum_{j in R, j older than W_t} phi(k_j) [v_j, 1]
+     The tokens of L that are still in W_t are read in the window, whatever their selection; those
+     that have left W_t but not yet been folded into the state are added to the linear term on the
+     fly (phi(q_t)^T phi(k_j) v_j), so nothing is counted twice or lost.
+  3. slide: the window becomes the last eta real tokens; (H, s) += R; G = G'.
 
-``lola_attention_reference`` is the specification (plain float32 loop); ``lola_attention`` is the
-vectorised op (loop over chunks only) that continues from a ``LolaState``.
+Properties (tests check each): every token up to t is read exactly once; lambda = 0 gives the joint,
+non-overlap hybrid (``hybrid_attention``) for ANY chunk length, outputs and final state; lambda >=
+the number of tokens gives exact causal softmax for any C; C = 1 is the per-token decode rule
+"evict before attend" (append, select, then attend window U G U state), so a prefill with C = 1
+equals token-by-token decoding, and with lambda = 0 every C equals it. With lambda > 0 the
+selection runs once per chunk (the C - 1 later leavers are scored against an older state than at
+C = 1), so outputs and state may legitimately depend on C.
+
+Relation to the LoLA authors' chunked prefill: they attend before evicting, with the window kept
+over the previous and the current chunk (query t reads up to eta + C tokens exactly, plus G and the
+state as they stood before the chunk), then score the tokens that fell out of the window together
+with G against the state before the update. Our selection has the same candidates and the same
+scoring state, so for the same chunk boundaries the memory after each chunk is the same; only the
+read differs: each query sees its true window (as in training, so lambda = 0 is the trained hybrid
+whatever C; the authors' read is not, and depends on C even at lambda = 0), and older tokens are
+read from where this chunk's selection puts them. (Reading G and the state as they stood before the
+chunk, with the tokens between W_t and the state always linear, would also give the hybrid at
+lambda = 0, but not exact softmax at lambda >= T, and it would change the C = 1 decode step.)
+
+``lola_attention_reference`` is the specification (a plain float32 loop per row, head, chunk and
+query over lists of token indices, sharing no computation with the fast path); ``lola_attention``
+is the vectorised op (loop over chunks only) that continues from a ``LolaState``.
 """
 
 from __future__ import annotations
@@ -28,7 +55,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from linearize.ops.common import FeatureFn, default_valid, gqa_groups, repeat_kv, safe_divide
+from linearize.ops.common import EMPTY_DENOMINATOR, FeatureFn, default_valid, gqa_groups, repeat_kv, safe_divide
 from linearize.ops.states import LinearState, LolaState, SparseCacheState, WindowState
 
 logger = logging.getLogger(__name__)
@@ -55,62 +82,95 @@ def lola_attention_reference(
     window: int,
     sparse: int,
     window_factor: Tensor,
+    chunk: int = 1,
     valid: Tensor | None = None,
     scale: float | None = None,
     read_state: bool = True,
     read_sparse: bool = True,
 ) -> tuple[Tensor, LolaState]:
-    """The specification: a per-token loop over each row and query head, in float32.
+    """The specification: a plain loop over rows, query heads, chunks and queries, in float32.
 
-    q (B, Hq, T, D), k (B, Hkv, T, D), v (B, Hkv, T, Dv) -> output (B, Hq, T, Dv) and the final state.
-    Memories are tracked as lists of sequence indices; positions in the state count real tokens.
+    q (B, Hq, T, D), k (B, Hkv, T, D), v (B, Hkv, T, Dv) -> output (B, Hq, T, Dv) and the final state,
+    from an empty state. Chunks of ``chunk`` real tokens (capped at ``window``), as ``lola_attention``
+    cuts them in one call. Memories are lists of sequence indices; positions in the state count real
+    tokens. Shares no computation with the fast path (the self-recall error is written out here).
     """
-    _check_args(q, k, v, window=window, sparse=sparse, chunk=1, window_factor=window_factor)
-    n_rep = gqa_groups(q, k)
-    batch, hq, _, d = q.shape
+    _check_args(q, k, v, window=window, sparse=sparse, chunk=chunk, window_factor=window_factor)
+    batch, hq, t_len, d = q.shape
     hkv, dv = k.shape[1], v.shape[-1]
+    if hq % hkv != 0:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    n_rep = hq // hkv
+    chunk = min(chunk, window)
     scale = d**-0.5 if scale is None else scale
-    valid = default_valid(q, valid)
+    if valid is None:
+        valid = torch.ones(batch, t_len, dtype=torch.bool, device=q.device)
+    if valid.shape != (batch, t_len):
+        raise ValueError(f"valid mask has shape {tuple(valid.shape)}, expected {(batch, t_len)}")
     dtype = q.dtype
     q, k, v = q.float(), k.float(), v.float()
     f = window_factor.to(q.device, torch.float32)  # (Hq,)
+    kv_head = [h // n_rep for h in range(hq)]
     q_phi = phi_q(q).float()  # (B, Hq, T, F)
-    k_phi = phi_k(repeat_kv(k, n_rep)).float()  # (B, Hq, T, F)
+    k_phi = phi_k(k[:, kv_head]).float()  # (B, Hq, T, F)
     feats = k_phi.shape[-1]
 
-    out = torch.zeros(batch, hq, q.shape[2], dv, device=q.device)  # (B, Hq, T, Dv)
-    final = _empty_state(batch, hq, hkv, window, sparse, d, dv, feats, q.device)
+    out = torch.zeros(batch, hq, t_len, dv, device=q.device)  # (B, Hq, T, Dv)
+    final = LolaState(
+        window=WindowState.empty(batch, hkv, window, d, dv, device=q.device),
+        sparse=SparseCacheState.empty(batch, hq, sparse, d, dv, device=q.device),
+        linear=LinearState.zeros(batch, hq, feats, dv, device=q.device),
+    )
     for b in range(batch):
         real = valid[b].nonzero().flatten().tolist()  # sequence index of each real token
         position = {t: i for i, t in enumerate(real)}
         for h in range(hq):
-            g = h // n_rep
+            g = kv_head[h]
             win: list[int] = []  # sequence indices, oldest first
             cache: list[int] = []  # sequence indices, ascending (all older than the window)
-            linear = LinearState(kv=torch.zeros(feats, dv, device=q.device), k_sum=torch.zeros(feats, device=q.device))
-            for t in real:
-                win.append(t)
-                if len(win) > window:
-                    cands = cache + [win.pop(0)]  # position ascending
-                    err = self_recall_error(k_phi[b, h, cands], v[b, g, cands], linear)  # (N,)
-                    ranked = torch.sort(err, descending=True, stable=True).indices.tolist()
-                    cache = sorted(cands[i] for i in ranked[:sparse])
-                    for i in ranked[sparse:]:
-                        j = cands[i]
-                        linear = LinearState(
-                            kv=linear.kv + torch.outer(k_phi[b, h, j], v[b, g, j]),
-                            k_sum=linear.k_sum + k_phi[b, h, j],
-                        )
-                explicit = win + (cache if read_sparse else [])
-                scores = k[b, g, explicit] @ q[b, h, t] * scale  # (N,)
-                p = f[h] * torch.exp(scores - scores.max())  # (N,)
-                num = p @ v[b, g, explicit]  # (Dv,)
-                den = p.sum()
-                if read_state:
-                    # LoLCATs convention: the linear term is NOT rescaled by exp(-m_t).
-                    num = num + q_phi[b, h, t] @ linear.kv
-                    den = den + q_phi[b, h, t] @ linear.k_sum
-                out[b, h, t] = num / den
+            kv = torch.zeros(feats, dv, device=q.device)  # (F, Dv) H
+            k_sum = torch.zeros(feats, device=q.device)  # (F,) s
+            for c0 in range(0, len(real), chunk):
+                tokens = real[c0 : c0 + chunk]
+
+                # 1. Select among G and the window tokens leaving during this chunk, against (H, s).
+                leaving = win[: max(0, len(win) + len(tokens) - window)]
+                cands = cache + leaving  # position ascending
+                errs = []
+                for j in cands:
+                    phi_j = k_phi[b, h, j]  # (F,)
+                    den = phi_j @ k_sum
+                    readout = phi_j @ kv / den if den > EMPTY_DENOMINATOR else torch.zeros(dv, device=q.device)
+                    errs.append(torch.linalg.vector_norm(readout - v[b, g, j]).item())
+                ranked = sorted(range(len(cands)), key=lambda i: (-errs[i], i))  # ties: earlier first
+                new_cache = sorted(cands[i] for i in ranked[:sparse])
+                written = [cands[i] for i in ranked[sparse:]]
+
+                # 2. Attend: the true window W_t exactly; older tokens where the selection put them.
+                seen = win + tokens
+                for i, t in enumerate(tokens):
+                    w_t = seen[: len(win) + i + 1][-window:]
+                    explicit = w_t + ([j for j in new_cache if j not in w_t] if read_sparse else [])
+                    scores = torch.stack([q[b, h, t] @ k[b, g, j] * scale for j in explicit])  # (N,)
+                    p = f[h] * torch.exp(scores - scores.max())  # (N,)
+                    num = sum(p[n] * v[b, g, j] for n, j in enumerate(explicit))  # (Dv,)
+                    den = p.sum()
+                    if read_state:
+                        # LoLCATs convention: the linear term is NOT rescaled by exp(-m_t).
+                        num = num + q_phi[b, h, t] @ kv
+                        den = den + q_phi[b, h, t] @ k_sum
+                        for j in written:
+                            if j not in w_t:  # left the window, not yet in the state: on the fly
+                                a = q_phi[b, h, t] @ k_phi[b, h, j]
+                                num, den = num + a * v[b, g, j], den + a
+                    out[b, h, t] = num / den
+
+                # 3. Fold the written tokens into the state, keep G', slide the window.
+                for j in written:
+                    kv = kv + torch.outer(k_phi[b, h, j], v[b, g, j])
+                    k_sum = k_sum + k_phi[b, h, j]
+                cache = new_cache
+                win = seen[-window:]
 
             # The window of KV head g is the same for all its query heads: rewriting it is harmless.
             slots = slice(window - len(win), window)  # right-aligned, oldest first
@@ -123,8 +183,8 @@ def lola_attention_reference(
             final.sparse.values[b, h, :n_cache] = v[b, g, cache]
             final.sparse.valid[b, h, :n_cache] = True
             final.sparse.positions[b, h, :n_cache] = torch.tensor([position[t] for t in cache], dtype=torch.long)
-            final.linear.kv[b, h] = linear.kv
-            final.linear.k_sum[b, h] = linear.k_sum
+            final.linear.kv[b, h] = kv
+            final.linear.k_sum[b, h] = k_sum
     return out.to(dtype), final
 
 
@@ -154,8 +214,10 @@ def lola_attention(
     Chunks are cut over each row's real tokens (padding is moved out of the way first), so a row's
     result does not depend on how much padding the batch gave it. A chunk never exceeds the window
     (``chunk`` is capped at ``window``), so the tokens that leave the window during a chunk are
-    always tokens that were in it before the chunk. ``read_state`` / ``read_sparse`` hide the
-    linear state / the sparse cache from the output (ablations); what is kept is unchanged.
+    always tokens that were in it before the chunk, and the chunk's selection reads no token of the
+    chunk. Each query reads its true sliding window; see the module docstring for the exact rule.
+    ``read_state`` / ``read_sparse`` hide the linear state / the sparse cache from the output
+    (ablations); what is kept is unchanged.
     Memory per chunk is O(C (window + sparse + C)); no T x T tensor is formed.
     """
     _check_args(q, k, v, window=window, sparse=sparse, chunk=chunk, window_factor=window_factor)
@@ -216,7 +278,7 @@ class _ChunkContext:
 def _lola_chunk(
     st: LolaState, q: Tensor, k: Tensor, v: Tensor, cvalid: Tensor, cpos: Tensor, ctx: _ChunkContext
 ) -> tuple[Tensor, LolaState]:
-    """One chunk: evict (select the sparse cache, write the rest), attend, then slide the window.
+    """One chunk: select the sparse cache, attend (true window per query), then write and slide.
 
     q (B, Hq, C, D), k (B, Hkv, C, D), v (B, Hkv, C, Dv) float32, zero at padding; cvalid (B, C)
     with the real tokens first; cpos (B, C) their positions (-1 for padding).
@@ -228,10 +290,9 @@ def _lola_chunk(
     slot = torch.arange(eta, device=q.device)  # (eta,)
     # The window is right-aligned, so appending n tokens pushes out exactly slots [0, n) (n <= C <= eta).
     leaving = win.valid & (slot < n[:, None])  # (B, eta)
-    remaining = win.valid & ~leaving  # (B, eta)
 
-    # Candidates in position order: G (all older than the window; invalid slots last) then the
-    # window's first C slots, oldest first.
+    # 1. Select. Candidates in position order: G (all older than the window; invalid slots last)
+    # then the window's first C slots, oldest first. Only tokens from before the chunk take part.
     cand_k = torch.cat([cache.keys, repeat_kv(win.keys[:, :, :c], ctx.n_rep)], dim=2)  # (B, Hq, L+C, D)
     cand_v = torch.cat([cache.values, repeat_kv(win.values[:, :, :c], ctx.n_rep)], dim=2)  # (B, Hq, L+C, Dv)
     cand_valid = torch.cat([cache.valid, leaving[:, None, :c].expand(batch, hq, c)], dim=2)  # (B, Hq, L+C)
@@ -240,11 +301,8 @@ def _lola_chunk(
     err = self_recall_error(cand_phi, cand_v, linear).masked_fill(~cand_valid, -torch.inf)  # (B, Hq, L+C)
     top = torch.sort(err, dim=-1, descending=True, stable=True).indices[..., :lam]  # (B, Hq, L)
     kept = torch.zeros_like(cand_valid).scatter(-1, top, True) & cand_valid  # (B, Hq, L+C)
-    written_phi = cand_phi * (cand_valid & ~kept).unsqueeze(-1)  # (B, Hq, L+C, F)
-    linear = LinearState(
-        kv=linear.kv + written_phi.transpose(-1, -2) @ cand_v,  # (B, Hq, F, Dv)
-        k_sum=linear.k_sum + written_phi.sum(-2),  # (B, Hq, F)
-    )
+    written = cand_valid & ~kept  # (B, Hq, L+C) R: into the state after the chunk
+    written_phi = cand_phi * written.unsqueeze(-1)  # (B, Hq, L+C, F)
     order = torch.sort(torch.where(kept, cand_pos, torch.iinfo(torch.long).max), dim=-1, stable=True).indices
     sel = order[..., :lam]  # (B, Hq, L) kept candidates by position, invalid slots last
     g_valid = kept.gather(-1, sel)  # (B, Hq, L)
@@ -255,31 +313,51 @@ def _lola_chunk(
         positions=cand_pos.gather(-1, sel).masked_fill(~g_valid, -1),  # (B, Hq, L)
     )
 
-    # Attend: remaining window U chunk tokens <= t U G in one softmax with f, plus the linear state.
+    # 2. Attend. Query i's window W_t holds positions >= first[i]; everything older is read where
+    # the selection put it: G' explicitly, R (and the state before the chunk) linearly.
+    first = cpos - eta + 1  # (B, C) oldest position in each query's window
     causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()  # (C, C)
     keys = torch.cat([win.keys, k], dim=2)  # (B, Hkv, eta+C, D)
     values = torch.cat([win.values, v], dim=2)  # (B, Hkv, eta+C, Dv)
-    local_ok = torch.cat(
-        [remaining[:, None, :].expand(batch, c, eta), causal & cvalid[:, None, :]], dim=2
-    )  # (B, C, eta+C)
+    in_window = win.valid[:, None, :] & (win.positions[:, None, :] >= first[:, :, None])  # (B, C, eta)
+    local_ok = torch.cat([in_window, causal & cvalid[:, None, :]], dim=2)  # (B, C, eta+C)
     scores = q @ repeat_kv(keys, ctx.n_rep).transpose(-1, -2) * ctx.scale  # (B, Hq, C, eta+C)
     scores = scores.masked_fill(~local_ok[:, None], -torch.inf)
+    g_ok = cache.valid[:, :, None, :] & (cache.positions[:, :, None, :] < first[:, None, :, None])  # (B, Hq, C, L)
     g_scores = q @ cache.keys.transpose(-1, -2) * ctx.scale  # (B, Hq, C, L)
-    g_scores = g_scores.masked_fill(~(cache.valid & ctx.read_sparse)[:, :, None, :], -torch.inf)
+    g_scores = g_scores.masked_fill(~(g_ok & ctx.read_sparse), -torch.inf)
     scores = torch.cat([scores, g_scores], dim=-1)  # (B, Hq, C, eta+C+L)
-    m = scores.amax(-1, keepdim=True)  # (B, Hq, C, 1) shared max over window U sparse cache
+    m = scores.amax(-1, keepdim=True)  # (B, Hq, C, 1) shared max over the explicit entries
     m = torch.where(torch.isfinite(m), m, 0)  # rows with nothing to attend (padding)
     p = ctx.factor * torch.exp(scores - m)  # (B, Hq, C, eta+C+L)
     num = p @ torch.cat([repeat_kv(values, ctx.n_rep), cache.values], dim=2)  # (B, Hq, C, Dv)
     den = p.sum(-1)  # (B, Hq, C)
+    # The state before the chunk plus the part of R that came from G (older than every window).
+    base_phi, base_v = written_phi[:, :, :lam], cand_v[:, :, :lam]  # (B, Hq, L, F), (B, Hq, L, Dv)
+    base = LinearState(
+        kv=linear.kv + base_phi.transpose(-1, -2) @ base_v,  # (B, Hq, F, Dv)
+        k_sum=linear.k_sum + base_phi.sum(-2),  # (B, Hq, F)
+    )
+    left_phi, left_v = cand_phi[:, :, lam:], cand_v[:, :, lam:]  # (B, Hq, C, F), (B, Hq, C, Dv) window slots [0, C)
     if ctx.read_state:
         # LoLCATs convention: the linear term is NOT rescaled by exp(-m_t).
         q_phi = ctx.phi(ctx.phi_q, q)  # (B, Hq, C, F)
-        num = num + q_phi @ linear.kv  # (B, Hq, C, Dv)
-        den = den + (q_phi @ linear.k_sum.unsqueeze(-1)).squeeze(-1)  # (B, Hq, C)
+        num = num + q_phi @ base.kv  # (B, Hq, C, Dv)
+        den = den + (q_phi @ base.k_sum.unsqueeze(-1)).squeeze(-1)  # (B, Hq, C)
+        # Written window tokens that have left query i's window: on the fly.
+        gone = written[:, :, None, lam:] & (cand_pos[:, :, None, lam:] < first[:, None, :, None])  # (B, Hq, C, C)
+        a = (q_phi @ left_phi.transpose(-1, -2)) * gone  # (B, Hq, C, C) query i, leaving slot s
+        num = num + a @ left_v  # (B, Hq, C, Dv)
+        den = den + a.sum(-1)  # (B, Hq, C)
     out = torch.where(cvalid[:, None, :, None], safe_divide(num, den), 0)  # (B, Hq, C, Dv)
 
-    # Slide: the window becomes the last eta real tokens; they are contiguous in [window, chunk].
+    # 3. Write R into the state, slide: the window becomes the last eta real tokens, contiguous in
+    # [window, chunk].
+    left_written = written_phi[:, :, lam:]  # (B, Hq, C, F)
+    linear = LinearState(
+        kv=base.kv + left_written.transpose(-1, -2) @ left_v,  # (B, Hq, F, Dv)
+        k_sum=base.k_sum + left_written.sum(-2),  # (B, Hq, F)
+    )
     take = n[:, None] + slot  # (B, eta)
     window = WindowState(
         keys=keys.gather(2, take[:, None, :, None].expand(-1, keys.shape[1], -1, d)),  # (B, Hkv, eta, D)

@@ -99,6 +99,10 @@ def _merge(states: list[S]) -> S:
             values[f.name] = _merge(vs)
         elif isinstance(vs[0], Tensor):
             values[f.name] = torch.cat(vs, dim=0)
+        elif vs[0] is None or any(v is None for v in vs):
+            if any(v is not None for v in vs):
+                raise ValueError(f"cannot merge states whose field {f.name!r} is set in some and None in others")
+            values[f.name] = None
         else:
             if any(v != vs[0] for v in vs):
                 raise ValueError(f"cannot merge states whose field {f.name!r} differs: {vs}")
@@ -126,21 +130,26 @@ class WindowState(BatchState):
     """The last ``W`` keys/values, oldest first, right-aligned: slot W-1 is the newest token.
 
     Slots not (yet) holding a real token have ``valid`` False. ``positions`` is each slot's index in
-    its row's sequence of real tokens (-1 for invalid slots).
+    its row's sequence of real tokens (-1 for invalid slots). ``linear_keys`` (None unless the
+    linear part featurises other keys than the softmax, e.g. keys before RoPE) holds the keys the
+    feature map will see when each token leaves the window.
     """
 
     keys: Tensor  # (B, Hkv, W, D)
     values: Tensor  # (B, Hkv, W, Dv)
     valid: Tensor  # (B, W) bool
     positions: Tensor  # (B, W) long
+    linear_keys: Tensor | None = None  # (B, Hkv, W, D) or None
 
     @classmethod
-    def empty(cls, batch: int, kv_heads: int, window: int, dk: int, dv: int, *, device=None, dtype=torch.float32):
+    def empty(cls, batch: int, kv_heads: int, window: int, dk: int, dv: int, *, device=None, dtype=torch.float32,
+              linear_keys: bool = False):
         return cls(
             keys=torch.zeros(batch, kv_heads, window, dk, device=device, dtype=dtype),
             values=torch.zeros(batch, kv_heads, window, dv, device=device, dtype=dtype),
             valid=torch.zeros(batch, window, device=device, dtype=torch.bool),
             positions=torch.full((batch, window), -1, device=device, dtype=torch.long),
+            linear_keys=torch.zeros(batch, kv_heads, window, dk, device=device, dtype=dtype) if linear_keys else None,
         )
 
 

@@ -82,7 +82,9 @@ class StageConfig:
     """Stop after this many optimiser steps (None: epochs decide)."""
     max_minutes: float | None = None
     """Also stop once the stage has trained this many minutes of wall time (None: no limit): a fixed
-    budget on a lent GPU. The summary records the steps and tokens actually run."""
+    budget on a lent GPU, counted from the end of the stage's first step (its kernel compilation and
+    autotuning is logged as warmup_seconds, not counted). The summary records the steps and tokens
+    actually run."""
     eval_every: int = 50
     """Held-out loss every N steps (and at the end)."""
     eval_batches: int = 8
@@ -91,9 +93,16 @@ class StageConfig:
     """Checkpoint (for --resume) every N steps."""
     early_stopping_patience: int | None = None
     """Stop when the held-out loss has not improved for N evaluations; keep the best weights."""
+    position_offset: int = 0
+    """Each training row's position ids start at a random offset in 0..position_offset (one draw per
+    row and step, from the seed): the converted layers see absolute positions up to position_offset
+    + seq_len while the teacher's targets (RoPE: relative positions) stay the same; 0 = off.
+    Held-out losses always use positions 0..seq_len-1."""
 
     def __post_init__(self) -> None:
         _check_positive("epochs", self.epochs)
+        if not isinstance(self.position_offset, int) or isinstance(self.position_offset, bool) or self.position_offset < 0:
+            raise ConfigError(f"position_offset must be an integer >= 0, got {self.position_offset!r}")
         _check_positive("max_steps", self.max_steps, allow_none=True)
         _check_positive("max_minutes", self.max_minutes, allow_none=True)
         _check_positive("eval_every", self.eval_every)

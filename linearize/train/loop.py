@@ -5,6 +5,13 @@ from to the same final weights.
 A stage provides an ``objective``: an nn.Module whose ``forward(batch, step=, epoch=)`` returns
 (loss, metrics). Under torchrun (WORLD_SIZE > 1) the objective is wrapped in DistributedDataParallel
 (gloo on CPU, NCCL on CUDA) and each rank takes a disjoint shard of every global batch.
+
+Time (``LoopState``, the metrics records and the stage summaries): ``seconds`` is the stage's whole
+wall time; ``warmup_seconds`` the part spent in the first step of each process that ran it (kernel
+compilation and autotuning: on a GPU, flash-linear-attention's Triton autotuning can take minutes);
+``overhead_seconds`` the part spent on held-out evaluations and checkpoints; ``train_seconds`` is
+``seconds - overhead_seconds`` (warm-up included). ``max_minutes`` is compared with
+``seconds - warmup_seconds``: the budget starts once the first step has completed.
 """
 
 from __future__ import annotations
@@ -88,6 +95,8 @@ class LoopState:
     batch_in_epoch: int = 0
     tokens: int = 0
     seconds: float = 0.0
+    """Wall time of the stage so far: training steps, evaluations, checkpoints (a --resume continues
+    from the checkpoint's value)."""
     best_heldout: float = math.inf
     best_step: int = -1
     evals_without_improvement: int = 0
@@ -96,6 +105,9 @@ class LoopState:
     """Steps whose gradients were not finite: no update was made (as AMP's GradScaler does)."""
     overhead_seconds: float = 0.0
     """Part of ``seconds`` spent on held-out evaluation and checkpoints, not training."""
+    warmup_seconds: float = 0.0
+    """Part of ``seconds`` spent in the first step of each run_stage call (the stage's first step and the
+    first after each --resume): kernel compilation and autotuning. Not counted against ``max_minutes``."""
     history: list[dict] = field(default_factory=list)
 
 
@@ -170,7 +182,9 @@ def run_stage(
     """Train ``params`` of ``objective`` on ``train`` (N, T) token ids; returns the final loop state.
 
     With early stopping the best held-out weights are restored at the end. ``on_epoch(epoch)`` runs
-    before each epoch's first step (schedules that change per epoch).
+    before each epoch's first step (schedules that change per epoch). ``cfg.max_minutes`` bounds the
+    wall time after this call's first step (``state.seconds - state.warmup_seconds``): the first step
+    pays for compiling and autotuning kernels, which would otherwise eat a short budget.
     """
     if not params:
         raise ValueError(f"stage {stage!r} has no trainable parameters")
@@ -193,6 +207,7 @@ def run_stage(
     objective.train()
     bar = tqdm(total=total, initial=state.step, desc=stage, disable=not world.is_main, dynamic_ncols=True)
     started = time.perf_counter() - state.seconds
+    entry_seconds, warm = state.seconds, False  # this call's first step is the warm-up
     stop = False
     while state.step < total and not stop:
         if on_epoch is not None:
@@ -219,17 +234,24 @@ def run_stage(
             state.batch_in_epoch += 1
             state.tokens += batch.numel() * world.size
             state.seconds = time.perf_counter() - started
+            if not warm:
+                warm = True
+                state.warmup_seconds += state.seconds - entry_seconds
+                logger.info("%s: first step (step %d) took %.1f s, kernel compilation and autotuning included; "
+                            "not counted against max_minutes", stage, state.step, state.seconds - entry_seconds)
             bar.update(1)
             if state.step % log_every == 0 or state.step == total:
                 record = {"stage": stage, "step": state.step, "epoch": state.epoch, "loss": float(loss.detach()),
                           "lr": scheduler.get_last_lr()[0], "tokens": state.tokens, "seconds": round(state.seconds, 3),
                           "train_seconds": round(state.seconds - state.overhead_seconds, 3),
+                          "warmup_seconds": round(state.warmup_seconds, 3),
                           "grad_norm": grad_norm, "skipped_steps": state.skipped_steps, **values}
                 metrics.write(record)
                 bar.set_postfix(loss=f"{record['loss']:.4g}")
-            out_of_time = _out_of_time(state.seconds, cfg.max_minutes, world, device)
+            out_of_time = _out_of_time(state.seconds - state.warmup_seconds, cfg.max_minutes, world, device)
             if out_of_time:
-                logger.info("%s: %.1f-minute budget reached at step %d", stage, cfg.max_minutes, state.step)
+                logger.info("%s: %.1f-minute budget reached at step %d (%.1f s after the first step; %.1f s of warm-up not counted)",
+                            stage, cfg.max_minutes, state.step, state.seconds - state.warmup_seconds, state.warmup_seconds)
             paused = time.perf_counter()
             if heldout_loss is not None and (state.step % cfg.eval_every == 0 or state.step == total or out_of_time):
                 stop, best = _evaluate(stage, state, params, best, heldout_loss, cfg, metrics, objective)
@@ -251,7 +273,8 @@ def run_stage(
 
 
 def _out_of_time(seconds: float, max_minutes: float | None, world: World, device: torch.device) -> bool:
-    """Whether the stage's wall-time budget is spent; all ranks agree (rank 0's clock decides)."""
+    """Whether ``seconds`` (the budgeted wall time: warm-up excluded) spend the stage's budget; all
+    ranks agree (rank 0's clock decides)."""
     if max_minutes is None:
         return False
     flag = seconds >= 60.0 * max_minutes

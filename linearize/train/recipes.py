@@ -129,7 +129,8 @@ def _run(config: TrainConfig, device: torch.device, dtype: torch.dtype, autocast
 
     if config.transfer.enabled:
         t = config.transfer
-        objective = TransferObjective(model, layers, t.objectives, t.gate_similarity_weight, checkpoint_layers=t.checkpoint_layers)
+        objective = TransferObjective(model, layers, t.objectives, t.gate_similarity_weight, checkpoint_layers=t.checkpoint_layers,
+                                      position_offset=t.position_offset, seed=config.seed, rank=world.rank)
         params = _train_only(model, _layer_params(model, layers))
         state = run_stage(stage="transfer", objective=objective, params=params, train=data.train, cfg=t, optim=t.optim,
                           heldout_loss=evaluate(t), **common)
@@ -161,8 +162,12 @@ def _run(config: TrainConfig, device: torch.device, dtype: torch.dtype, autocast
 
 
 def _stage_summary(state) -> dict[str, Any]:
+    """seconds: the stage's wall time; train_seconds: its training steps (seconds less evaluations and
+    checkpoints; tokens_per_s divides by it); warmup_seconds: the part of both spent in the first step
+    (of each --resume run): kernel compilation and autotuning, not counted against max_minutes."""
     train_seconds = state.seconds - state.overhead_seconds
     return {"steps": state.step, "tokens": state.tokens, "seconds": round(state.seconds, 2), "train_seconds": round(train_seconds, 2),
+            "warmup_seconds": round(state.warmup_seconds, 2),
             "tokens_per_s": round(state.tokens / train_seconds, 1) if train_seconds > 0 else None, "skipped_steps": state.skipped_steps,
             "best_heldout_loss": None if math.isinf(state.best_heldout) else state.best_heldout, "best_step": state.best_step}
 
@@ -178,7 +183,7 @@ def _run_finetune(config: TrainConfig, model, data, evaluate, common, world: Wor
     trainable = {n for n, p in peft_model.named_parameters() if "lora_" in n} | new_names
     params = _train_only(peft_model, trainable)
     objective = FinetuneObjective(peft_model, ce_weight=f.ce_weight, kl_weight=f.kl_weight, kl_temperature=f.kl_temperature,
-                                  swa_dropout=f.swa_dropout, seed=config.seed, rank=world.rank)
+                                  swa_dropout=f.swa_dropout, seed=config.seed, rank=world.rank, position_offset=f.position_offset)
     state = run_stage(stage="finetune", objective=objective, params=params, train=data.train, cfg=f, optim=f.optim,
                       heldout_loss=evaluate(f), on_epoch=objective.on_epoch, **common)
     summary["stages"]["finetune"] = _stage_summary(state)
@@ -210,7 +215,8 @@ def _run_chained(config: TrainConfig, model, data, layers, evaluate, common, eva
         model.config.linearize = {**spec.to_dict(), "order": order, "active": k}
         set_active(model, k)
         params = _train_only(model, _layer_params(model, [layer]))
-        objective = FinetuneObjective(model, ce_weight=c.ce_weight, kl_weight=c.kl_weight, kl_temperature=c.kl_temperature, seed=config.seed)
+        objective = FinetuneObjective(model, ce_weight=c.ce_weight, kl_weight=c.kl_weight, kl_temperature=c.kl_temperature, seed=config.seed,
+                                      rank=common["world"].rank, position_offset=c.position_offset)
         state = run_stage(stage=f"chained-{k:02d}-layer{layer:02d}", objective=objective, params=params, train=data.train, cfg=c,
                           optim=c.optim, heldout_loss=evaluate(c), **common)
         steps.append({"k": k, "layer": layer, **_stage_summary(state)})

@@ -21,6 +21,7 @@ from ..convert import converted_layers
 from ..layers.attention import ConvertedAttention, DslaAttention, HybridAttention, key_padding_from_mask
 from ..ops.hybrid import hybrid_attention_weights
 from ..ops.softmax import softmax_attention
+from .positions import offset_position_ids
 
 
 @dataclass
@@ -48,7 +49,8 @@ def teacher_modes(model: nn.Module):
 
 
 @torch.no_grad()
-def capture_teacher(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, layers: list[int]) -> dict[int, LayerInput]:
+def capture_teacher(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, layers: list[int],
+                    position_ids: Tensor | None = None) -> dict[int, LayerInput]:
     """One teacher forward; returns the inputs and teacher outputs of the given converted layers."""
     modules = converted_layers(model)
     captured: dict[int, LayerInput] = {}
@@ -60,7 +62,7 @@ def capture_teacher(model: nn.Module, input_ids: Tensor, attention_mask: Tensor 
         handles.append(modules[i].register_forward_hook(hook, with_kwargs=True))
     try:
         with teacher_modes(model):
-            model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     finally:
         for h in handles:
             h.remove()
@@ -71,9 +73,9 @@ def capture_teacher(model: nn.Module, input_ids: Tensor, attention_mask: Tensor 
 def layer_output(module: ConvertedAttention, inp: LayerInput, mode: str) -> Tensor:
     """The converted layer's output (after o_proj) in ``mode``, on the teacher's input; no cache."""
     b, t, _ = inp.hidden_states.shape
-    q, k, v = module.project(inp.hidden_states, inp.position_embeddings)
+    proj = module.project(inp.hidden_states, inp.position_embeddings)
     valid = key_padding_from_mask(inp.attention_mask, t)
-    out, _ = module.attend_modes()[mode](q, k, v, inp.hidden_states, valid, None)
+    out, _ = module.attend_modes()[mode](proj, inp.hidden_states, valid, None)
     return module.o_proj(out.transpose(1, 2).reshape(b, t, -1).to(inp.hidden_states.dtype))
 
 
@@ -91,14 +93,15 @@ def _teacher_probs(module: ConvertedAttention, q: Tensor, k: Tensor, valid: Tens
 def _weights_ce(module: HybridAttention, inp: LayerInput, branches: str) -> Tensor:
     """Soft cross-entropy -sum_t sum_{i<=t} A_teacher[t, i] log A_student[t, i], mean over queries and heads."""
     t = inp.hidden_states.shape[1]
-    q, k, _ = module.project(inp.hidden_states, inp.position_embeddings)
+    proj = module.project(inp.hidden_states, inp.position_embeddings)
+    q, k = proj.q, proj.k
     valid = key_padding_from_mask(inp.attention_mask, t)
     with torch.no_grad():
         target = _teacher_probs(module, q, k, valid)
     student = hybrid_attention_weights(
         q, k, phi_q=module.feature_map_q, phi_k=module.feature_map_k, window=module.spec.window, mix=module.spec.mix,
         overlap=module.spec.overlap, window_factor=module.window_factor(), gate=module.gate(), branches=branches,
-        valid=valid, scale=module.scaling,
+        valid=valid, scale=module.scaling, **module.linear_inputs(proj),
     )
     ce = -(target * torch.log(student.float().clamp_min(1e-12))).sum(-1)  # (B, Hq, T)
     if valid is not None:
@@ -136,9 +139,13 @@ class TransferObjective(nn.Module):
         gate_similarity_weight: float = 0.0,
         *,
         checkpoint_layers: bool = False,
+        position_offset: int = 0,
+        seed: int = 0,
+        rank: int = 0,
     ):
         super().__init__()
         self.checkpoint_layers = checkpoint_layers
+        self.position_offset, self.seed, self.rank = position_offset, seed, rank
         self.model = model
         self.layers = layers
         self.objectives = dict(objectives)
@@ -150,7 +157,11 @@ class TransferObjective(nn.Module):
                     raise ValueError(f"objective {name!r} needs hybrid layers; layer {i} is {modules[i].spec.attention!r}")
 
     def forward(self, input_ids: Tensor, *, attention_mask: Tensor | None = None, step: int = 0, epoch: int = 0):
-        captured = capture_teacher(self.model, input_ids, attention_mask, self.layers)
+        position_ids = None
+        if self.training:
+            position_ids = offset_position_ids(*input_ids.shape, self.position_offset, seed=self.seed, step=step,
+                                               rank=self.rank, device=input_ids.device)
+        captured = capture_teacher(self.model, input_ids, attention_mask, self.layers, position_ids)
         modules = converted_layers(self.model)
         total = torch.zeros((), device=input_ids.device)
         metrics: dict[str, float] = {}

@@ -70,7 +70,7 @@ def test_self_recall_cache_matches_reference_and_empty_state():
     module = converted_layers(model)[0]
     data = self_recall_data(model, IDS, layer=0, head=2)
     inp = capture_teacher(model, IDS[None], None, [0])[0]
-    q, k, v = module.project(inp.hidden_states, inp.position_embeddings)
+    q, k, v = module.project(inp.hidden_states, inp.position_embeddings)[:3]
     _, final = lola_attention_reference(
         q, k, v, phi_q=module.feature_map_q, phi_k=module.feature_map_k, window=W, sparse=L,
         window_factor=module.window_factor(), scale=module.scaling,
@@ -89,7 +89,7 @@ def test_lola_weights_reproduce_the_op(mode):
     model = converted("lola")
     module = converted_layers(model)[1]
     inp = capture_teacher(model, IDS[None], None, [1])[1]
-    q, k, v = module.project(inp.hidden_states, inp.position_embeddings)
+    q, k, v = module.project(inp.hidden_states, inp.position_embeddings)[:3]
     read_state, read_sparse = mode in ("hybrid", "no_sparse"), mode in ("hybrid", "no_state")
     w, in_cache = lola_attention_weights(module, q, k, v, window=W, sparse=L, read_state=read_state, read_sparse=read_sparse)
     out, _ = lola_attention_reference(

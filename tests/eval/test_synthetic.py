@@ -74,6 +74,8 @@ def check_answers_in_prompt(sample: Sample) -> None:
         coded = question.split("coded words. ", 1)[1].split("\nQuestion:")[0].split()
         counts = Counter(w for w in coded if w != "...").most_common()
         assert [w for w, _ in counts[:3]] == refs and counts[2][1] > counts[3][1]
+    elif sample.task == "needle_recall":
+        assert question.count(f"box opens with the number {refs[0]}.") == 1
     else:
         assert sample.task == "passkey" and f"The pass key is {refs[0]}. Remember it." in question
 
@@ -81,7 +83,7 @@ def check_answers_in_prompt(sample: Sample) -> None:
 def test_registry_and_bad_names():
     assert list(TASKS) == [
         "niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2", "niah_multikey_3",
-        "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "passkey",
+        "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "passkey", "needle_recall",
     ]  # fmt: skip
     assert {get_task(n).tokens_to_generate for n in TASKS} == {128, 30, 120, 50, 16}
     with pytest.raises(ValueError, match="unknown synthetic task 'niah'.*niah_single_1.*passkey"):

@@ -324,3 +324,89 @@ def test_attention_weights_reproduce_the_output(mode):
     if mode[0] == "joint" or mode[2] != "both":
         sums = weights.sum(-1)[valid[:, None, :].expand(-1, 4, -1)]
         torch.testing.assert_close(sums, torch.ones_like(sums))
+
+
+# --- separate feature-map inputs (q_lin / k_lin, e.g. q and k before RoPE) -------------------------
+def separate_inputs(q, k, seed=20):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(q.shape, generator=g, dtype=q.dtype), torch.randn(k.shape, generator=g, dtype=k.dtype)
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("mode", MODES, ids=mode_id)
+def test_separate_feature_inputs_match_reference(case, mode):
+    """The feature maps see q_lin/k_lin, the window softmax q/k: outputs, final state (with the
+    window's feature-map keys) and gradients of every input agree with the quadratic form."""
+    q, k, v, params = setup(case, seed=11)
+    q_lin, k_lin = separate_inputs(q, k)
+    args = kw(params, mode)
+    leaves = [q, k, v, q_lin, k_lin, args["phi_q"].weight, args["phi_k"].weight]
+    for x in leaves:
+        x.requires_grad_()
+    w = torch.randn(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
+
+    def run(fn, **extra):
+        out, state = fn(q, k, v, **args, q_lin=q_lin, k_lin=k_lin, **extra)
+        grads = torch.autograd.grad((out * w).sum(), leaves, allow_unused=True, materialize_grads=True)
+        return out, state, grads
+
+    ref_out, ref_state, ref_grads = run(hybrid_attention_reference)
+    out, state, grads = run(hybrid_attention, chunk=case[-1])
+    torch.testing.assert_close(out, ref_out)
+    assert state.window.linear_keys is not None
+    assert_states_close(state, ref_state)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r)
+    linear_reads = mode[2] == "linear" or (mode[2] == "both" and (mode[1] or case[5] < case[1]))
+    if linear_reads:  # the linear branch reads the feature-map inputs, not q/k
+        plain, _ = hybrid_attention(q, k, v, **args, chunk=case[-1])
+        assert not torch.allclose(plain, out)
+
+
+def test_separate_feature_inputs_equal_to_q_k_give_the_plain_hybrid():
+    q, k, v, params = setup(CASES[0], seed=12)
+    args = kw(params, MODES[0])
+    plain, plain_state = hybrid_attention(q, k, v, **args, chunk=8)
+    same, same_state = hybrid_attention(q, k, v, **args, q_lin=q, k_lin=k, chunk=8)
+    torch.testing.assert_close(same, plain)
+    torch.testing.assert_close(same_state.window.linear_keys, plain_state.window.keys)
+    torch.testing.assert_close(same_state.linear.kv, plain_state.linear.kv)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=mode_id)
+def test_separate_feature_inputs_split_prefill_decode_and_padding_equal_one_call(mode):
+    b, t, window = 2, 27, 5
+    q, k, v, params = setup((b, t, 4, 2, 8, window, 4), seed=13)
+    q_lin, k_lin = separate_inputs(q, k, seed=14)
+    valid = torch.ones(b, t, dtype=torch.bool)
+    valid[0, :6] = False  # left padding
+    args = kw(params, mode)
+    full, full_state = hybrid_attention(q, k, v, **args, q_lin=q_lin, k_lin=k_lin, valid=valid, chunk=4)
+    ref, _ = hybrid_attention_reference(q, k, v, **args, q_lin=q_lin, k_lin=k_lin, valid=valid)
+    torch.testing.assert_close(full, ref)
+    state, outs = None, []
+    for lo, hi in itertools.pairwise([0, 9, 16] + list(range(17, t + 1))):
+        sl = slice(lo, hi)
+        o, state = hybrid_attention(q[:, :, sl], k[:, :, sl], v[:, :, sl], **args, q_lin=q_lin[:, :, sl],
+                                    k_lin=k_lin[:, :, sl], valid=valid[:, sl], state=state, chunk=4)
+        outs.append(o)
+    torch.testing.assert_close(torch.cat(outs, dim=2), full)
+    assert_states_close(state, full_state)
+    merged = HybridState.merge(state.split([1, 1]))
+    assert_states_close(merged, state)
+
+
+def test_separate_feature_inputs_cannot_switch_mid_sequence():
+    q, k, v, params = setup(CASES[0], seed=15)
+    q_lin, k_lin = separate_inputs(q, k)
+    args = kw(params, MODES[0])
+    _, plain_state = hybrid_attention(q, k, v, **args, chunk=8)
+    _, sep_state = hybrid_attention(q, k, v, **args, q_lin=q_lin, k_lin=k_lin, chunk=8)
+    with pytest.raises(ValueError, match="cannot switch"):
+        hybrid_attention(q, k, v, **args, q_lin=q_lin, k_lin=k_lin, state=plain_state, chunk=8)
+    with pytest.raises(ValueError, match="cannot switch"):
+        hybrid_attention(q, k, v, **args, state=sep_state, chunk=8)
+    with pytest.raises(ValueError, match="go together"):
+        hybrid_attention(q, k, v, **args, q_lin=q_lin, chunk=8)
+    with pytest.raises(ValueError, match="merge"):
+        HybridState.merge([plain_state, sep_state])

@@ -1,4 +1,4 @@
-"""LoLA attention: the chunked op against the per-token reference and against closed forms."""
+"""LoLA attention: the chunked op against the per-token reference, the trained hybrid and closed forms."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from linearize.ops.common import repeat_kv
+from linearize.ops.hybrid import hybrid_attention, hybrid_attention_reference
 from linearize.ops.lola import lola_attention, lola_attention_reference, self_recall_error
 from linearize.ops.states import BatchState, LinearState, LolaState
 
@@ -52,7 +53,9 @@ def named_tensors(state: BatchState, prefix: str = ""):
 
 def assert_states_equal(a: BatchState, b: BatchState, atol: float = 1e-5) -> None:
     for (name, x), (_, y) in zip(named_tensors(a), named_tensors(b), strict=True):
-        if x.is_floating_point():
+        if x is None or y is None:
+            assert x is None and y is None, f"{name}: set in one state only"
+        elif x.is_floating_point():
             torch.testing.assert_close(x, y, atol=atol, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
         else:
             assert torch.equal(x, y), f"{name} differs:\n{x}\n{y}"
@@ -68,23 +71,6 @@ def causal_softmax(q, k, v, valid):
     return torch.where(valid[:, None, :, None], scores.softmax(-1) @ v, 0)
 
 
-def chunked_joint_hybrid(q, k, v, *, phi_q, phi_k, window_factor, window, chunk):
-    """Joint hybrid with non-overlap, quadratic form: query t of the chunk starting at c0 (n tokens)
-    sees keys [c0 + n - window, t] explicitly (softmax with f) and keys older than that through LA."""
-    n_rep = q.shape[1] // k.shape[1]
-    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-    t = q.shape[2]
-    pos = torch.arange(t)
-    c0 = pos // chunk * chunk
-    bound = c0 + torch.clamp(t - c0, max=chunk) - window  # (T,) first explicit key of each query
-    explicit = (pos[None, :] <= pos[:, None]) & (pos[None, :] >= bound[:, None])  # (T, T)
-    older = pos[None, :] < bound[:, None]  # (T, T)
-    scores = (q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5).masked_fill(~explicit, -torch.inf)
-    p = window_factor[None, :, None, None] * torch.exp(scores - scores.amax(-1, keepdim=True))
-    a = (phi_q(q) @ phi_k(k).transpose(-1, -2)) * older  # (B, H, T, T) linear weights, not rescaled
-    return (p @ v + a @ v) / (p.sum(-1) + a.sum(-1)).unsqueeze(-1)
-
-
 CASES = {
     "B2-Hq4-Hkv2-T29-D8-w4-s3": dict(b=2, hq=4, hkv=2, t=29, d=8, window=4, sparse=3),
     "B1-Hq2-Hkv2-T23-D4-w1-s0": dict(b=1, hq=2, hkv=2, t=23, d=4, window=1, sparse=0),
@@ -93,20 +79,41 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("chunk", [1, 2, 5, 16], ids=lambda c: f"C{c}")
 @pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
 @pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
-def test_chunk1_matches_reference(case, padded):
+def test_matches_reference(case, padded, chunk):
+    """Fast path == the reference loop (same chunking), outputs and final state, for every chunk
+    length (chunk 16 is capped at each case's window)."""
     case = dict(case)
     window, sparse = case.pop("window"), case.pop("sparse")
     q, k, v, kw = make(**case)
     valid = left_padding(case["b"], case["t"], [3] + [0] * (case["b"] - 1)) if padded else None
     if padded:
         valid[0, 10] = False  # a hole mid-sequence as well
-    ref, ref_state = lola_attention_reference(q, k, v, window=window, sparse=sparse, valid=valid, **kw)
-    out, state = lola_attention(q, k, v, window=window, sparse=sparse, chunk=1, valid=valid, **kw)
+    ref, ref_state = lola_attention_reference(q, k, v, window=window, sparse=sparse, chunk=chunk, valid=valid, **kw)
+    out, state = lola_attention(q, k, v, window=window, sparse=sparse, chunk=chunk, valid=valid, **kw)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     assert_states_equal(state, ref_state)
     assert state.sparse.keys.shape == (case["b"], case["hq"], sparse, case["d"])
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4], ids=lambda c: f"C{c}")
+def test_gradients_match_reference(chunk):
+    """Gradients (q, k, v, window factor) of the fast path == those of the reference loop. The
+    selection is discrete: the gradient flows through what is read and kept, not through the choice."""
+    q, k, v, kw = make(b=2, hq=4, hkv=2, t=17)
+    valid = left_padding(2, 17, [2, 0])
+    factor = kw.pop("window_factor")
+    grads = []
+    for fn in (lola_attention, lola_attention_reference):
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v, factor)]
+        out, state = fn(*leaves[:3], window=4, sparse=3, chunk=chunk, valid=valid, window_factor=leaves[3], **kw)
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+        loss = (out * w).sum() + state.linear.kv.sum() + state.sparse.values.sum()
+        grads.append(torch.autograd.grad(loss, leaves))
+    for name, g_fast, g_ref in zip("qkvf", *grads):
+        torch.testing.assert_close(g_fast, g_ref, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"d{name}: {m}")
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 5, 16], ids=lambda c: f"C{c}")
@@ -117,20 +124,82 @@ def test_sparse_covering_all_tokens_is_exact_softmax(chunk):
     out, state = lola_attention(q, k, v, window=5, sparse=21, chunk=chunk, valid=valid, **kw)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert not state.linear.k_sum.any()
-    if chunk == 1:
-        ref, _ = lola_attention_reference(q, k, v, window=5, sparse=21, valid=valid, **kw)
-        torch.testing.assert_close(ref, expected, atol=1e-5, rtol=1e-5)
+    ref, _ = lola_attention_reference(q, k, v, window=5, sparse=21, chunk=chunk, valid=valid, **kw)
+    torch.testing.assert_close(ref, expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("chunk", [1, 4], ids=lambda c: f"C{c}")
-def test_no_sparse_is_joint_hybrid(chunk):
-    q, k, v, kw = make(b=2, hq=4, hkv=2, t=26)
-    expected = chunked_joint_hybrid(q, k, v, window=5, chunk=chunk, **kw)
-    out, _ = lola_attention(q, k, v, window=5, sparse=0, chunk=chunk, **kw)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    if chunk == 1:
-        ref, _ = lola_attention_reference(q, k, v, window=5, sparse=0, **kw)
-        torch.testing.assert_close(ref, expected, atol=1e-5, rtol=1e-5)
+NO_SPARSE = {"w5-T40": (5, 40), "w64-T150": (64, 150)}
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 16, 64], ids=lambda c: f"C{c}")
+@pytest.mark.parametrize("window, t", list(NO_SPARSE.values()), ids=list(NO_SPARSE))
+def test_no_sparse_is_joint_hybrid(window, t, chunk):
+    """lambda = 0 is the trained joint, non-overlap hybrid for ANY chunk length: outputs and final
+    state, with padding (left and a hole) and GQA. This replaces the old closed form, in which
+    query i of a chunk saw only eta - C + i + 1 exact tokens: evicting the chunk's leavers before
+    attending made chunked prefill differ from the hybrid the model was trained as."""
+    q, k, v, kw = make(b=2, hq=4, hkv=2, t=t)
+    valid = left_padding(2, t, [0, 7])
+    valid[0, 20] = False
+    out, state = lola_attention(q, k, v, window=window, sparse=0, chunk=chunk, valid=valid, **kw)
+    hyb, hyb_state = hybrid_attention(q, k, v, window=window, mix="joint", overlap=False, valid=valid, **kw)
+    torch.testing.assert_close(out, hyb, atol=1e-5, rtol=1e-5)
+    assert_states_equal(state.window, hyb_state.window)
+    assert_states_equal(state.linear, hyb_state.linear)
+    assert state.sparse.keys.shape[2] == 0
+    if window == 5:
+        spec, _ = hybrid_attention_reference(q, k, v, window=window, mix="joint", overlap=False, valid=valid, **kw)
+        torch.testing.assert_close(out, spec, atol=1e-5, rtol=1e-5)
+        ref, ref_state = lola_attention_reference(q, k, v, window=window, sparse=0, chunk=chunk, valid=valid, **kw)
+        torch.testing.assert_close(ref, spec, atol=1e-5, rtol=1e-5)
+        assert_states_equal(ref_state, state)
+
+
+@pytest.mark.parametrize("sparse", [0, 3], ids=lambda s: f"s{s}")
+@pytest.mark.parametrize("chunk", [3, 4, 16], ids=lambda c: f"C{c}")
+def test_chunked_prefill_then_decode(chunk, sparse):
+    """Prefill with chunk C, then token-by-token decode == one call over the rest at C = 1 (decode
+    is the C = 1 step); with lambda = 0 it also == one call with chunk C over everything, whatever C."""
+    t, p, window = 30, 12, 6
+    q, k, v, kw = make(b=2, hq=4, hkv=2, t=t)
+    valid = left_padding(2, t, [0, 5])
+    args = dict(window=window, sparse=sparse, **kw)
+    head, head_state = lola_attention(q[:, :, :p], k[:, :, :p], v[:, :, :p], chunk=chunk, valid=valid[:, :p], **args)
+    outs, state = [head], head_state
+    with torch.inference_mode():
+        for i in range(p, t):
+            step = slice(i, i + 1)
+            out, state = lola_attention(
+                q[:, :, step], k[:, :, step], v[:, :, step], chunk=chunk, valid=valid[:, step], state=state, **args
+            )
+            outs.append(out)
+    decoded = torch.cat(outs, dim=2)
+    tail, tail_state = lola_attention(
+        q[:, :, p:], k[:, :, p:], v[:, :, p:], chunk=1, valid=valid[:, p:], state=head_state, **args
+    )
+    torch.testing.assert_close(decoded, torch.cat([head, tail], dim=2), atol=1e-5, rtol=1e-5)
+    assert_states_equal(state, tail_state)
+    if sparse == 0:
+        full, full_state = lola_attention(q, k, v, chunk=chunk, valid=valid, **args)
+        torch.testing.assert_close(decoded, full, atol=1e-5, rtol=1e-5)
+        assert_states_equal(state, full_state)
+
+
+@pytest.mark.parametrize("chunk", [3, 6], ids=lambda c: f"C{c}")
+def test_chunked_prefill_is_causal(chunk):
+    """With lambda > 0 and C > 1 the selection runs once per chunk over tokens from before the chunk
+    only: changing the tokens after t (even in t's own chunk) leaves the outputs up to t alone."""
+    q, k, v, kw = make(b=1, hq=2, hkv=1, t=24)
+    out, _ = lola_attention(q, k, v, window=6, sparse=2, chunk=chunk, **kw)
+    for t0 in (13, 16):
+        changed = []
+        for i, x in enumerate((q, k, v)):
+            x = x.clone()
+            x[:, :, t0 + 1 :] = torch.randn(x[:, :, t0 + 1 :].shape, generator=torch.Generator().manual_seed(t0 + i))
+            changed.append(x)
+        out2, _ = lola_attention(*changed, window=6, sparse=2, chunk=chunk, **kw)
+        torch.testing.assert_close(out2[:, :, : t0 + 1], out[:, :, : t0 + 1], atol=1e-6, rtol=1e-6)
+        assert not torch.allclose(out2[:, :, t0 + 1 :], out[:, :, t0 + 1 :])
 
 
 def test_decode_after_prefill_equals_chunk1_prefill():
@@ -242,9 +311,8 @@ def test_tie_break_keeps_earlier_position(t, n_dup, window, sparse, chunk, expec
     k[:, :, 1:n_dup], v[:, :, 1:n_dup] = k[:, :, :1], v[:, :, :1]
     _, state = lola_attention(q, k, v, window=window, sparse=sparse, chunk=chunk, **kw)
     assert state.sparse.positions[0].tolist() == [expected] * 2
-    if chunk == 1:
-        _, ref_state = lola_attention_reference(q, k, v, window=window, sparse=sparse, **kw)
-        assert ref_state.sparse.positions[0].tolist() == [expected] * 2
+    _, ref_state = lola_attention_reference(q, k, v, window=window, sparse=sparse, chunk=chunk, **kw)
+    assert ref_state.sparse.positions[0].tolist() == [expected] * 2
 
 
 FLAGS = {"state+sparse": (True, True), "no-state": (False, True), "no-sparse": (True, False), "window-only": (False, False)}

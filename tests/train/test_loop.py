@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import time
 
+import pytest
 import torch
 from torch import nn
 
@@ -41,3 +43,50 @@ def test_non_finite_gradients_skip_the_update(tmp_path):
     assert not torch.equal(toy.seen[0], toy.seen[1])
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped_steps"] for r in records] == [0, 1, 1, 1]
+
+
+class SlowStart(nn.Module):
+    """loss = (w - 1)^2; this instance's first forward sleeps ``first`` seconds (kernel warm-up), the
+    others ``each``; raises at step ``crash_at`` (a killed run)."""
+
+    def __init__(self, first: float, each: float, crash_at: int | None = None):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(3))
+        self.first, self.each, self.crash_at = first, each, crash_at
+        self.calls = 0
+
+    def forward(self, batch, *, step: int, epoch: int):
+        if step == self.crash_at:
+            raise KeyboardInterrupt("killed")
+        time.sleep(self.first if self.calls == 0 else self.each)
+        self.calls += 1
+        return ((self.w - 1) ** 2).sum(), {}
+
+
+def _run_slow(toy: SlowStart, tmp_path, max_minutes: float, *, resume: bool = False, save_every: int = 100):
+    return run_stage(stage="toy", objective=toy, params={"w": toy.w}, train=torch.zeros(16, 4, dtype=torch.long),
+                     cfg=StageConfig(max_steps=10_000, epochs=10_000, max_minutes=max_minutes, eval_every=10_000, save_every=save_every),
+                     optim=OptimConfig(lr=0.01, batch_size=2), run_dir=tmp_path, seed=0, device=torch.device("cpu"),
+                     world=World(), metrics=MetricsLog(tmp_path / "metrics.jsonl", World()), resume=resume, log_every=1)
+
+
+def test_wall_time_budget_starts_after_the_first_step(tmp_path):
+    """A first step slower than the whole budget (Triton autotuning) must not end the stage."""
+    state = _run_slow(SlowStart(first=1.5, each=0.05), tmp_path, max_minutes=1 / 60)
+    assert state.warmup_seconds >= 1.5
+    assert 5 < state.step < 10_000, "the budget stopped the stage, after steps that ran once the first was done"
+    assert 1.0 <= state.seconds - state.warmup_seconds < 1.5
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == state.step and all(r["warmup_seconds"] >= 1.5 for r in records)
+    assert records[0]["seconds"] >= 1.5 and records[-1]["seconds"] == round(state.seconds, 3)
+
+
+def test_resumed_stage_excludes_its_own_first_step_from_the_budget(tmp_path):
+    with pytest.raises(KeyboardInterrupt):
+        _run_slow(SlowStart(first=0.4, each=0.01, crash_at=3), tmp_path, max_minutes=0.5 / 60, save_every=1)
+    saved = torch.load(tmp_path / "toy" / "checkpoint.pt", weights_only=False)["state"]
+    assert saved["step"] == 3 and saved["warmup_seconds"] >= 0.4 and saved["seconds"] >= saved["warmup_seconds"]
+    # The resumed process warms up again: its first step is not budgeted either, so it trains on.
+    state = _run_slow(SlowStart(first=0.4, each=0.02), tmp_path, max_minutes=0.5 / 60, resume=True, save_every=1)
+    assert state.warmup_seconds >= 0.8 and state.step > 6
+    assert 0.5 <= state.seconds - state.warmup_seconds < 0.9

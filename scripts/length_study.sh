@@ -1,0 +1,159 @@
+#!/usr/bin/env bash
+# Length robustness: conversion options trained side by side with the same steps and data, then
+# every one measured on the same held-out text and needles, with the teacher in the same run.
+#
+#   WORK=/root/assets/work GPUS="0 1" setsid nohup bash scripts/length_study.sh > /root/assets/study.log 2>&1 < /dev/null &
+#   bash scripts/length_study.sh --pack OUT_DIR [WAIT_SECONDS]     # later: bring back what has finished
+#
+# Hybrid options (the lolcats recipe: hybrid-output MSE transfer, then LoRA; window 64, all layers):
+#   base         as shipped: feature maps on RoPE'd q/k, 1K-token rows
+#   offset       + random position offsets 0..OFFSET per training row (positions the model never saw)
+#   nope         feature maps on q/k before RoPE (spec linear_rope false)
+#   long         4K-token rows (batch 2: the same tokens per step)
+#   nope-long    both
+#   offset-long  offsets 0..OFFSET_LONG and 4K rows
+# The nested DSLA family (dsla-chained recipe; stage 1 with a real budget, then chained fine-tuning):
+#   dsla         sensitivity order (measured)        dsla-nope    the same without RoPE
+#   dsla-random  a random order (seeded)             evaluated at active 8, 15, 22, 30 (random: 8, 15)
+# Each evaluation: held-out wiki perplexity at 1K-8K, niah_single_1 / passkey / needle_recall at 2K
+# and 4K; then essay perplexity (out of domain) at 1K, 4K, 8K.
+#
+# Environment: WORK (/root/assets/work)  DEVICE (cuda)  GPUS ("0")  STEPS (200 per stage)
+#   STAGE_MIN (6: wall-time cap per stage)  DSLA_TRANSFER_STEPS (600)  DSLA_TRANSFER_MIN (3)
+#   CHAINED_STEPS (20)  CHAINED_MIN (0.2)  OFFSET (7168)  OFFSET_LONG (4096)  SAMPLES (25)
+#   VARIANTS (all of the above)  EVAL_BATCH (25)
+set -u
+WORK=${WORK:-/root/assets/work}
+if [ "${1:-}" = --pack ]; then  # --pack OUT [WAIT]: wait for DONE (up to WAIT s), then pack at most 8 files
+  out=$2; wait_s=${3:-0}; start=$(date +%s)
+  while [ ! -f "$WORK/DONE" ] && [ $(( $(date +%s) - start )) -lt "$wait_s" ]; do
+    sleep 15
+    if [ $(( ($(date +%s) - start) % 120 )) -lt 15 ]; then
+      echo "--- $(date +%T)"; tail -n 3 "$WORK/logs/timeline.log" 2>/dev/null
+      nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>/dev/null
+    fi
+  done
+  mkdir -p "$out"
+  echo "=== timeline"; cat "$WORK/logs/timeline.log" 2>/dev/null
+  (cd "$WORK" && tar czf "$out/results.tgz" --exclude='*.pt' --exclude='adapter' --exclude='*.safetensors' eval logs runs 2>/dev/null)
+  python - "$WORK" "$out" <<'EOF'
+import sys, tarfile
+from pathlib import Path
+import torch
+from safetensors.torch import load_file, save_file
+work, out = Path(sys.argv[1]), Path(sys.argv[2])
+groups, size, group = [], 0, []
+for adapter in sorted(work.glob("runs/*/adapter")):
+    if not (adapter.parent / "summary.json").is_file():
+        continue
+    dst = work / "pack" / adapter.parent.name
+    dst.mkdir(parents=True, exist_ok=True)
+    for p in adapter.iterdir():  # bf16 storage, as shipped checkpoints are
+        if p.suffix == ".safetensors":
+            save_file({k: v.to(torch.bfloat16).contiguous() for k, v in load_file(str(p)).items()}, str(dst / p.name), metadata={"format": "pt"})
+        else:
+            (dst / p.name).write_bytes(p.read_bytes())
+    n = sum(f.stat().st_size for f in dst.iterdir())
+    if group and size + n > 14e6:
+        groups.append(group); group, size = [], 0
+    group.append(dst); size += n
+if group:
+    groups.append(group)
+for i, g in enumerate(groups[:7]):
+    with tarfile.open(out / f"adapters{i}.tgz", "w:gz") as tar:
+        for d in g:
+            tar.add(d, arcname=d.name)
+    print(f"adapters{i}.tgz:", [d.name for d in g])
+if len(groups) > 7:
+    print("not packed (file limit):", [d.name for g in groups[7:] for d in g])
+EOF
+  ls -la "$out"
+  exit 0
+fi
+
+DEVICE=${DEVICE:-cuda}
+GPUS=(${GPUS:-0})
+STEPS=${STEPS:-200}
+STAGE_MIN=${STAGE_MIN:-6}
+DSLA_TRANSFER_STEPS=${DSLA_TRANSFER_STEPS:-600}
+DSLA_TRANSFER_MIN=${DSLA_TRANSFER_MIN:-3}
+CHAINED_STEPS=${CHAINED_STEPS:-20}
+CHAINED_MIN=${CHAINED_MIN:-0.2}
+OFFSET=${OFFSET:-7168}
+OFFSET_LONG=${OFFSET_LONG:-4096}
+SAMPLES=${SAMPLES:-25}
+EVAL_BATCH=${EVAL_BATCH:-25}
+VARIANTS=${VARIANTS:-base offset nope long nope-long offset-long dsla dsla-nope dsla-random}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+L="python -m linearize.cli -v"
+mkdir -p "$WORK/logs" "$WORK/runs" "$WORK/eval"
+log() { echo "[$(date +%T)] $*" | tee -a "$WORK/logs/timeline.log"; }
+step() {  # step NAME COMMAND...: run, log its wall time and exit code
+  local name=$1 start rc; shift
+  start=$(date +%s)
+  "$@" > "$WORK/logs/$name.log" 2>&1
+  rc=$?
+  log "$name: exit $rc, $(( $(date +%s) - start )) s"
+  return $rc
+}
+
+variant_flags() {  # the recipe and overrides of one variant
+  local long="--data.seq_len=4096 --transfer.optim.batch_size=2 --finetune.optim.batch_size=2"
+  local lol="--recipe lolcats --transfer.max_steps=$STEPS --finetune.max_steps=$STEPS --transfer.max_minutes=$STAGE_MIN --finetune.max_minutes=$STAGE_MIN"
+  local dsla="--recipe dsla-chained --transfer.max_steps=$DSLA_TRANSFER_STEPS --transfer.max_minutes=$DSLA_TRANSFER_MIN --chained.max_steps=$CHAINED_STEPS --chained.eval_every=$CHAINED_STEPS --chained.max_minutes=$CHAINED_MIN"
+  case $1 in
+    base) echo "$lol" ;;
+    offset) echo "$lol --transfer.position_offset=$OFFSET --finetune.position_offset=$OFFSET" ;;
+    nope) echo "$lol --spec.linear_rope=false" ;;
+    long) echo "$lol $long" ;;
+    nope-long) echo "$lol --spec.linear_rope=false $long" ;;
+    offset-long) echo "$lol $long --transfer.position_offset=$OFFSET_LONG --finetune.position_offset=$OFFSET_LONG" ;;
+    dsla) echo "$dsla" ;;
+    dsla-nope) echo "$dsla --spec.linear_rope=false" ;;
+    dsla-random) echo "$dsla --chained.order_from=given --chained.order=$(python -c 'import random; o=list(range(30)); random.Random(0).shuffle(o); print("[" + ",".join(map(str, o)) + "]")')" ;;
+    *) return 1 ;;
+  esac
+}
+
+evaluate() {  # evaluate NAME MODEL [flags...]: wiki perplexity + needles, then essay perplexity
+  local name=$1 model=$2; shift 2
+  local E="--device $DEVICE --mc-tasks none --batch-size $EVAL_BATCH"
+  step "eval-$name" $L eval --model "$model" "$@" --suite quick --ppl-lengths 1024,2048,4096,8192 \
+    --tasks niah_single_1,passkey,needle_recall --lengths 2048,4096 --samples "$SAMPLES" $E --out "$WORK/eval/$name/wiki"
+  step "essays-$name" $L eval --model "$model" "$@" --suite quick --ppl-source essays --ppl-lengths 1024,4096,8192 \
+    --tasks "" $E --out "$WORK/eval/$name/essays"
+}
+
+pipeline() {  # pipeline VARIANT GPU: train, then evaluate
+  local v=$1 name=smollm2-135m-$1
+  export CUDA_VISIBLE_DEVICES=$2
+  step "train-$v" $L train $(variant_flags "$v") --name="$name" --output_dir="$WORK/runs" || return
+  local model="$WORK/runs/$name/adapter"
+  case $v in
+    dsla|dsla-nope) for k in 8 15 22 30; do evaluate "$v-active$k" "$model" --active $k --kernel auto; done ;;
+    dsla-random) for k in 8 15; do evaluate "$v-active$k" "$model" --active $k --kernel auto; done ;;
+    *) evaluate "$v" "$model" --kernel torch ;;
+  esac
+}
+
+log "study start on $DEVICE: ${VARIANTS}"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> "$WORK/logs/timeline.log" 2>&1
+step warm python -c "
+import linearize
+from linearize.train.data import DataConfig, build_dataset
+model, tok = linearize.load_model('smollm2-135m', device='cpu')
+for n in (1024, 4096):
+    build_dataset(DataConfig(source='wiki', seq_len=n), tok)
+"
+i=0
+for v in $VARIANTS; do
+  variant_flags "$v" > /dev/null || { log "unknown variant $v"; continue; }
+  pipeline "$v" "${GPUS[$(( i % ${#GPUS[@]} ))]}" &
+  i=$((i + 1))
+  sleep 3
+done
+CUDA_VISIBLE_DEVICES=${GPUS[0]} evaluate teacher smollm2-135m &
+wait
+log "study done"
+touch "$WORK/DONE"
