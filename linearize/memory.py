@@ -36,8 +36,8 @@ def layer_memory(spec: LayerSpec | None, config, dtype_bytes: int = 2) -> LayerM
         return LayerMemory("dsla", 0, 2 * h * features * (head_dim + spec.dsla_normalized) * STATE_BYTES)
     linear = h * features * (head_dim + 1) * STATE_BYTES
     window = spec.window * (2 + (not spec.linear_rope)) * hkv * head_dim * STATE_BYTES  # + keys before RoPE
-    if spec.attention == "lola":
-        sparse = spec.sparse_cache * 2 * h * head_dim * STATE_BYTES
+    if spec.attention == "lola":  # the sparse cache keeps keys before RoPE too (its entries' SRE and write)
+        sparse = spec.sparse_cache * (2 + (not spec.linear_rope)) * h * head_dim * STATE_BYTES
         return LayerMemory("lola", 0, window + sparse + linear)
     return LayerMemory("hybrid", 0, window + linear)
 

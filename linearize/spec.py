@@ -98,9 +98,6 @@ class LayerSpec:
                 raise SpecError(f"{name} must lie in (0, 1), got {getattr(self, name)}")
         if not isinstance(self.linear_rope, bool):
             raise SpecError(f"linear_rope must be true or false, got {self.linear_rope!r}")
-        if self.attention == "lola" and not self.linear_rope:
-            raise SpecError("attention 'lola' scores RoPE-rotated keys: linear_rope false is not supported for it; "
-                            "valid: linear_rope true")
         if self.sparse_cache and self.attention != "lola":
             raise SpecError(f"sparse_cache={self.sparse_cache} needs attention 'lola', got {self.attention!r}")
         if self.attention == "lola" and (self.mix != "joint" or self.overlap):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -31,6 +32,10 @@ VARIANTS = {
     "hybrid-none": ({"attention": "hybrid", "window": 4}, "none"),
     "lola": ({"attention": "lola", "window": 4, "sparse_cache": 3, "chunk": 1}, None),
     "lola-no_state": ({"attention": "lola", "window": 4, "sparse_cache": 3, "chunk": 1}, "no_state"),
+    "lola-nope": ({"attention": "lola", "window": 4, "sparse_cache": 3, "chunk": 1, "linear_rope": False}, None),
+    # with lambda > 0 a chunked prefill may legitimately differ from decoding (the selection runs once
+    # per chunk); with lambda = 0 every chunk length equals it: the chunked path at model level
+    "lola-nope-s0-C3": ({"attention": "lola", "window": 4, "sparse_cache": 0, "chunk": 3, "linear_rope": False}, None),
     "dsla": ({"attention": "dsla"}, None),
     "dsla-partial": ({"attention": "dsla", "layers": [0, 2]}, None),
 }
@@ -166,6 +171,52 @@ def test_memory_formula_matches_measured_state(linear_rope):
     assert formula.fixed <= measured[1] <= formula.fixed + 16 * spec.window
     teacher = layer_memory(None, model.config, dtype_bytes=4)
     assert measured[0] == teacher.at(10)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("linear_rope", [True, False])
+def test_lola_memory_formula_matches_measured_state(linear_rope):
+    """LoLA's formula counts the window, the sparse cache (each with its keys before RoPE when
+    linear_rope is false) and the linear state, as the cache measures them."""
+    window, sparse = 4, 3
+    model = convert(tiny(), {"attention": "lola", "window": window, "sparse_cache": sparse, "chunk": 2, "layers": [1],
+                             "linear_rope": linear_rope}, None)
+    ids, mask = padded_batch(model.config.vocab_size, [10])
+    cache = DynamicCache()
+    model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    measured = cache_nbytes(cache)
+    spec = model.model.layers[1].self_attn.spec
+    state = cache.layers[1].state
+    assert (state.window.linear_keys is None) == (state.sparse.linear_keys is None) == linear_rope
+    formula = layer_memory(spec, model.config, dtype_bytes=4)
+    # the state also holds per-slot validity and positions: a few bytes per window and cache slot
+    heads = model.config.num_attention_heads
+    assert formula.fixed <= measured[1] <= formula.fixed + 16 * (window + heads * sparse)
+    if not linear_rope:
+        plain = layer_memory(dataclasses.replace(spec, linear_rope=True), model.config, dtype_bytes=4)
+        head_dim = model.config.head_dim
+        extra = (window * model.config.num_key_value_heads + sparse * heads) * head_dim * 4
+        assert formula.fixed - plain.fixed == extra
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("linear_rope", [True, False])
+def test_lola_without_sparse_cache_reads_the_hybrid_it_converts(linear_rope):
+    """LoLA with lambda = 0 on top of a hybrid is that hybrid, whatever the chunk: the model-level
+    check that a lola layer hands the feature maps the same inputs (q/k before RoPE or not)."""
+    model = convert(tiny(), {"attention": "hybrid", "window": 3, "linear_rope": linear_rope}, None)
+    for p in linearize.new_parameters(model).values():
+        p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    ids, mask = padded_batch(model.config.vocab_size, [12, 9], seed=3)
+    pos = positions(mask)
+    hybrid = model(ids, attention_mask=mask, position_ids=pos).logits
+    linearize.convert(model, {"attention": "lola", "window": 3, "sparse_cache": 0, "chunk": 5, "linear_rope": linear_rope})
+    lola = model(ids, attention_mask=mask, position_ids=pos).logits
+    real = mask.bool()
+    torch.testing.assert_close(lola[real], hybrid[real], atol=2e-5, rtol=2e-5)
+    linearize.convert(model, {"attention": "lola", "window": 3, "sparse_cache": 0, "chunk": 5, "linear_rope": not linear_rope})
+    other = model(ids, attention_mask=mask, position_ids=pos).logits
+    assert not torch.allclose(other[real], hybrid[real], atol=1e-3)
 
 
 @torch.no_grad()

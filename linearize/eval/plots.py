@@ -82,36 +82,52 @@ def _projection(module: ConvertedAttention, inp: LayerInput) -> Projection:
     return Projection(q, k, v, q, k) if not p.separate else Projection(q, k, v, p.q_lin.float(), p.k_lin.float())
 
 
-def _qkv(module: ConvertedAttention, inp: LayerInput) -> tuple[Tensor, Tensor, Tensor]:
-    """float32 q (B, Hq, T, D), k and v (B, Hkv, T, D), RoPE applied, as the layer computes them."""
-    return tuple(_projection(module, inp)[:3])  # type: ignore[return-value]
-
-
 # ----------------------------------------------------------------------------- LoLA step by step
 
 
-def _lola_states(module: HybridAttention, q: Tensor, k: Tensor, v: Tensor, window: int, sparse: int) -> Iterator[LolaState]:
-    """The LoLA memory after each token (per-token steps: chunk 1, exactly the decoding rule)."""
+def _linear_inputs(module: HybridAttention, q_lin: Tensor | None, k_lin: Tensor | None) -> dict[str, Tensor]:
+    """The lola op's q_lin/k_lin keywords; a layer whose feature maps see q/k before RoPE
+    (``linear_rope`` false) must be given them: its RoPE'd q/k would give another memory."""
+    if (q_lin is None) != (k_lin is None):
+        raise ValueError("q_lin and k_lin go together: give both (the feature maps' inputs) or neither")
+    if q_lin is None and not module.spec.linear_rope:
+        raise ValueError(f"layer {module.layer_idx} has linear_rope false: its feature maps see q/k before RoPE; "
+                         "pass them as q_lin/k_lin (e.g. from module.project(...).q_lin/.k_lin)")
+    return {} if q_lin is None else {"q_lin": q_lin, "k_lin": k_lin}
+
+
+def _lola_states(
+    module: HybridAttention, q: Tensor, k: Tensor, v: Tensor, window: int, sparse: int,
+    q_lin: Tensor | None = None, k_lin: Tensor | None = None,
+) -> Iterator[LolaState]:
+    """The LoLA memory after each token (per-token steps: chunk 1, exactly the decoding rule).
+    ``q_lin`` / ``k_lin``: the feature maps' inputs when they are not q / k (``linear_rope`` false)."""
+    lin = _linear_inputs(module, q_lin, k_lin)
     state = None
     for t in range(q.shape[2]):
         step = slice(t, t + 1)
         _, state = lola_attention(
             q[:, :, step], k[:, :, step], v[:, :, step], phi_q=module.feature_map_q, phi_k=module.feature_map_k,
             window=window, sparse=sparse, window_factor=module.window_factor(), chunk=1, state=state, scale=module.scaling,
+            **{name: x[:, :, step] for name, x in lin.items()},
         )
         yield state
 
 
 def lola_attention_weights(
     module: HybridAttention, q: Tensor, k: Tensor, v: Tensor, *, window: int, sparse: int,
-    read_state: bool = True, read_sparse: bool = True,
+    read_state: bool = True, read_sparse: bool = True, q_lin: Tensor | None = None, k_lin: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(B, Hq, T, T) weights of LoLA decoding token by token (chunk 1) and the (B, Hq, T, T) mask of
     the keys each query finds in the sparse cache. ``v`` is needed because the cache is chosen by
-    self-recall error; the output equals ``weights @ v`` (GQA-repeated). Unpadded rows only."""
+    self-recall error; the output equals ``weights @ v`` (GQA-repeated). Unpadded rows only.
+    ``q_lin`` / ``k_lin``: the feature maps' inputs (q/k before RoPE), required for a layer whose
+    spec has ``linear_rope`` false; the softmax weights always score the RoPE'd q / k."""
     b, hq, t, _ = q.shape
+    lin = _linear_inputs(module, q_lin, k_lin)
+    q_feat, k_feat = lin.get("q_lin", q), lin.get("k_lin", k)
     in_cache = torch.zeros(b, hq, t, t, dtype=torch.bool, device=q.device)
-    for i, st in enumerate(_lola_states(module, q, k, v, window, sparse)):
+    for i, st in enumerate(_lola_states(module, q, k, v, window, sparse, q_lin, k_lin)):
         pos = st.sparse.positions  # (B, Hq, L), -1 where empty
         slots = torch.zeros(b, hq, t + 1, device=q.device).scatter_(-1, pos.masked_fill(pos < 0, t), 1.0)
         in_cache[:, :, i] = slots[..., :t].bool()
@@ -125,7 +141,8 @@ def lola_attention_weights(
     f = module.window_factor().to(q.device).view(1, hq, 1, 1)
     num = f * torch.exp(scores - m)
     if read_state:  # LoLCATs convention: the linear term is not rescaled by exp(-m)
-        num = num + (module.feature_map_q(q).float() @ module.feature_map_k(kr).float().transpose(-1, -2)) * written
+        kf = repeat_kv(k_feat, gqa_groups(q, k))
+        num = num + (module.feature_map_q(q_feat).float() @ module.feature_map_k(kf).float().transpose(-1, -2)) * written
     return num / num.sum(-1, keepdim=True), in_cache
 
 
@@ -146,16 +163,17 @@ def self_recall_data(
     Held tokens (window, sparse cache) are recalled exactly: their SRE is 0. ``memories[name][t]``
     lists positions 0..t; ``sparse_positions[t]`` is LoLA's cache after token t. Defaults: the
     layer's window; LoLA layers their own sparse budget, hybrid layers sparse = window.
-    Features: the layer's own feature_map_k on RoPE'd, GQA-repeated keys.
+    Features: the layer's own feature_map_k on its feature-map keys (RoPE'd, or before RoPE when the
+    spec's ``linear_rope`` is false), GQA-repeated.
     """
     index, module = _pick_layer(model, layer, (HybridAttention,))
     window = module.spec.window if window is None else window
     sparse = (module.spec.sparse_cache if module.spec.attention == "lola" else window) if sparse is None else sparse
     if not 0 <= head < module.num_heads:
         raise ValueError(f"head {head} out of range: the layer has {module.num_heads} query heads")
-    q, k, v = (x[:1] for x in _qkv(module, _layer_inputs(model, input_ids, [index])[index]))
+    q, k, v, q_lin, k_lin = (x[:1] for x in _projection(module, _layer_inputs(model, input_ids, [index])[index]))
     n_rep = gqa_groups(q, k)
-    k_phi = module.feature_map_k(repeat_kv(k, n_rep)).float()[0, head]  # (T, F)
+    k_phi = module.feature_map_k(repeat_kv(k_lin, n_rep)).float()[0, head]  # (T, F)
     v_h = repeat_kv(v, n_rep)[0, head]  # (T, Dv)
     kv, z = (k_phi[:, :, None] * v_h[:, None, :]).cumsum(0), k_phi.cumsum(0)  # state holding tokens 0..s
 
@@ -165,7 +183,8 @@ def self_recall_data(
 
     rows: dict[str, list[list[float]]] = {"linear": [], "window_linear": [], "lola": []}
     cached: list[list[int]] = []
-    for t, st in enumerate(_lola_states(module, q, k, v, window, sparse)):
+    lin = (q_lin, k_lin) if not module.spec.linear_rope else (None, None)
+    for t, st in enumerate(_lola_states(module, q, k, v, window, sparse, *lin)):
         rows["linear"].append(sre(t, t).tolist())
         rows["window_linear"].append(sre(t, t - window).index_fill(0, torch.arange(max(0, t - window + 1), t + 1, device=q.device), 0.0).tolist())
         err = self_recall_error(k_phi[: t + 1], v_h[: t + 1], LinearState(st.linear.kv[0, head], st.linear.k_sum[0, head]))
@@ -295,7 +314,8 @@ def attention_mass_data(model, input_ids: Ids, *, layer: int | None = None, quer
     if kind == "lola":
         read_state, read_sparse = LOLA_READS.get(mode, (True, True))
         w, in_cache = lola_attention_weights(
-            module, q, k, v, window=window, sparse=module.spec.sparse_cache, read_state=read_state, read_sparse=read_sparse
+            module, q, k, v, window=window, sparse=module.spec.sparse_cache, read_state=read_state, read_sparse=read_sparse,
+            **module.linear_inputs(proj),
         )
         parts = {"window": w * band, "sparse": w * (in_cache & ~band), "state": w * (~band & ~in_cache)}
     else:

@@ -42,6 +42,17 @@ read from where this chunk's selection puts them. (Reading G and the state as th
 chunk, with the tokens between W_t and the state always linear, would also give the hybrid at
 lambda = 0, but not exact softmax at lambda >= T, and it would change the C = 1 decode step.)
 
+Separate feature-map inputs (``q_lin`` / ``k_lin``, same shapes as q / k; e.g. q and k before RoPE,
+as a hybrid trained with ``linear_rope: false`` sees them). Every exact softmax read (window and
+sparse cache) scores the RoPE'd q / k; every use of a feature map sees the linear inputs: the state
+read phi(q_lin_t), the write phi(k_lin_j) [v_j, 1] of a token into (H, s) (and its on-the-fly read),
+and the self-recall error SRE(k_j, v_j | H, s) = || H^T phi(k_lin_j) / (phi(k_lin_j)^T s) - v_j ||,
+which asks how well the STATE recalls token j. So the window and the sparse cache keep each token's
+k_lin next to its k (``WindowState.linear_keys``, ``SparseCacheState.linear_keys``); a state made
+with linear keys is continued only by calls that give q_lin / k_lin, and one made without only by
+calls that do not. Without them (None) the feature maps see q / k. lambda = 0 is then the hybrid
+with the same q_lin / k_lin, and lambda >= T is still exact softmax (the linear inputs play no role).
+
 ``lola_attention_reference`` is the specification (a plain float32 loop per row, head, chunk and
 query over lists of token indices, sharing no computation with the fast path); ``lola_attention``
 is the vectorised op (loop over chunks only) that continues from a ``LolaState``.
@@ -87,6 +98,8 @@ def lola_attention_reference(
     scale: float | None = None,
     read_state: bool = True,
     read_sparse: bool = True,
+    q_lin: Tensor | None = None,
+    k_lin: Tensor | None = None,
 ) -> tuple[Tensor, LolaState]:
     """The specification: a plain loop over rows, query heads, chunks and queries, in float32.
 
@@ -94,8 +107,9 @@ def lola_attention_reference(
     from an empty state. Chunks of ``chunk`` real tokens (capped at ``window``), as ``lola_attention``
     cuts them in one call. Memories are lists of sequence indices; positions in the state count real
     tokens. Shares no computation with the fast path (the self-recall error is written out here).
+    ``q_lin`` / ``k_lin``: what the feature maps see instead of q / k (see the module docstring).
     """
-    _check_args(q, k, v, window=window, sparse=sparse, chunk=chunk, window_factor=window_factor)
+    _check_args(q, k, v, window=window, sparse=sparse, chunk=chunk, window_factor=window_factor, q_lin=q_lin, k_lin=k_lin)
     batch, hq, t_len, d = q.shape
     hkv, dv = k.shape[1], v.shape[-1]
     if hq % hkv != 0:
@@ -108,17 +122,20 @@ def lola_attention_reference(
     if valid.shape != (batch, t_len):
         raise ValueError(f"valid mask has shape {tuple(valid.shape)}, expected {(batch, t_len)}")
     dtype = q.dtype
+    separate = k_lin is not None
     q, k, v = q.float(), k.float(), v.float()
+    q_feat = q_lin.float() if separate else q  # (B, Hq, T, D) what phi_q sees
+    k_feat = k_lin.float() if separate else k  # (B, Hkv, T, D) what phi_k sees
     f = window_factor.to(q.device, torch.float32)  # (Hq,)
     kv_head = [h // n_rep for h in range(hq)]
-    q_phi = phi_q(q).float()  # (B, Hq, T, F)
-    k_phi = phi_k(k[:, kv_head]).float()  # (B, Hq, T, F)
+    q_phi = phi_q(q_feat).float()  # (B, Hq, T, F)
+    k_phi = phi_k(k_feat[:, kv_head]).float()  # (B, Hq, T, F)
     feats = k_phi.shape[-1]
 
     out = torch.zeros(batch, hq, t_len, dv, device=q.device)  # (B, Hq, T, Dv)
     final = LolaState(
-        window=WindowState.empty(batch, hkv, window, d, dv, device=q.device),
-        sparse=SparseCacheState.empty(batch, hq, sparse, d, dv, device=q.device),
+        window=WindowState.empty(batch, hkv, window, d, dv, device=q.device, linear_keys=separate),
+        sparse=SparseCacheState.empty(batch, hq, sparse, d, dv, device=q.device, linear_keys=separate),
         linear=LinearState.zeros(batch, hq, feats, dv, device=q.device),
     )
     for b in range(batch):
@@ -138,7 +155,7 @@ def lola_attention_reference(
                 cands = cache + leaving  # position ascending
                 errs = []
                 for j in cands:
-                    phi_j = k_phi[b, h, j]  # (F,)
+                    phi_j = k_phi[b, h, j]  # (F,) phi of the feature map's key: how the STATE recalls j
                     den = phi_j @ k_sum
                     readout = phi_j @ kv / den if den > EMPTY_DENOMINATOR else torch.zeros(dv, device=q.device)
                     errs.append(torch.linalg.vector_norm(readout - v[b, g, j]).item())
@@ -175,11 +192,15 @@ def lola_attention_reference(
             # The window of KV head g is the same for all its query heads: rewriting it is harmless.
             slots = slice(window - len(win), window)  # right-aligned, oldest first
             final.window.keys[b, g, slots] = k[b, g, win]
+            if separate:
+                final.window.linear_keys[b, g, slots] = k_feat[b, g, win]
             final.window.values[b, g, slots] = v[b, g, win]
             final.window.valid[b, slots] = True
             final.window.positions[b, slots] = torch.tensor([position[t] for t in win], dtype=torch.long)
             n_cache = len(cache)
             final.sparse.keys[b, h, :n_cache] = k[b, g, cache]
+            if separate:
+                final.sparse.linear_keys[b, h, :n_cache] = k_feat[b, g, cache]
             final.sparse.values[b, h, :n_cache] = v[b, g, cache]
             final.sparse.valid[b, h, :n_cache] = True
             final.sparse.positions[b, h, :n_cache] = torch.tensor([position[t] for t in cache], dtype=torch.long)
@@ -204,6 +225,8 @@ def lola_attention(
     scale: float | None = None,
     read_state: bool = True,
     read_sparse: bool = True,
+    q_lin: Tensor | None = None,
+    k_lin: Tensor | None = None,
 ) -> tuple[Tensor, LolaState]:
     """LoLA attention, vectorised over batch and heads, one loop step per chunk of ``chunk`` tokens.
 
@@ -217,19 +240,22 @@ def lola_attention(
     always tokens that were in it before the chunk, and the chunk's selection reads no token of the
     chunk. Each query reads its true sliding window; see the module docstring for the exact rule.
     ``read_state`` / ``read_sparse`` hide the linear state / the sparse cache from the output
-    (ablations); what is kept is unchanged.
+    (ablations); what is kept is unchanged. ``q_lin`` / ``k_lin`` (same shapes as q / k, e.g. before
+    RoPE): what the feature maps see instead of q / k; the state then keeps them for the window and
+    the sparse cache, and it cannot be continued by a call without them (nor the other way round).
     Memory per chunk is O(C (window + sparse + C)); no T x T tensor is formed.
     """
-    _check_args(q, k, v, window=window, sparse=sparse, chunk=chunk, window_factor=window_factor)
+    _check_args(q, k, v, window=window, sparse=sparse, chunk=chunk, window_factor=window_factor, q_lin=q_lin, k_lin=k_lin)
     n_rep = gqa_groups(q, k)
     batch, hq, t_len, d = q.shape
     hkv, dv = k.shape[1], v.shape[-1]
     scale = d**-0.5 if scale is None else scale
     valid = default_valid(q, valid)
+    separate = k_lin is not None  # the feature maps see their own inputs (e.g. before RoPE)
     if state is None:
         feats = phi_k(k.new_zeros(batch, hq, 1, d)).shape[-1]
-        state = _empty_state(batch, hq, hkv, window, sparse, d, dv, feats, q.device)
-    _check_state(state, batch, hq, hkv, window, sparse, d, dv)
+        state = _empty_state(batch, hq, hkv, window, sparse, d, dv, feats, q.device, linear_keys=separate)
+    _check_state(state, batch, hq, hkv, window, sparse, d, dv, separate)
     if chunk > window:
         logger.debug("lola_attention: chunk %d capped at the window %d", chunk, window)
         chunk = window
@@ -250,7 +276,13 @@ def lola_attention(
         qc = torch.where(mask, _take(q, idx), 0).float()  # (B, Hq, C, D)
         kc = torch.where(mask, _take(k, idx), 0).float()  # (B, Hkv, C, D)
         vc = torch.where(mask, _take(v, idx), 0).float()  # (B, Hkv, C, Dv)
-        out_c, state = _lola_chunk(state, qc, kc, vc, cvalid, cpos, ctx)
+        lin = None
+        if separate:
+            lin = (
+                torch.where(mask, _take(q_lin, idx), 0).float(),  # (B, Hq, C, D)
+                torch.where(mask, _take(k_lin, idx), 0).float(),  # (B, Hkv, C, D)
+            )
+        out_c, state = _lola_chunk(state, qc, kc, vc, cvalid, cpos, ctx, lin)
         outs.append(out_c)
         next_pos = next_pos + cvalid.sum(1)
     packed = torch.cat(outs, dim=2) if outs else q.new_zeros(batch, hq, 0, dv, dtype=torch.float32)  # (B, Hq, T, Dv)
@@ -276,12 +308,14 @@ class _ChunkContext:
 
 
 def _lola_chunk(
-    st: LolaState, q: Tensor, k: Tensor, v: Tensor, cvalid: Tensor, cpos: Tensor, ctx: _ChunkContext
+    st: LolaState, q: Tensor, k: Tensor, v: Tensor, cvalid: Tensor, cpos: Tensor, ctx: _ChunkContext,
+    lin: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, LolaState]:
     """One chunk: select the sparse cache, attend (true window per query), then write and slide.
 
     q (B, Hq, C, D), k (B, Hkv, C, D), v (B, Hkv, C, Dv) float32, zero at padding; cvalid (B, C)
-    with the real tokens first; cpos (B, C) their positions (-1 for padding).
+    with the real tokens first; cpos (B, C) their positions (-1 for padding). ``lin``: the feature
+    maps' inputs (q_lin (B, Hq, C, D), k_lin (B, Hkv, C, D), zero at padding), or None: q and k.
     """
     win, cache, linear = st.window, st.sparse, st.linear
     batch, hq, c, d = q.shape
@@ -297,7 +331,11 @@ def _lola_chunk(
     cand_v = torch.cat([cache.values, repeat_kv(win.values[:, :, :c], ctx.n_rep)], dim=2)  # (B, Hq, L+C, Dv)
     cand_valid = torch.cat([cache.valid, leaving[:, None, :c].expand(batch, hq, c)], dim=2)  # (B, Hq, L+C)
     cand_pos = torch.cat([cache.positions, win.positions[:, None, :c].expand(batch, hq, c)], dim=2)  # (B, Hq, L+C)
-    cand_phi = ctx.phi(ctx.phi_k, cand_k)  # (B, Hq, L+C, F)
+    if lin is not None:  # the feature map's own keys: SRE and the write into the state use them
+        cand_lk = torch.cat([cache.linear_keys, repeat_kv(win.linear_keys[:, :, :c], ctx.n_rep)], dim=2)  # (B, Hq, L+C, D)
+    else:
+        cand_lk = cand_k
+    cand_phi = ctx.phi(ctx.phi_k, cand_lk)  # (B, Hq, L+C, F)
     err = self_recall_error(cand_phi, cand_v, linear).masked_fill(~cand_valid, -torch.inf)  # (B, Hq, L+C)
     top = torch.sort(err, dim=-1, descending=True, stable=True).indices[..., :lam]  # (B, Hq, L)
     kept = torch.zeros_like(cand_valid).scatter(-1, top, True) & cand_valid  # (B, Hq, L+C)
@@ -306,11 +344,16 @@ def _lola_chunk(
     order = torch.sort(torch.where(kept, cand_pos, torch.iinfo(torch.long).max), dim=-1, stable=True).indices
     sel = order[..., :lam]  # (B, Hq, L) kept candidates by position, invalid slots last
     g_valid = kept.gather(-1, sel)  # (B, Hq, L)
+
+    def keep(x: Tensor) -> Tensor:  # (B, Hq, L+C, X) -> (B, Hq, L, X): the kept candidates, zero in empty slots
+        return x.gather(2, sel.unsqueeze(-1).expand(-1, -1, -1, x.shape[-1])) * g_valid.unsqueeze(-1)
+
     cache = SparseCacheState(
-        keys=cand_k.gather(2, sel.unsqueeze(-1).expand(-1, -1, -1, d)) * g_valid.unsqueeze(-1),  # (B, Hq, L, D)
-        values=cand_v.gather(2, sel.unsqueeze(-1).expand(-1, -1, -1, v.shape[-1])) * g_valid.unsqueeze(-1),  # (B, Hq, L, Dv)
+        keys=keep(cand_k),  # (B, Hq, L, D)
+        values=keep(cand_v),  # (B, Hq, L, Dv)
         valid=g_valid,
         positions=cand_pos.gather(-1, sel).masked_fill(~g_valid, -1),  # (B, Hq, L)
+        linear_keys=keep(cand_lk) if lin is not None else None,  # (B, Hq, L, D)
     )
 
     # 2. Attend. Query i's window W_t holds positions >= first[i]; everything older is read where
@@ -341,7 +384,7 @@ def _lola_chunk(
     left_phi, left_v = cand_phi[:, :, lam:], cand_v[:, :, lam:]  # (B, Hq, C, F), (B, Hq, C, Dv) window slots [0, C)
     if ctx.read_state:
         # LoLCATs convention: the linear term is NOT rescaled by exp(-m_t).
-        q_phi = ctx.phi(ctx.phi_q, q)  # (B, Hq, C, F)
+        q_phi = ctx.phi(ctx.phi_q, q if lin is None else lin[0])  # (B, Hq, C, F)
         num = num + q_phi @ base.kv  # (B, Hq, C, Dv)
         den = den + (q_phi @ base.k_sum.unsqueeze(-1)).squeeze(-1)  # (B, Hq, C)
         # Written window tokens that have left query i's window: on the fly.
@@ -359,11 +402,16 @@ def _lola_chunk(
         k_sum=base.k_sum + left_written.sum(-2),  # (B, Hq, F)
     )
     take = n[:, None] + slot  # (B, eta)
+
+    def slide(x: Tensor) -> Tensor:  # (B, Hkv, eta+C, X) -> (B, Hkv, eta, X)
+        return x.gather(2, take[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[-1]))
+
     window = WindowState(
-        keys=keys.gather(2, take[:, None, :, None].expand(-1, keys.shape[1], -1, d)),  # (B, Hkv, eta, D)
-        values=values.gather(2, take[:, None, :, None].expand(-1, keys.shape[1], -1, v.shape[-1])),  # (B, Hkv, eta, Dv)
+        keys=slide(keys),  # (B, Hkv, eta, D)
+        values=slide(values),  # (B, Hkv, eta, Dv)
         valid=torch.cat([win.valid, cvalid], dim=1).gather(1, take),  # (B, eta)
         positions=torch.cat([win.positions, cpos], dim=1).gather(1, take),  # (B, eta)
+        linear_keys=slide(torch.cat([win.linear_keys, lin[1]], dim=2)) if lin is not None else None,  # (B, Hkv, eta, D)
     )
     return out, LolaState(window=window, sparse=cache, linear=linear)
 
@@ -373,15 +421,16 @@ def _take(x: Tensor, idx: Tensor) -> Tensor:
     return x.gather(2, idx[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
 
 
-def _empty_state(batch, hq, hkv, window, sparse, d, dv, feats, device) -> LolaState:
+def _empty_state(batch, hq, hkv, window, sparse, d, dv, feats, device, linear_keys: bool = False) -> LolaState:
     return LolaState(
-        window=WindowState.empty(batch, hkv, window, d, dv, device=device),
-        sparse=SparseCacheState.empty(batch, hq, sparse, d, dv, device=device),
+        window=WindowState.empty(batch, hkv, window, d, dv, device=device, linear_keys=linear_keys),
+        sparse=SparseCacheState.empty(batch, hq, sparse, d, dv, device=device, linear_keys=linear_keys),
         linear=LinearState.zeros(batch, hq, feats, dv, device=device),
     )
 
 
-def _check_args(q: Tensor, k: Tensor, v: Tensor, *, window: int, sparse: int, chunk: int, window_factor: Tensor) -> None:
+def _check_args(q: Tensor, k: Tensor, v: Tensor, *, window: int, sparse: int, chunk: int, window_factor: Tensor,
+                q_lin: Tensor | None = None, k_lin: Tensor | None = None) -> None:
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     if sparse < 0:
@@ -397,9 +446,19 @@ def _check_args(q: Tensor, k: Tensor, v: Tensor, *, window: int, sparse: int, ch
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on B, T and D")
     if window_factor.shape != (q.shape[1],):
         raise ValueError(f"window_factor must have shape ({q.shape[1]},), got {tuple(window_factor.shape)}")
+    if (q_lin is None) != (k_lin is None):
+        raise ValueError("q_lin and k_lin go together: give both (the feature maps' inputs) or neither")
+    if q_lin is not None and (q_lin.shape != q.shape or k_lin.shape != k.shape):
+        raise ValueError(f"q_lin/k_lin have shapes {tuple(q_lin.shape)}/{tuple(k_lin.shape)}; expected those of "
+                         f"q/k {tuple(q.shape)}/{tuple(k.shape)}")
 
 
-def _check_state(st: LolaState, batch, hq, hkv, window, sparse, d, dv) -> None:
+def _check_state(st: LolaState, batch, hq, hkv, window, sparse, d, dv, separate: bool) -> None:
+    for name, x in (("window", st.window.linear_keys), ("sparse cache", st.sparse.linear_keys)):
+        if (x is not None) != separate:
+            raise ValueError(f"the state's {name} " + ("keeps" if x is not None else "does not keep")
+                             + " separate feature-map keys but this call " + ("gives" if separate else "does not give")
+                             + " q_lin/k_lin: a sequence cannot switch between them")
     feats = st.linear.k_sum.shape[-1]
     expected = {
         "window.keys": (st.window.keys, (batch, hkv, window, d)),
@@ -409,6 +468,9 @@ def _check_state(st: LolaState, batch, hq, hkv, window, sparse, d, dv) -> None:
         "linear.kv": (st.linear.kv, (batch, hq, feats, dv)),
         "linear.k_sum": (st.linear.k_sum, (batch, hq, feats)),
     }
+    if separate:
+        expected["window.linear_keys"] = (st.window.linear_keys, (batch, hkv, window, d))
+        expected["sparse.linear_keys"] = (st.sparse.linear_keys, (batch, hq, sparse, d))
     for name, (x, want) in expected.items():
         if tuple(x.shape) != want:
             raise ValueError(f"state.{name} has shape {tuple(x.shape)}, expected {want} for this call")

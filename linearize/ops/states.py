@@ -163,20 +163,28 @@ class HybridState(BatchState):
 
 @dataclass
 class SparseCacheState(BatchState):
-    """LoLA's sparse global cache: ``L`` slots per query head, kept by self-recall error."""
+    """LoLA's sparse global cache: ``L`` slots per query head, kept by self-recall error.
+
+    ``linear_keys`` (None unless the linear part featurises other keys than the softmax, e.g. keys
+    before RoPE, as ``WindowState.linear_keys``) holds the keys the feature map sees for each entry:
+    its self-recall error, and its write into the linear state when it is evicted.
+    """
 
     keys: Tensor  # (B, H, L, D)
     values: Tensor  # (B, H, L, Dv)
     valid: Tensor  # (B, H, L) bool
     positions: Tensor  # (B, H, L) long, -1 where invalid
+    linear_keys: Tensor | None = None  # (B, H, L, D) or None
 
     @classmethod
-    def empty(cls, batch: int, heads: int, slots: int, dk: int, dv: int, *, device=None, dtype=torch.float32):
+    def empty(cls, batch: int, heads: int, slots: int, dk: int, dv: int, *, device=None, dtype=torch.float32,
+              linear_keys: bool = False):
         return cls(
             keys=torch.zeros(batch, heads, slots, dk, device=device, dtype=dtype),
             values=torch.zeros(batch, heads, slots, dv, device=device, dtype=dtype),
             valid=torch.zeros(batch, heads, slots, device=device, dtype=torch.bool),
             positions=torch.full((batch, heads, slots), -1, device=device, dtype=torch.long),
+            linear_keys=torch.zeros(batch, heads, slots, dk, device=device, dtype=dtype) if linear_keys else None,
         )
 
 

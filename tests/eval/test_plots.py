@@ -40,9 +40,10 @@ def converted(kind: str, **spec):
     return linearize.convert(build_tiny_llama(), SPECS[kind] | spec)
 
 
+@pytest.mark.parametrize("linear_rope", [True, False], ids=["rope", "nope"])
 @pytest.mark.parametrize("kind", ["hybrid", "lola"])
-def test_self_recall_zeros_exactly_where_held(kind):
-    data = self_recall_data(converted(kind), IDS, layer=1, head=1)
+def test_self_recall_zeros_exactly_where_held(kind, linear_rope):
+    data = self_recall_data(converted(kind, linear_rope=linear_rope), IDS, layer=1, head=1)
     json.dumps(data, allow_nan=False)
     w, lam = data["window"], data["sparse"]
     assert (w, lam) == (W, L if kind == "lola" else W)
@@ -101,9 +102,44 @@ def test_lola_weights_reproduce_the_op(mode):
     assert in_cache.sum(-1).max() == L and not w.triu(1).any()
 
 
+@pytest.mark.parametrize("mode", ["hybrid", "no_sparse"])
+def test_lola_weights_and_sre_with_feature_maps_before_rope(mode):
+    """linear_rope false: the weights and the self-recall maps follow the op run with q_lin/k_lin
+    (the layer's q/k before RoPE): the cache is chosen by phi(k_lin)'s recall error, the linear
+    weights are phi(q_lin) . phi(k_lin); without the linear inputs the helper refuses."""
+    model = converted("lola", linear_rope=False)
+    module = converted_layers(model)[1]
+    inp = capture_teacher(model, IDS[None], None, [1])[1]
+    q, k, v, q_lin, k_lin = module.project(inp.hidden_states, inp.position_embeddings)
+    assert not torch.equal(q_lin, q)
+    read_state, read_sparse = True, mode == "hybrid"
+    w, in_cache = lola_attention_weights(module, q, k, v, window=W, sparse=L, read_state=read_state,
+                                         read_sparse=read_sparse, q_lin=q_lin, k_lin=k_lin)
+    out, final = lola_attention_reference(
+        q, k, v, phi_q=module.feature_map_q, phi_k=module.feature_map_k, window=W, sparse=L,
+        window_factor=module.window_factor(), scale=module.scaling, read_state=read_state, read_sparse=read_sparse,
+        q_lin=q_lin, k_lin=k_lin,
+    )
+    torch.testing.assert_close(w @ repeat_kv(v, 2), out, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(w.sum(-1), torch.ones(1, 4, T))
+    assert in_cache.sum(-1).max() == L and not w.triu(1).any()
+    with pytest.raises(ValueError, match="linear_rope false"):
+        lola_attention_weights(module, q, k, v, window=W, sparse=L)
+    data = self_recall_data(model, IDS, layer=1, head=2)
+    pos = final.sparse.positions[0, 2]
+    assert data["sparse_positions"][-1] == sorted(pos[pos >= 0].tolist())
+    # the linear-attention map recalls through phi(k_lin): one token written is recalled exactly, and
+    # the first row equals the SRE of token 0 against a state holding it
+    k_phi = module.feature_map_k(repeat_kv(k_lin, 2))[0, 2]
+    v_h = repeat_kv(v, 2)[0, 2]
+    state = LinearState(torch.outer(k_phi[0], v_h[0]) + torch.outer(k_phi[1], v_h[1]), k_phi[0] + k_phi[1])
+    np.testing.assert_allclose(data["memories"]["linear"][1], self_recall_error(k_phi[:2], v_h[:2], state).tolist(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("linear_rope", [True, False], ids=["rope", "nope"])
 @pytest.mark.parametrize("kind", ["hybrid", "lola"])
-def test_attention_mass_splits_and_sums(kind):
-    data = attention_mass_data(converted(kind), IDS, queries=5)
+def test_attention_mass_splits_and_sums(kind, linear_rope):
+    data = attention_mass_data(converted(kind, linear_rope=linear_rope), IDS, queries=5)
     json.dumps(data, allow_nan=False)
     assert data["layer"] == 1 and data["queries"] == 5 and data["distance"] == list(range(T))
     teacher, conv = np.array(data["teacher"]), np.array(data["converted"])
@@ -114,7 +150,8 @@ def test_attention_mass_splits_and_sums(kind):
     assert not np.any(data["parts"]["window"][W:]) and not np.any(np.array(list(data["parts"].values()))[1:, :W])
 
 
-@pytest.mark.parametrize("kind,spec", [("hybrid", {"window": T}), ("lola", {"sparse_cache": T})])
+@pytest.mark.parametrize("kind,spec", [("hybrid", {"window": T}), ("lola", {"sparse_cache": T}),
+                                       ("lola", {"sparse_cache": T, "linear_rope": False})])
 def test_attention_mass_exact_when_everything_is_held(kind, spec):
     data = attention_mass_data(converted(kind, **spec), IDS, layer=0)
     np.testing.assert_allclose(data["converted"], data["teacher"], atol=1e-5)

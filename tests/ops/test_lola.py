@@ -385,3 +385,207 @@ def test_invalid_arguments_raise(change, match):
     args = dict(kw, window=4, sparse=2, chunk=2, state=state) | change
     with pytest.raises(ValueError, match=match):
         lola_attention(q, k, v, **args)
+
+
+# --- separate feature-map inputs (q_lin / k_lin, e.g. q and k before RoPE) -------------------------
+def linear_inputs(q, k, seed=20):
+    """Random feature-map inputs, unrelated to q and k (as q/k before RoPE would be, at any position)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(q.shape, generator=g), torch.randn(k.shape, generator=g)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5, 16], ids=lambda c: f"C{c}")
+@pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
+def test_linear_inputs_match_reference(case, chunk):
+    """With q_lin/k_lin (padding, a hole, GQA): fast path == reference, outputs and final state,
+    including the window's and the sparse cache's feature-map keys; and the feature maps do read them."""
+    case = dict(case)
+    window, sparse = case.pop("window"), case.pop("sparse")
+    q, k, v, kw = make(**case)
+    q_lin, k_lin = linear_inputs(q, k)
+    valid = left_padding(case["b"], case["t"], [3] + [0] * (case["b"] - 1))
+    valid[0, 10] = False
+    args = dict(window=window, sparse=sparse, chunk=chunk, valid=valid, q_lin=q_lin, k_lin=k_lin, **kw)
+    ref, ref_state = lola_attention_reference(q, k, v, **args)
+    out, state = lola_attention(q, k, v, **args)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert_states_equal(state, ref_state)
+    assert state.window.linear_keys.shape == state.window.keys.shape
+    assert state.sparse.linear_keys.shape == state.sparse.keys.shape == (case["b"], case["hq"], sparse, case["d"])
+    # every held token keeps its own k_lin next to its k
+    for b in range(case["b"]):
+        real = valid[b].nonzero().flatten()
+        for h in range(case["hq"]):
+            g = h // (case["hq"] // case["hkv"])
+            held = state.sparse.valid[b, h]
+            idx = real[state.sparse.positions[b, h][held]]
+            torch.testing.assert_close(state.sparse.linear_keys[b, h][held], k_lin[b, g, idx])
+            torch.testing.assert_close(state.sparse.keys[b, h][held], k[b, g, idx])
+        idx = real[state.window.positions[b][state.window.valid[b]]]
+        torch.testing.assert_close(state.window.linear_keys[b][:, state.window.valid[b]], k_lin[b][:, idx])
+    if sparse < case["t"]:  # some token reaches the linear state
+        plain, _ = lola_attention(q, k, v, window=window, sparse=sparse, chunk=chunk, valid=valid, **kw)
+        assert not torch.allclose(plain, out, atol=1e-4)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4], ids=lambda c: f"C{c}")
+def test_linear_inputs_gradients_match_reference(chunk):
+    """Gradients of q, k, v, q_lin, k_lin and the window factor agree with the reference loop."""
+    q, k, v, kw = make(b=2, hq=4, hkv=2, t=17)
+    q_lin, k_lin = linear_inputs(q, k)
+    valid = left_padding(2, 17, [2, 0])
+    factor = kw.pop("window_factor")
+    grads = []
+    for fn in (lola_attention, lola_attention_reference):
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v, q_lin, k_lin, factor)]
+        out, state = fn(*leaves[:3], window=4, sparse=3, chunk=chunk, valid=valid, window_factor=leaves[5],
+                        q_lin=leaves[3], k_lin=leaves[4], **kw)
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+        loss = (out * w).sum() + state.linear.kv.sum() + state.sparse.values.sum() + state.sparse.linear_keys.sum()
+        grads.append(torch.autograd.grad(loss, leaves))
+    for name, g_fast, g_ref in zip(["q", "k", "v", "q_lin", "k_lin", "f"], *grads):
+        assert g_ref.abs().sum() > 0, f"d{name} is zero"
+        torch.testing.assert_close(g_fast, g_ref, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 16], ids=lambda c: f"C{c}")
+def test_linear_inputs_no_sparse_is_joint_hybrid(chunk):
+    """lambda = 0 with q_lin/k_lin == hybrid_attention with the same q_lin/k_lin (joint, non-overlap),
+    for any chunk: outputs and final state (the window's feature-map keys included)."""
+    t, window = 40, 5
+    q, k, v, kw = make(b=2, hq=4, hkv=2, t=t)
+    q_lin, k_lin = linear_inputs(q, k)
+    valid = left_padding(2, t, [0, 7])
+    valid[0, 20] = False
+    lin = dict(q_lin=q_lin, k_lin=k_lin)
+    out, state = lola_attention(q, k, v, window=window, sparse=0, chunk=chunk, valid=valid, **lin, **kw)
+    hyb, hyb_state = hybrid_attention(q, k, v, window=window, mix="joint", overlap=False, valid=valid, **lin, **kw)
+    torch.testing.assert_close(out, hyb, atol=1e-5, rtol=1e-5)
+    assert hyb_state.window.linear_keys is not None
+    assert_states_equal(state.window, hyb_state.window)
+    assert_states_equal(state.linear, hyb_state.linear)
+    assert state.sparse.linear_keys.shape == (2, 4, 0, 8)
+    spec, _ = hybrid_attention_reference(q, k, v, window=window, mix="joint", overlap=False, valid=valid, **lin, **kw)
+    torch.testing.assert_close(out, spec, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 5, 16], ids=lambda c: f"C{c}")
+def test_linear_inputs_sparse_covering_all_tokens_is_exact_softmax(chunk):
+    """lambda >= T: everything is read exactly with the RoPE'd q/k; the linear inputs play no role."""
+    q, k, v, kw = make(b=2, hq=4, hkv=2, t=21)
+    q_lin, k_lin = linear_inputs(q, k)
+    valid = left_padding(2, 21, [4, 0])
+    expected = causal_softmax(q, k, v, valid)
+    args = dict(window=5, sparse=21, chunk=chunk, valid=valid, q_lin=q_lin, k_lin=k_lin, **kw)
+    out, state = lola_attention(q, k, v, **args)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert not state.linear.k_sum.any()
+    ref, _ = lola_attention_reference(q, k, v, **args)
+    torch.testing.assert_close(ref, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sparse", [0, 3], ids=lambda s: f"s{s}")
+@pytest.mark.parametrize("chunk", [1, 3, 16], ids=lambda c: f"C{c}")
+def test_linear_inputs_prefill_then_decode(chunk, sparse):
+    """Prefill with chunk C, then token-by-token decode == one call over the rest at C = 1; at C = 1 or
+    lambda = 0 also == one call over everything; split/merge of the state per request round-trips."""
+    t, p, window = 30, 12, 6
+    q, k, v, kw = make(b=2, hq=4, hkv=2, t=t)
+    q_lin, k_lin = linear_inputs(q, k)
+    valid = left_padding(2, t, [0, 5])
+    args = dict(window=window, sparse=sparse, chunk=chunk, **kw)
+
+    def call(lo, hi, state=None, **extra):
+        s = slice(lo, hi)
+        return lola_attention(q[:, :, s], k[:, :, s], v[:, :, s], q_lin=q_lin[:, :, s], k_lin=k_lin[:, :, s],
+                              valid=valid[:, s], state=state, **(args | extra))
+
+    head, head_state = call(0, p)
+    outs, state = [head], head_state
+    with torch.inference_mode():
+        for i in range(p, t):
+            out, state = call(i, i + 1, state)
+            outs.append(out)
+    decoded = torch.cat(outs, dim=2)
+    tail, tail_state = call(p, t, head_state, chunk=1)
+    torch.testing.assert_close(decoded, torch.cat([head, tail], dim=2), atol=1e-5, rtol=1e-5)
+    assert_states_equal(state, tail_state)
+    if sparse == 0 or chunk == 1:
+        full, full_state = call(0, t)
+        torch.testing.assert_close(decoded, full, atol=1e-5, rtol=1e-5)
+        assert_states_equal(state, full_state)
+    assert_states_equal(LolaState.merge(state.split([1, 1])), state, atol=0)
+
+
+def test_selection_follows_the_linear_keys_recall_error():
+    """SRE(k, v | H, s) uses phi(k_lin): the memory (cache, state) depends on v and k_lin only, not on
+    the softmax's q/k; it is the memory plain LoLA keeps when its keys ARE k_lin; and at each decode
+    step the kept candidates are the top-lambda by ||H^T phi(k_lin) / phi(k_lin)^T s - v||, which here
+    differ from those phi(k) would keep. (Unit-norm values, so that the ranking rests on the recall.)"""
+    window, sparse, t = 3, 2, 26
+    q, k, v, kw = make(b=1, hq=2, hkv=1, t=t, seed=3)
+    v = v / v.norm(dim=-1, keepdim=True)
+    q_lin, k_lin = linear_inputs(q, k, seed=4)
+    args = dict(window=window, sparse=sparse, chunk=1, **kw)
+    _, state = lola_attention(q, k, v, q_lin=q_lin, k_lin=k_lin, **args)
+    _, ref_state = lola_attention_reference(q, k, v, q_lin=q_lin, k_lin=k_lin, **args)
+    assert_states_equal(state, ref_state)
+    _, as_keys = lola_attention(q, k_lin, v, **args)  # plain LoLA whose keys are k_lin
+    assert_states_equal(state.sparse, dataclasses.replace(as_keys.sparse, keys=state.sparse.keys, linear_keys=as_keys.sparse.keys))
+    assert_states_equal(state.linear, as_keys.linear)
+    _, other_qk = lola_attention(q.flip(2), k.flip(2), v, q_lin=q_lin, k_lin=k_lin, **args)  # other softmax inputs
+    assert torch.equal(other_qk.sparse.positions, state.sparse.positions)
+    _, plain = lola_attention(q, k, v, **args)  # selection by phi(k) instead: another memory
+    assert not torch.equal(plain.sparse.positions, state.sparse.positions)
+
+    # Decode steps by hand: candidates = G U the window's oldest token, scored against (H, s).
+    _, st = lola_attention(q[:, :, :10], k[:, :, :10], v[:, :, :10], q_lin=q_lin[:, :, :10], k_lin=k_lin[:, :, :10], **args)
+    differs = 0
+    for i in range(10, t):
+        cand_v = torch.cat([st.sparse.values, repeat_kv(st.window.values[:, :, :1], 2)], dim=2)  # (1, Hq, L+1, Dv)
+        cand_pos = torch.cat([st.sparse.positions, st.window.positions[:, None, :1].expand(1, 2, 1)], dim=2)
+        cand_lk = torch.cat([st.sparse.linear_keys, repeat_kv(st.window.linear_keys[:, :, :1], 2)], dim=2)
+        cand_k = torch.cat([st.sparse.keys, repeat_kv(st.window.keys[:, :, :1], 2)], dim=2)
+        err = self_recall_error(kw["phi_k"](cand_lk), cand_v, st.linear)  # (1, Hq, L+1)
+        err_k = self_recall_error(kw["phi_k"](cand_k), cand_v, st.linear)
+        kept = cand_pos.gather(-1, err.topk(sparse, dim=-1).indices).sort(-1).values
+        kept_k = cand_pos.gather(-1, err_k.topk(sparse, dim=-1).indices).sort(-1).values
+        s = slice(i, i + 1)
+        _, st = lola_attention(q[:, :, s], k[:, :, s], v[:, :, s], q_lin=q_lin[:, :, s], k_lin=k_lin[:, :, s], state=st, **args)
+        assert torch.equal(kept, st.sparse.positions), f"step {i}"
+        differs += int(not torch.equal(kept_k, kept))
+    assert differs > 0  # the RoPE'd keys' recall error would have kept other tokens
+    assert_states_equal(st, state)
+
+
+def test_linear_inputs_equal_to_q_k_give_plain_lola():
+    q, k, v, kw = make(b=2, hq=4, hkv=2, t=20)
+    args = dict(window=4, sparse=3, chunk=3, **kw)
+    plain, plain_state = lola_attention(q, k, v, **args)
+    same, same_state = lola_attention(q, k, v, q_lin=q, k_lin=k, **args)
+    torch.testing.assert_close(same, plain)
+    torch.testing.assert_close(same_state.window.linear_keys, plain_state.window.keys)
+    torch.testing.assert_close(same_state.sparse.linear_keys, plain_state.sparse.keys)
+    assert_states_equal(same_state.linear, plain_state.linear)
+
+
+def test_linear_inputs_cannot_switch_mid_sequence():
+    q, k, v, kw = make(b=1, hq=2, hkv=1, t=6)
+    q_lin, k_lin = linear_inputs(q, k)
+    args = dict(window=4, sparse=2, **kw)
+    _, plain_state = lola_attention(q, k, v, **args)
+    _, sep_state = lola_attention(q, k, v, q_lin=q_lin, k_lin=k_lin, **args)
+    with pytest.raises(ValueError, match="does not keep separate feature-map keys but this call gives q_lin/k_lin"):
+        lola_attention(q, k, v, q_lin=q_lin, k_lin=k_lin, state=plain_state, **args)
+    with pytest.raises(ValueError, match="keeps separate feature-map keys but this call does not give q_lin/k_lin"):
+        lola_attention(q, k, v, state=sep_state, **args)
+    half = dataclasses.replace(sep_state, sparse=plain_state.sparse)  # window with, cache without: malformed
+    with pytest.raises(ValueError, match="sparse cache does not keep"):
+        lola_attention(q, k, v, q_lin=q_lin, k_lin=k_lin, state=half, **args)
+    for fn in (lola_attention, lola_attention_reference):
+        with pytest.raises(ValueError, match="go together"):
+            fn(q, k, v, q_lin=q_lin, **args)
+        with pytest.raises(ValueError, match="expected those of"):
+            fn(q, k, v, q_lin=q_lin, k_lin=k_lin[:, :, :3], **args)
+    with pytest.raises(ValueError, match="merge"):
+        LolaState.merge([plain_state, sep_state])
