@@ -3,7 +3,7 @@
 # 64) against the same 320 explicit slots spent on a plain window (with the linear state, and alone),
 # on the needle tests; every model in parallel on one GPU.
 #   WORK=DIR bash scripts/lola_study.sh MODEL [MODEL ...]     (MODEL: a shipped name or a run's adapter dir)
-# Writes WORK/NAME/{w64-s256,w320-s0}/report.{md,json} and WORK/lola.tgz of all of them.
+# Writes WORK/NAME/{w64-s256,w320-s0}/ablation.{md,json} and WORK/lola.tgz of all of them.
 # Environment: DEVICE (cuda)  SAMPLES (25)  LENGTHS (2048,4096)  BATCH (25)  TASKS (niah_single_1,passkey,needle_recall)
 set -u
 WORK=${WORK:-lola-study}
@@ -20,4 +20,4 @@ for model in "$@"; do
 done
 wait
 (cd "$WORK" && tar czf lola.tgz --exclude=lola.tgz .)
-grep -h -A12 "^| metric" "$WORK"/*/*/report.md 2>/dev/null | head -80
+cat "$WORK"/*/*/ablation.md 2>/dev/null

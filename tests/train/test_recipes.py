@@ -19,7 +19,7 @@ from linearize.train.recipes import load_recipe, recipe_names, run
 
 from .conftest import tiny_overrides
 
-RECIPES = ["dsla", "dsla-chained", "hedgecats", "inference-hybrid", "lolcats", "ssd"]
+RECIPES = ["dsla", "dsla-chained", "hedgecats", "inference-hybrid", "lola", "lolcats", "ssd"]
 
 
 def test_the_recipes_are_all_there():
@@ -32,6 +32,8 @@ def test_recipe_runs_end_to_end_on_a_tiny_model(name, tiny_model_dir, tiny_corpu
     if name in ("dsla", "dsla-chained"):
         extra["spec.layers"] = [0, 2] if name == "dsla" else "all"
         extra.pop("spec.window", None)
+    if name == "lola":  # a cache and chunks the 48-token rows can exercise
+        extra |= {"spec.sparse_cache": 4, "spec.chunk": 4, "data.seq_len": 48}
     overrides = tiny_overrides(tiny_model_dir, tiny_corpus, tmp_path, **extra)
     if name.startswith("dsla"):
         overrides.pop("spec.window")
@@ -55,6 +57,8 @@ def test_recipe_runs_end_to_end_on_a_tiny_model(name, tiny_model_dir, tiny_corpu
             assert sorted(i for i, m in modes.items() if m != "teacher") == sorted(order[:k])
     if name == "ssd":
         assert summary["spec"]["window"] == ssd_schedule("b", 1)[1]
+    if name == "lola":  # trained through the sparse cache, and read back with it
+        assert summary["spec"]["attention"] == "lola" and summary["spec"]["sparse_cache"] == 4
     model, _ = linearize.load_model(summary["adapter"])
     assert model.config.linearize["attention"] == config.spec["attention"]
     if config.finetune.enabled:
