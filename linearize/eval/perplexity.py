@@ -172,21 +172,30 @@ def heldout_tokens(tokenizer, data: DataConfig | str = "wiki", *, max_tokens: in
 
 
 def plot_perplexity_vs_length(results: dict[str, list[dict[str, Any]]], path: str | Path, *, title: str = "held-out perplexity vs context length") -> None:
-    """PNG: perplexity (log axis) against context length (log2 axis), one line per model name; skipped rows left out."""
+    """PNG: perplexity (log axis) against context length (log2 axis), one line per model name; skipped rows left out.
+    A model named "teacher" is drawn in black; past ten models the line style changes, so no two lines look alike."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure  # no pyplot: no global backend state
 
-    fig = Figure(figsize=(6, 4.5))
+    fig = Figure(figsize=(6, 4.5) if len(results) <= 6 else (7.5, 5.5))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
+    colors = [f"C{i}" for i in range(10)]
+    styles = ["-", "--", ":", "-."]
+    others = 0
     for name, rows in results.items():
         ok = [r for r in rows if "ppl" in r]
-        ax.plot([r["length"] for r in ok], [r["ppl"] for r in ok], marker="o", label=name)
+        if name == "teacher":
+            look = {"color": "black", "linewidth": 2.2}
+        else:
+            look = {"color": colors[others % 10], "linestyle": styles[(others // 10) % len(styles)]}
+            others += 1
+        ax.plot([r["length"] for r in ok], [r["ppl"] for r in ok], marker="o", label=name, **look)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set(xlabel="context length (tokens)", ylabel="perplexity (log scale)", title=title)
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize="small" if len(results) > 6 else None)
     fig.tight_layout()
     save_png(fig, path)
 
