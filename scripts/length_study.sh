@@ -24,7 +24,7 @@
 #   VARIANTS (all of the above)  EVAL_BATCH (25)
 set -u
 WORK=${WORK:-/root/assets/work}
-if [ "${1:-}" = --pack ]; then  # --pack OUT [WAIT]: wait for DONE (up to WAIT s), then pack at most 8 files
+if [ "${1:-}" = --pack ]; then  # --pack OUT [WAIT]: wait for DONE (up to WAIT s), then pack at most 7 files
   out=$2; wait_s=${3:-0}; start=$(date +%s)
   while [ ! -f "$WORK/DONE" ] && [ $(( $(date +%s) - start )) -lt "$wait_s" ]; do
     sleep 15
@@ -59,13 +59,13 @@ for adapter in sorted(work.glob("runs/*/adapter")):
     group.append(dst); size += n
 if group:
     groups.append(group)
-for i, g in enumerate(groups[:7]):
+for i, g in enumerate(groups[:6]):  # results.tgz + 6 adapter archives + a log: the 8 files a call brings back
     with tarfile.open(out / f"adapters{i}.tgz", "w:gz") as tar:
         for d in g:
             tar.add(d, arcname=d.name)
     print(f"adapters{i}.tgz:", [d.name for d in g])
-if len(groups) > 7:
-    print("not packed (file limit):", [d.name for g in groups[7:] for d in g])
+if len(groups) > 6:
+    print("not packed (file limit):", [d.name for g in groups[6:] for d in g])
 EOF
   ls -la "$out"
   exit 0
