@@ -77,9 +77,7 @@ def _layer_inputs(model, input_ids: Ids, layers: list[int]) -> dict[int, LayerIn
 def _projection(module: ConvertedAttention, inp: LayerInput) -> Projection:
     """The layer's float32 projection: q (B, Hq, T, D), k and v (B, Hkv, T, D) with RoPE, and the
     feature maps' inputs, as the layer computes them."""
-    p = module.project(inp.hidden_states, inp.position_embeddings)
-    q, k, v = (x.float() for x in p[:3])
-    return Projection(q, k, v, q, k) if not p.separate else Projection(q, k, v, p.q_lin.float(), p.k_lin.float())
+    return module.project(inp.hidden_states, inp.position_embeddings).map(Tensor.float)
 
 
 # ----------------------------------------------------------------------------- LoLA step by step

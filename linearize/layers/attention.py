@@ -53,12 +53,12 @@ class Projection(NamedTuple):
         """Whether the feature maps see other tensors than the softmax (q_lin is not q)."""
         return self.q_lin is not self.q
 
-    def rows(self, index: Tensor) -> "Projection":
-        """Batch rows ``index`` of every tensor (keeps q_lin identical to q when it was)."""
-        q, k, v = self.q[index], self.k[index], self.v[index]
+    def map(self, fn: Callable[[Tensor], Tensor]) -> "Projection":
+        """``fn`` applied to every tensor; q_lin/k_lin stay the same objects as q/k when they were."""
+        q, k, v = fn(self.q), fn(self.k), fn(self.v)
         if not self.separate:
             return Projection(q, k, v, q, k)
-        return Projection(q, k, v, self.q_lin[index], self.k_lin[index])
+        return Projection(q, k, v, fn(self.q_lin), fn(self.k_lin))
 
 
 Attend = Callable[[Projection, Tensor, Tensor | None, BatchState | None], tuple[Tensor, BatchState | None]]
@@ -228,7 +228,7 @@ class HybridAttention(ConvertedAttention):
             if idx.numel() == 0:
                 continue
             sub_valid = valid[idx] if valid is not None else None
-            o, _ = modes[mode](p.rows(idx), x[idx], sub_valid, None)  # (b, Hq, T, Dv)
+            o, _ = modes[mode](p.map(lambda t: t[idx]), x[idx], sub_valid, None)  # (b, Hq, T, Dv)
             out = (o.new_zeros(p.q.shape[0], *o.shape[1:]) if out is None else out).index_copy(0, idx, o)
         return out, None
 

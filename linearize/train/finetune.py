@@ -136,10 +136,8 @@ class FinetuneObjective(nn.Module):
     def forward(self, input_ids: Tensor, *, attention_mask: Tensor | None = None, step: int = 0, epoch: int = 0):
         metrics: dict[str, float] = {}
         self._draw_window_dropout(input_ids.shape[0], step)
-        position_ids = None
-        if self.training:
-            position_ids = offset_position_ids(*input_ids.shape, self.position_offset, seed=self.seed, step=step,
-                                               rank=self.rank, device=input_ids.device)
+        position_ids = offset_position_ids(*input_ids.shape, self.position_offset if self.training else 0,  # held-out: 0..T-1
+                                           seed=self.seed, step=step, rank=self.rank, device=input_ids.device)
         try:
             logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits
         finally:

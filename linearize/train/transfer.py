@@ -157,10 +157,8 @@ class TransferObjective(nn.Module):
                     raise ValueError(f"objective {name!r} needs hybrid layers; layer {i} is {modules[i].spec.attention!r}")
 
     def forward(self, input_ids: Tensor, *, attention_mask: Tensor | None = None, step: int = 0, epoch: int = 0):
-        position_ids = None
-        if self.training:
-            position_ids = offset_position_ids(*input_ids.shape, self.position_offset, seed=self.seed, step=step,
-                                               rank=self.rank, device=input_ids.device)
+        position_ids = offset_position_ids(*input_ids.shape, self.position_offset if self.training else 0,  # held-out: 0..T-1
+                                           seed=self.seed, step=step, rank=self.rank, device=input_ids.device)
         captured = capture_teacher(self.model, input_ids, attention_mask, self.layers, position_ids)
         modules = converted_layers(self.model)
         total = torch.zeros((), device=input_ids.device)
