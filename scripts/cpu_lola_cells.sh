@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The LoLA-budget cells that session 4's GPU runs did not finish (they ran out of GPU memory), on CPU
+# LoLA-budget cells on CPU (for when GPU runs of them run out of GPU memory)
 # in float32: window-only baselines at 128 and 512 slots, and LoLA (64, 64) at 8K. niah_single_1,
 # 25 samples, one batch each (CPU time: ~1.5 hours on 2 cores).
 #   bash scripts/cpu_lola_cells.sh OUT_DIR

