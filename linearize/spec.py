@@ -58,6 +58,12 @@ class LayerSpec:
     (rectangular d x d/2 W). Fixed maps: head_dim (None means the default)."""
     sparse_cache: int = 0
     """LoLA's lambda: sparse global cache slots per head (attention 'lola' only)."""
+    sinks: int = 0
+    """LoLA: the first ``sinks`` tokens of a sequence never leave the sparse cache (attention sinks,
+    as in StreamingLLM); they take ``sinks`` of its ``sparse_cache`` slots."""
+    linear_weight: float = 1.0
+    """LoLA: weight of the linear state's term in the shared numerator and denominator (1 is the
+    trained hybrid's read; below 1 keeps the linear term from swamping the explicit entries)."""
     chunk: int = 16
     """LoLA's prefill chunk length C (queries of a chunk share the linear state); DSLA's block length
     on the torch kernel (its memory grows with it)."""
@@ -100,6 +106,12 @@ class LayerSpec:
             raise SpecError(f"linear_rope must be true or false, got {self.linear_rope!r}")
         if self.sparse_cache and self.attention != "lola":
             raise SpecError(f"sparse_cache={self.sparse_cache} needs attention 'lola', got {self.attention!r}")
+        if not isinstance(self.sinks, int) or isinstance(self.sinks, bool) or not 0 <= self.sinks <= self.sparse_cache:
+            raise SpecError(f"sinks must be an integer in [0, sparse_cache={self.sparse_cache}], got {self.sinks!r}")
+        if isinstance(self.linear_weight, bool) or not isinstance(self.linear_weight, (int, float)) or self.linear_weight < 0:
+            raise SpecError(f"linear_weight must be a number >= 0, got {self.linear_weight!r}")
+        if self.linear_weight != 1.0 and self.attention != "lola":
+            raise SpecError(f"linear_weight={self.linear_weight} needs attention 'lola', got {self.attention!r}")
         if self.attention == "lola" and (self.mix != "joint" or self.overlap):
             raise SpecError("attention 'lola' builds on the joint, non-overlap hybrid: use mix 'joint' and overlap false")
 

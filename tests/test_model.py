@@ -33,6 +33,8 @@ VARIANTS = {
     "lola": ({"attention": "lola", "window": 4, "sparse_cache": 3, "chunk": 1}, None),
     "lola-no_state": ({"attention": "lola", "window": 4, "sparse_cache": 3, "chunk": 1}, "no_state"),
     "lola-nope": ({"attention": "lola", "window": 4, "sparse_cache": 3, "chunk": 1, "linear_rope": False}, None),
+    "lola-nope-sinks-weight": ({"attention": "lola", "window": 4, "sparse_cache": 3, "chunk": 1, "linear_rope": False,
+                                "sinks": 2, "linear_weight": 0.3}, None),
     # with lambda > 0 a chunked prefill may legitimately differ from decoding (the selection runs once
     # per chunk); with lambda = 0 every chunk length equals it: the chunked path at model level
     "lola-nope-s0-C3": ({"attention": "lola", "window": 4, "sparse_cache": 0, "chunk": 3, "linear_rope": False}, None),
@@ -311,6 +313,10 @@ def test_bad_input_errors_name_the_value():
         linearize.convert(model, {"attention": "lola", "sparse_cache": -1})
     with pytest.raises(linearize.SpecError, match="unknown spec field"):
         linearize.convert(model, {"windw": 3})
+    with pytest.raises(linearize.SpecError, match=r"sinks must be an integer in \[0, sparse_cache=2\], got 3"):
+        linearize.convert(model, {"attention": "lola", "sparse_cache": 2, "sinks": 3})
+    with pytest.raises(linearize.SpecError, match="linear_weight=0.5 needs attention 'lola'"):
+        linearize.convert(model, {"attention": "hybrid", "linear_weight": 0.5})
     linearize.convert(model, {"attention": "dsla", "layers": [0]})
     with pytest.raises(ValueError, match="valid modes: hybrid, history_only, recent_only, sinks_only, none"):
         linearize.set_mode(model, "swa_only")

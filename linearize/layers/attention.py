@@ -272,6 +272,7 @@ class HybridAttention(ConvertedAttention):
                 window=self.spec.window, sparse=self.spec.sparse_cache, window_factor=self.window_factor(),
                 chunk=self.spec.chunk, valid=valid, state=_expect(state, LolaState, self), scale=self.scaling,
                 read_state=read_state, read_sparse=read_sparse,
+                sinks=self.spec.sinks, linear_weight=float(self.spec.linear_weight),
                 **self.linear_inputs(p),
             )
 

@@ -53,6 +53,12 @@ with linear keys is continued only by calls that give q_lin / k_lin, and one mad
 calls that do not. Without them (None) the feature maps see q / k. lambda = 0 is then the hybrid
 with the same q_lin / k_lin, and lambda >= T is still exact softmax (the linear inputs play no role).
 
+Two read-out options beyond the method as published (defaults keep it): ``sinks`` pins the first
+``sinks`` tokens of a sequence in the sparse cache (their self-recall error counts as +inf, so they
+are always selected and take ``sinks`` of the lambda slots), and ``linear_weight`` multiplies the
+linear term (state and on-the-fly reads) in both numerator and denominator (1: the trained hybrid's
+read; 0: the same read as ``read_state=False``). What is kept does not depend on ``linear_weight``.
+
 ``lola_attention_reference`` is the specification (a plain float32 loop per row, head, chunk and
 query over lists of token indices, sharing no computation with the fast path); ``lola_attention``
 is the vectorised op (loop over chunks only) that continues from a ``LolaState``.
@@ -100,6 +106,8 @@ def lola_attention_reference(
     read_sparse: bool = True,
     q_lin: Tensor | None = None,
     k_lin: Tensor | None = None,
+    sinks: int = 0,
+    linear_weight: float = 1.0,
 ) -> tuple[Tensor, LolaState]:
     """The specification: a plain loop over rows, query heads, chunks and queries, in float32.
 
@@ -109,7 +117,8 @@ def lola_attention_reference(
     tokens. Shares no computation with the fast path (the self-recall error is written out here).
     ``q_lin`` / ``k_lin``: what the feature maps see instead of q / k (see the module docstring).
     """
-    _check_args(q, k, v, window=window, sparse=sparse, chunk=chunk, window_factor=window_factor, q_lin=q_lin, k_lin=k_lin)
+    _check_args(q, k, v, window=window, sparse=sparse, chunk=chunk, window_factor=window_factor, q_lin=q_lin, k_lin=k_lin,
+                sinks=sinks, linear_weight=linear_weight)
     batch, hq, t_len, d = q.shape
     hkv, dv = k.shape[1], v.shape[-1]
     if hq % hkv != 0:
@@ -159,6 +168,7 @@ def lola_attention_reference(
                     den = phi_j @ k_sum
                     readout = phi_j @ kv / den if den > EMPTY_DENOMINATOR else torch.zeros(dv, device=q.device)
                     errs.append(torch.linalg.vector_norm(readout - v[b, g, j]).item())
+                errs = [float("inf") if position[j] < sinks else e for j, e in zip(cands, errs)]  # sinks stay
                 ranked = sorted(range(len(cands)), key=lambda i: (-errs[i], i))  # ties: earlier first
                 new_cache = sorted(cands[i] for i in ranked[:sparse])
                 written = [cands[i] for i in ranked[sparse:]]
@@ -173,13 +183,15 @@ def lola_attention_reference(
                     num = sum(p[n] * v[b, g, j] for n, j in enumerate(explicit))  # (Dv,)
                     den = p.sum()
                     if read_state:
-                        # LoLCATs convention: the linear term is NOT rescaled by exp(-m_t).
-                        num = num + q_phi[b, h, t] @ kv
-                        den = den + q_phi[b, h, t] @ k_sum
+                        # LoLCATs convention: the linear term is NOT rescaled by exp(-m_t); it is
+                        # weighted by linear_weight (1 = LoLCATs).
+                        lin_num = q_phi[b, h, t] @ kv  # (Dv,)
+                        lin_den = q_phi[b, h, t] @ k_sum
                         for j in written:
                             if j not in w_t:  # left the window, not yet in the state: on the fly
                                 a = q_phi[b, h, t] @ k_phi[b, h, j]
-                                num, den = num + a * v[b, g, j], den + a
+                                lin_num, lin_den = lin_num + a * v[b, g, j], lin_den + a
+                        num, den = num + linear_weight * lin_num, den + linear_weight * lin_den
                     out[b, h, t] = num / den
 
                 # 3. Fold the written tokens into the state, keep G', slide the window.
@@ -227,6 +239,8 @@ def lola_attention(
     read_sparse: bool = True,
     q_lin: Tensor | None = None,
     k_lin: Tensor | None = None,
+    sinks: int = 0,
+    linear_weight: float = 1.0,
 ) -> tuple[Tensor, LolaState]:
     """LoLA attention, vectorised over batch and heads, one loop step per chunk of ``chunk`` tokens.
 
@@ -245,7 +259,8 @@ def lola_attention(
     the sparse cache, and it cannot be continued by a call without them (nor the other way round).
     Memory per chunk is O(C (window + sparse + C)); no T x T tensor is formed.
     """
-    _check_args(q, k, v, window=window, sparse=sparse, chunk=chunk, window_factor=window_factor, q_lin=q_lin, k_lin=k_lin)
+    _check_args(q, k, v, window=window, sparse=sparse, chunk=chunk, window_factor=window_factor, q_lin=q_lin, k_lin=k_lin,
+                sinks=sinks, linear_weight=linear_weight)
     n_rep = gqa_groups(q, k)
     batch, hq, t_len, d = q.shape
     hkv, dv = k.shape[1], v.shape[-1]
@@ -264,7 +279,7 @@ def lola_attention(
     order = torch.argsort((~valid).int(), dim=1, stable=True)  # (B, T)
     n_real = valid.sum(1)  # (B,)
     factor = window_factor.to(q.device, torch.float32).view(1, hq, 1, 1)  # (1, Hq, 1, 1)
-    ctx = _ChunkContext(phi_q, phi_k, factor, scale, n_rep, q.dtype, read_state, read_sparse)
+    ctx = _ChunkContext(phi_q, phi_k, factor, scale, n_rep, q.dtype, read_state, read_sparse, sinks, float(linear_weight))
     next_pos = state.window.positions[:, -1] + 1  # (B,) the newest token sits in the last slot
     outs = []
     for c0 in range(0, t_len, chunk):
@@ -301,6 +316,8 @@ class _ChunkContext:
     dtype: torch.dtype  # the inputs' dtype, in which the feature maps run
     read_state: bool
     read_sparse: bool
+    sinks: int  # the first ``sinks`` positions of a sequence are never evicted from the sparse cache
+    linear_weight: float  # weight of the linear term in the shared denominator (1 = LoLCATs)
 
     def phi(self, fn: FeatureFn, x: Tensor) -> Tensor:
         """Feature map in the model's dtype (float32 state keys round-trip exactly), result float32."""
@@ -336,7 +353,8 @@ def _lola_chunk(
     else:
         cand_lk = cand_k
     cand_phi = ctx.phi(ctx.phi_k, cand_lk)  # (B, Hq, L+C, F)
-    err = self_recall_error(cand_phi, cand_v, linear).masked_fill(~cand_valid, -torch.inf)  # (B, Hq, L+C)
+    err = self_recall_error(cand_phi, cand_v, linear)  # (B, Hq, L+C)
+    err = err.masked_fill(cand_pos < ctx.sinks, torch.inf).masked_fill(~cand_valid, -torch.inf)  # sinks stay
     top = torch.sort(err, dim=-1, descending=True, stable=True).indices[..., :lam]  # (B, Hq, L)
     kept = torch.zeros_like(cand_valid).scatter(-1, top, True) & cand_valid  # (B, Hq, L+C)
     written = cand_valid & ~kept  # (B, Hq, L+C) R: into the state after the chunk
@@ -383,8 +401,8 @@ def _lola_chunk(
     )
     left_phi, left_v = cand_phi[:, :, lam:], cand_v[:, :, lam:]  # (B, Hq, C, F), (B, Hq, C, Dv) window slots [0, C)
     if ctx.read_state:
-        # LoLCATs convention: the linear term is NOT rescaled by exp(-m_t).
-        q_phi = ctx.phi(ctx.phi_q, q if lin is None else lin[0])  # (B, Hq, C, F)
+        # LoLCATs convention: the linear term is NOT rescaled by exp(-m_t); weighted by linear_weight.
+        q_phi = ctx.phi(ctx.phi_q, q if lin is None else lin[0]) * ctx.linear_weight  # (B, Hq, C, F)
         num = num + q_phi @ base.kv  # (B, Hq, C, Dv)
         den = den + (q_phi @ base.k_sum.unsqueeze(-1)).squeeze(-1)  # (B, Hq, C)
         # Written window tokens that have left query i's window: on the fly.
@@ -430,9 +448,14 @@ def _empty_state(batch, hq, hkv, window, sparse, d, dv, feats, device, linear_ke
 
 
 def _check_args(q: Tensor, k: Tensor, v: Tensor, *, window: int, sparse: int, chunk: int, window_factor: Tensor,
-                q_lin: Tensor | None = None, k_lin: Tensor | None = None) -> None:
+                q_lin: Tensor | None = None, k_lin: Tensor | None = None, sinks: int = 0,
+                linear_weight: float = 1.0) -> None:
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
+    if not 0 <= sinks <= sparse:
+        raise ValueError(f"sinks must lie in [0, sparse={sparse}] (they occupy sparse-cache slots), got {sinks}")
+    if not 0.0 <= linear_weight:
+        raise ValueError(f"linear_weight must be >= 0, got {linear_weight}")
     if sparse < 0:
         raise ValueError(f"sparse must be >= 0, got {sparse}")
     if chunk < 1:

@@ -589,3 +589,71 @@ def test_linear_inputs_cannot_switch_mid_sequence():
             fn(q, k, v, q_lin=q_lin, k_lin=k_lin[:, :, :3], **args)
     with pytest.raises(ValueError, match="merge"):
         LolaState.merge([plain_state, sep_state])
+
+
+# --- attention sinks and the linear term's weight -------------------------------------------------
+SINK_CASES = {
+    "w4-s3-sinks2-lw0.25": dict(window=4, sparse=3, sinks=2, linear_weight=0.25),
+    "w3-s2-sinks2-lw1": dict(window=3, sparse=2, sinks=2, linear_weight=1.0),
+    "w4-s3-sinks0-lw0": dict(window=4, sparse=3, sinks=0, linear_weight=0.0),
+    "w5-s4-sinks1-lw3": dict(window=5, sparse=4, sinks=1, linear_weight=3.0),
+}
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 16], ids=lambda c: f"C{c}")
+@pytest.mark.parametrize("case", list(SINK_CASES.values()), ids=list(SINK_CASES))
+def test_sinks_and_linear_weight_match_reference(case, chunk):
+    """Fast path == the reference loop with sinks and a linear weight: outputs, final state and
+    gradients, with padding; and the sinks are in the sparse cache at the end of every row."""
+    q, k, v, kw = make(b=2, hq=4, hkv=2, t=26)
+    valid = left_padding(2, 26, [3, 0])
+    factor = kw.pop("window_factor")
+    results = []
+    for fn in (lola_attention, lola_attention_reference):
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v, factor)]
+        out, state = fn(*leaves[:3], chunk=chunk, valid=valid, window_factor=leaves[3], **case, **kw)
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+        loss = (out * w).sum() + state.linear.kv.sum() + state.sparse.values.sum()
+        results.append((out, state, torch.autograd.grad(loss, leaves)))
+    (out, state, g_fast), (ref, ref_state, g_ref) = results
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert_states_equal(state, ref_state)
+    for name, a, b in zip("qkvf", g_fast, g_ref):
+        # with linear_weight 0 the window factor cancels: its gradient is round-off around 0
+        atol = 1e-4 if name == "f" and case["linear_weight"] == 0 else 1e-5
+        torch.testing.assert_close(a, b, atol=atol, rtol=1e-4, msg=lambda m, name=name: f"d{name}: {m}")
+    for s in range(case["sinks"]):
+        assert (state.sparse.positions == s).any(-1).all(), f"sink {s} was evicted"
+
+
+def test_sinks_stay_while_others_are_evicted_and_decode_continues():
+    """A sink survives any number of decode steps, while without sinks the same token is evicted."""
+    q, k, v, kw = make(b=1, hq=2, hkv=1, t=40)
+    args = dict(window=3, sparse=2, chunk=1, **kw)
+    kept = {}
+    for sinks in (0, 1):
+        _, state = lola_attention(q[:, :, :8], k[:, :, :8], v[:, :, :8], sinks=sinks, **args)
+        for i in range(8, 40):
+            step = slice(i, i + 1)
+            _, state = lola_attention(q[:, :, step], k[:, :, step], v[:, :, step], state=state, sinks=sinks, **args)
+        kept[sinks] = (state.sparse.positions == 0).any(-1)  # (B, Hq)
+    assert kept[1].all()
+    assert not kept[0].all()
+
+
+def test_linear_weight_zero_equals_hiding_the_state():
+    """linear_weight 0 reads exactly what read_state=False reads; the state kept is the same."""
+    q, k, v, kw = make(b=2, hq=4, hkv=2, t=21)
+    a, sa = lola_attention(q, k, v, window=4, sparse=3, chunk=4, linear_weight=0.0, **kw)
+    b, sb = lola_attention(q, k, v, window=4, sparse=3, chunk=4, read_state=False, **kw)
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    assert_states_equal(sa, sb, atol=0)
+
+
+@pytest.mark.parametrize("change, match", [(dict(sinks=4), "sinks must lie"), (dict(sinks=-1), "sinks must lie"),
+                                           (dict(linear_weight=-0.5), "linear_weight must be")],
+                         ids=["sinks>sparse", "sinks<0", "weight<0"])
+def test_sinks_and_weight_invalid_raise(change, match):
+    q, k, v, kw = make(b=1, hq=2, hkv=1, t=6)
+    with pytest.raises(ValueError, match=match):
+        lola_attention(q, k, v, window=2, sparse=3, **change, **kw)
