@@ -2,8 +2,8 @@
 # Length robustness: conversion options trained side by side with the same steps and data, then
 # every one measured on the same held-out text and needles, with the teacher in the same run.
 #
-#   WORK=/root/assets/work GPUS="0 1" setsid nohup bash scripts/length_study.sh > /root/assets/study.log 2>&1 < /dev/null &
-#   bash scripts/length_study.sh --pack OUT_DIR [WAIT_SECONDS]     # later: bring back what has finished
+#   GPUS="0 1" bash scripts/length_study.sh WORK_DIR
+#   bash scripts/length_study.sh --pack WORK_DIR OUT_DIR [WAIT_SECONDS]   # pack what has finished
 #
 # Hybrid options (the lolcats recipe: hybrid-output MSE transfer, then LoRA; window 64, all layers):
 #   base         as shipped: feature maps on RoPE'd q/k, 1K-token rows
@@ -18,14 +18,14 @@
 # Each evaluation: held-out wiki perplexity at 1K-8K, niah_single_1 / passkey / needle_recall at 2K
 # and 4K; then essay perplexity (out of domain) at 1K, 4K, 8K.
 #
-# Environment: WORK (/root/assets/work)  DEVICE (cuda)  GPUS ("0")  STEPS (200 per stage)
+# Environment: DEVICE (cuda)  GPUS ("0")  STEPS (200 per stage)
 #   STAGE_MIN (6: wall-time cap per stage)  DSLA_TRANSFER_STEPS (600)  DSLA_TRANSFER_MIN (3)
 #   CHAINED_STEPS (20)  CHAINED_MIN (0.2)  OFFSET (7168)  OFFSET_LONG (4096)  SAMPLES (25)
 #   VARIANTS (all of the above)  EVAL_BATCH (25)
 set -u
-WORK=${WORK:-/root/assets/work}
-if [ "${1:-}" = --pack ]; then  # --pack OUT [WAIT]: wait for DONE (up to WAIT s), then pack at most 7 files
-  out=$2; wait_s=${3:-0}; start=$(date +%s)
+if [ "${1:-}" = --pack ]; then  # --pack WORK OUT [WAIT]: wait for DONE (up to WAIT s), then pack at most 7 files
+  WORK=${2:?usage: length_study.sh --pack WORK_DIR OUT_DIR [WAIT_SECONDS]}
+  out=${3:?usage: length_study.sh --pack WORK_DIR OUT_DIR [WAIT_SECONDS]}; wait_s=${4:-0}; start=$(date +%s)
   while [ ! -f "$WORK/DONE" ] && [ $(( $(date +%s) - start )) -lt "$wait_s" ]; do
     sleep 15
     if [ $(( ($(date +%s) - start) % 120 )) -lt 15 ]; then

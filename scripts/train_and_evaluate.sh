@@ -22,9 +22,11 @@
 #   MODELS ("": NAME=ADAPTER_DIR pairs to evaluate too, e.g. "dsla-chained=runs/dsla/adapter")
 #   ACTIVE ("8 15 22 30": the prefixes evaluated for a model named dsla-*)
 #   SAMPLES (25)  NEEDLE_LENGTHS (1024,2048,4096)  PPL_LENGTHS (512,1024,2048,4096,8192)
-#   MC_DATA ("": the folder of the multiple-choice files; empty skips them)
+#   MC_DATA ("": the folder of the multiple-choice files; empty skips them)  MC_LIMIT (100000: documents per task)
 #   LOLA_MODELS ("": NAME=ADAPTER_DIR pairs read with LoLA; "lolcats" means the lolcats trained here)
-#   LOLA_SAMPLES (20)  LOLA_LENGTHS (2048,4096)
+#   LOLA_SAMPLES (20)  LOLA_LENGTHS (2048,4096)  LOLA_SINKS ("0 4")  LOLA_WEIGHTS ("1 0.1 0.01")
+#   LOLA_CHUNK (64)  LOLA_BASELINE (1: also the 320-token window)
+#   PARTS ("wiki essays mc": which evaluations run)  ABLATE (1: the component ablation of each conversion)
 #   MAX_PER_GPU (6: evaluation processes at once per GPU)  DEVICE (cuda)
 set -u
 if [ "${1:-}" = --pack ]; then
@@ -60,6 +62,13 @@ MC_DATA=${MC_DATA:-}
 LOLA_MODELS=${LOLA_MODELS:-}
 LOLA_SAMPLES=${LOLA_SAMPLES:-20}
 LOLA_LENGTHS=${LOLA_LENGTHS:-2048,4096}
+LOLA_SINKS=${LOLA_SINKS:-0 4}
+LOLA_WEIGHTS=${LOLA_WEIGHTS:-1 0.1 0.01}
+LOLA_CHUNK=${LOLA_CHUNK:-64}
+LOLA_BASELINE=${LOLA_BASELINE:-1}
+PARTS=${PARTS-wiki essays mc}
+MC_LIMIT=${MC_LIMIT:-100000}
+ABLATE=${ABLATE:-1}
 MAX_PER_GPU=${MAX_PER_GPU:-6}
 DEVICE=${DEVICE:-cuda}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
@@ -97,14 +106,16 @@ on() {  # on GPU COMMAND...: run with only that GPU visible once one of its MAX_
 evaluate() {  # evaluate NAME MODEL GPU [flags...]: perplexity + needles, essays, multiple choice
   local name=$1 model=$2 g=$3; shift 3
   local E="--device $DEVICE --suite quick"
+  case " $PARTS " in *" wiki "*) ;; *) false ;; esac &&
   step "eval-$name-wiki" on "$g" $L eval --model "$model" "$@" $E --ppl-lengths "$PPL_LENGTHS" \
     --tasks niah_single_1,passkey,needle_recall --lengths "$NEEDLE_LENGTHS" --samples "$SAMPLES" --batch-size "$SAMPLES" \
     --mc-tasks none --out "$WORK/eval/$name/wiki" &
+  case " $PARTS " in *" essays "*) ;; *) false ;; esac &&
   step "eval-$name-essays" on "$g" $L eval --model "$model" "$@" $E --ppl-source essays --ppl-lengths 1024,4096 \
     --tasks "" --mc-tasks none --batch-size 8 --out "$WORK/eval/$name/essays" &
-  if [ -n "$MC_DATA" ]; then
+  if [ -n "$MC_DATA" ] && case " $PARTS " in *" mc "*) true ;; *) false ;; esac; then
     step "eval-$name-mc" on "$g" $L eval --model "$model" "$@" $E --ppl-lengths none --tasks "" \
-      --mc-tasks piqa,winogrande,copa,openbook_qa,lambada_openai --data-dir "$MC_DATA" --batch-size 64 \
+      --mc-tasks piqa,winogrande,copa,openbook_qa,lambada_openai --data-dir "$MC_DATA" --batch-size 64 --mc-limit "$MC_LIMIT" \
       --out "$WORK/eval/$name/mc" &
   fi
   wait
@@ -112,6 +123,7 @@ evaluate() {  # evaluate NAME MODEL GPU [flags...]: perplexity + needles, essays
 
 ablate() {  # ablate NAME MODEL GPU [flags...]: each component alone against the whole
   local name=$1 model=$2 g=$3; shift 3
+  [ "$ABLATE" = 1 ] || return 0
   step "ablate-$name" on "$g" $L ablate --model "$model" "$@" --device "$DEVICE" --suite quick \
     --tasks niah_single_1,passkey --samples 20 --lengths 1024,2048 --ppl-lengths 1024,2048 --mc-tasks none \
     --batch-size 20 --out "$WORK/eval/$name/ablate"
@@ -120,15 +132,15 @@ ablate() {  # ablate NAME MODEL GPU [flags...]: each component alone against the
 lola() {  # lola NAME MODEL GPU: LoLA (64 + 256) read-outs against the same 320 slots as a window
   local name=$1 model=$2 g=$3 sinks weight
   local F="--device $DEVICE --suite quick --tasks niah_single_1,passkey,needle_recall --samples $LOLA_SAMPLES
-    --lengths $LOLA_LENGTHS --ppl-lengths none --mc-tasks none --batch-size $LOLA_SAMPLES --kernel torch --chunk 64"
-  for sinks in 0 4; do
-    for weight in 1 0.1 0.01; do
+    --lengths $LOLA_LENGTHS --ppl-lengths none --mc-tasks none --batch-size $LOLA_SAMPLES --kernel torch --chunk $LOLA_CHUNK"
+  for sinks in $LOLA_SINKS; do
+    for weight in $LOLA_WEIGHTS; do
       local modes=hybrid; [ "$weight" = 1 ] && modes=hybrid,no_state
-      step "lola-$name-s$sinks-w$weight" on "$g" $L ablate --model "$model" --attention lola --window 64 --sparse-cache 256 \
-        --sinks $sinks --linear-weight $weight --modes $modes $F --out "$WORK/eval/lola-$name/sinks$sinks-weight$weight" &
+      step "lola-$name-s$sinks-w$weight-c$LOLA_CHUNK" on "$g" $L ablate --model "$model" --attention lola --window 64 --sparse-cache 256 \
+        --sinks $sinks --linear-weight $weight --modes $modes $F --out "$WORK/eval/lola-$name/sinks$sinks-weight$weight-chunk$LOLA_CHUNK" &
     done
   done
-  step "lola-$name-window320" on "$g" $L ablate --model "$model" --attention lola --window 320 --sparse-cache 0 \
+  [ "$LOLA_BASELINE" = 1 ] && step "lola-$name-window320" on "$g" $L ablate --model "$model" --attention lola --window 320 --sparse-cache 0 \
     --modes hybrid,window_only $F --out "$WORK/eval/lola-$name/window320" &
   wait
 }
