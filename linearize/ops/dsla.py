@@ -16,8 +16,9 @@ log-gates set to 0 (no decay), so a left-padded row equals the row alone and gar
 padded positions never reaches outputs or gradients.
 
 Backends of ``dsla_attention`` (``BACKENDS``): "torch" (chunked, pure PyTorch, autograd, any device)
-and "fla" (flash-linear-attention 0.6.0 Triton kernels, CUDA only). ``dsla_attention_reference`` is
-the plain float32 loop that specifies both.
+and "fla" (flash-linear-attention 0.6.0 Triton kernels, CUDA only). ``dsla_attention_reference`` and
+``gla_reference`` (in ``linearize.ops.naive``, re-exported here) are the plain float32 loops that
+specify both; they share no code with them.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .common import default_valid, gqa_groups, repeat_kv, safe_divide
+from .naive import dsla_attention_reference, gla_reference  # noqa: F401 (the specification)
 from .states import DslaState
 
 GATE_LOGIT_NORMALIZER = 16
@@ -58,51 +60,6 @@ def gate_half_life(alpha: float) -> float:
     if not 0.0 < alpha < 1.0:
         raise ValueError(f"gate value alpha must lie in (0, 1), got {alpha}")
     return math.log(0.5) / math.log(alpha)
-
-
-def gla_reference(
-    q: Tensor, k: Tensor, v: Tensor, log_alpha: Tensor, state: Tensor | None = None, scale: float | None = None
-) -> tuple[Tensor, Tensor]:
-    """Single-state GLA as a plain loop over t (float32, float64 for float64 inputs): the specification.
-
-    q/log_alpha (B, Hq, T, Dk), k (B, Hkv, T, Dk), v (B, Hkv, T, Dv), state (B, Hq, Dk, Dv).
-    Returns o (B, Hq, T, Dv) in q's dtype and the final state (B, Hq, Dk, Dv) in the compute dtype.
-    """
-    n_rep = gqa_groups(q, k)
-    dtype = _compute_dtype(q)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    qf, gf = q.to(dtype), log_alpha.to(dtype)  # (B, H, T, Dk)
-    kf = repeat_kv(k.to(dtype), n_rep)  # (B, H, T, Dk)
-    vf = repeat_kv(v.to(dtype), n_rep)  # (B, H, T, Dv)
-    b, h, t, dk = qf.shape
-    s = qf.new_zeros(b, h, dk, vf.shape[-1]) if state is None else state.to(dtype)  # (B, H, Dk, Dv)
-    outs = []
-    for i in range(t):
-        kv = kf[:, :, i, :, None] * vf[:, :, i, None, :]  # (B, H, Dk, Dv)
-        s = gf[:, :, i, :, None].exp() * s + kv  # (B, H, Dk, Dv)
-        outs.append(scale * (qf[:, :, i, :, None] * s).sum(-2))  # (B, H, Dv)
-    return torch.stack(outs, dim=2).to(q.dtype), s  # (B, H, T, Dv), (B, H, Dk, Dv)
-
-
-def dsla_attention_reference(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    log_alpha_history: Tensor,
-    log_alpha_recent: Tensor,
-    gamma: Tensor,
-    *,
-    valid: Tensor | None = None,
-    state: DslaState | None = None,
-    scale: float | None = None,
-    normalize: bool = False,
-) -> tuple[Tensor, DslaState]:
-    """DSLA as two ``gla_reference`` loops; same arguments and results as ``dsla_attention``."""
-    q, k, v, g1, g2 = _mask_padding(q, k, v, log_alpha_history, log_alpha_recent, valid)
-    v = _with_ones(v) if normalize else v
-    o1, s1 = gla_reference(q, k, v, g1, None if state is None else state.history, scale)
-    o2, s2 = gla_reference(q, k, v, g2, None if state is None else state.recent, scale)
-    return _mix(o1, o2, gamma, q, normalize), DslaState(history=s1, recent=s2)
 
 
 def dsla_attention(
