@@ -7,9 +7,10 @@ Two GLA states share the write k v^T and differ only in their data-dependent for
     o_t  = scale * q_t^T (gamma S1_t + (1 - gamma) S2_t)
 
 alpha is per key dimension, broadcast over the value axis (GLA style). Callers pass log-gates
-``log_alpha = logsigmoid(x W + b) / 16`` of shape (B, Hq, T, Dk), exactly what fla's ``chunk_gla``
-takes as ``g``. The output is linear in S, so o = gamma * o1 + (1 - gamma) * o2 with o_i plain GLA
-under gate i: every backend runs single-state GLA twice.
+``log_alpha = logsigmoid(x W + b) / GATE_NORMALISER`` (``log_gate``) of shape (B, Hq, T, Dk),
+exactly what fla's ``chunk_gla`` takes as ``g``. The output is linear in S, so
+o = gamma * o1 + (1 - gamma) * o2 with o_i plain GLA under gate i: every backend runs single-state
+GLA twice.
 
 Padding (``valid`` False) is a no-op: q, k, v are zeroed there (no write, zero output) and the
 log-gates set to 0 (no decay), so a left-padded row equals the row alone and garbage (even NaN) at
@@ -34,8 +35,9 @@ from .common import default_valid, gqa_groups, repeat_kv, safe_divide
 from .naive import dsla_attention_reference, gla_reference  # noqa: F401 (the specification)
 from .states import DslaState
 
-GATE_LOGIT_NORMALIZER = 16
-"""log_alpha = logsigmoid(z) / 16: fla's GLA default, and this package's gate parameterisation."""
+GATE_NORMALISER = 16.0
+"""log_alpha = logsigmoid(z) / GATE_NORMALISER: fla's GLA default, and this package's gate
+parameterisation (it keeps a freshly initialised gate's values near 1: slow forgetting)."""
 
 FLA_RECURRENT_MAX_LEN = 64
 """fla's GLA layer runs ``fused_recurrent_gla`` for sequences of at most 64 tokens, ``chunk_gla`` above."""
@@ -45,14 +47,21 @@ GlaFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor | None, float, int], tu
 
 
 def init_gate_bias(alpha: float) -> float:
-    """Pre-activation z with exp(logsigmoid(z) / 16) = alpha, i.e. z = logit(alpha ** 16).
+    """Pre-activation z with exp(logsigmoid(z) / GATE_NORMALISER) = alpha, i.e.
+    z = logit(alpha ** GATE_NORMALISER).
 
     0.999 -> 4.13 (history gate), 0.9 -> -1.48 (recent gate).
     """
     if not 0.0 < alpha < 1.0:
         raise ValueError(f"gate value alpha must lie in (0, 1), got {alpha}")
-    p = alpha**GATE_LOGIT_NORMALIZER
+    p = alpha**GATE_NORMALISER
     return math.log(p) - math.log1p(-p)
+
+
+def log_gate(z: Tensor) -> Tensor:
+    """Log-gate from the gate's pre-activation: logsigmoid(z) / GATE_NORMALISER, in float32 (or
+    wider), <= 0; exp of it is the gate value alpha in (0, 1)."""
+    return F.logsigmoid(z.to(torch.promote_types(z.dtype, torch.float32))) / GATE_NORMALISER
 
 
 def gate_half_life(alpha: float) -> float:

@@ -14,11 +14,13 @@ import torch.nn.functional as F
 
 from linearize.ops.common import repeat_kv
 from linearize.ops.dsla import (
+    GATE_NORMALISER,
     dsla_attention,
     dsla_attention_reference,
     gate_half_life,
     gla_reference,
     init_gate_bias,
+    log_gate,
 )
 from linearize.ops.states import DslaState
 
@@ -55,7 +57,7 @@ def make_inputs(c: Case, dtype=torch.float32, device="cpu", seed=0) -> dict[str,
         "q": randn(c.b, c.hq, c.t, c.dk),
         "k": randn(c.b, hkv, c.t, c.dk),
         "v": randn(c.b, hkv, c.t, dv),
-        "g1": F.logsigmoid(randn(c.b, c.hq, c.t, c.dk) + 4) / 16,  # alpha ~ 0.999
+        "g1": F.logsigmoid(randn(c.b, c.hq, c.t, c.dk) + 4) / GATE_NORMALISER,  # alpha ~ 0.999
         "g2": F.logsigmoid(randn(c.b, c.hq, c.t, c.dk)),  # alpha ~ 0.5: decays hard within a chunk
         "gamma": torch.tensor(0.3, dtype=torch.float64),
         "history": randn(c.b, c.hq, c.dk, dv),
@@ -203,7 +205,8 @@ def test_prefill_in_pieces_then_decode_equals_one_call(fn) -> None:
 def test_init_gate_bias(alpha: float, z: float) -> None:
     bias = init_gate_bias(alpha)
     assert bias == pytest.approx(z, abs=1e-3)
-    assert math.exp(F.logsigmoid(torch.tensor(bias, dtype=torch.float64)).item() / 16) == pytest.approx(alpha, rel=1e-12)
+    log_alpha = F.logsigmoid(torch.tensor(bias, dtype=torch.float64)).item() / GATE_NORMALISER
+    assert math.exp(log_alpha) == pytest.approx(alpha, rel=1e-12)
 
 
 def test_gate_half_life() -> None:
@@ -399,3 +402,11 @@ def test_reference_equals_brute_force(normalize: bool) -> None:
     torch.testing.assert_close(s.recent, want_s["recent"])
     assert (o[1, :, [0, 1, 3]] == 0).all()
 
+
+def test_log_gate_uses_the_gate_normaliser() -> None:
+    z = torch.tensor([-3.0, 0.0, 4.127], dtype=torch.bfloat16)
+    g = log_gate(z)
+    assert g.dtype == torch.float32 and (g <= 0).all()
+    torch.testing.assert_close(g, F.logsigmoid(z.float()) / GATE_NORMALISER)
+    assert GATE_NORMALISER == 16.0
+    assert math.exp(log_gate(torch.tensor(init_gate_bias(0.9), dtype=torch.float64)).item()) == pytest.approx(0.9, rel=1e-12)

@@ -116,7 +116,7 @@ def run_lola(impl):
 def run_dsla(impl, normalize=True):
     q, k, v, valid = _inputs()
     g = torch.Generator().manual_seed(5)
-    g1 = F.logsigmoid(torch.randn(q.shape, generator=g) + 4) / 16
+    g1 = dsla.log_gate(torch.randn(q.shape, generator=g) + 4)
     g2 = F.logsigmoid(torch.randn(q.shape, generator=g))
     if normalize:
         q, k = F.softplus(q), F.softplus(k)
