@@ -1,17 +1,19 @@
 """The specification of every attention kind: plain loops over rows and positions.
 
-Each ``*_reference`` here is what the fast path of the same name checks against (outputs, final
+Each ``*_reference`` here is what the fast path of its kind is checked against (outputs, final
 states and gradients; tests/ops). They are written to be read top to bottom, not to be fast, and
 they share NO code with the fast paths: this module imports only torch, the state containers (to
-return states in the same types) and the empty-normaliser threshold ``EMPTY_DENOMINATOR`` (a
-definition, not code). A bug in a fast path's helper (masking, mixing, GQA repetition, chunking,
-division) therefore shows up as a disagreement instead of passing silently on both sides. The
-feature maps ``phi_q`` / ``phi_k`` are passed in and tested on their own (``hedgehog_reference``).
+return states in the same types), the ``FeatureFn`` type and the empty-normaliser threshold
+``EMPTY_DENOMINATOR`` (a definition, not code). A bug in a fast path's helper (masking, mixing,
+GQA repetition, chunking, division) therefore shows up as a disagreement instead of passing
+silently on both sides. The feature maps ``phi_q`` / ``phi_k`` are passed in and tested on their
+own (``hedgehog_reference``).
 
 Conventions shared by every reference:
 
 - Layout: q (B, Hq, T, D), k/v (B, Hkv, T, D|Dv); query head h reads KV head h // (Hq / Hkv).
-- Arithmetic in float32, or float64 for float64 inputs; outputs come back in the inputs' dtype.
+- Arithmetic in float32, or float64 for float64 inputs (LoLA's: float32 always); outputs come
+  back in the inputs' dtype.
 - ``valid`` (B, T) bool marks real tokens (None: all real). Padding takes no position, no window
   slot and no state; outputs at padded queries are zero. Each row is compacted to its real tokens
   first, so "position p" below always counts real tokens.
