@@ -7,17 +7,19 @@ Two GLA states share the write k v^T and differ only in their data-dependent for
     o_t  = scale * q_t^T (gamma S1_t + (1 - gamma) S2_t)
 
 alpha is per key dimension, broadcast over the value axis (GLA style). Callers pass log-gates
-``log_alpha = logsigmoid(x W + b) / 16`` of shape (B, Hq, T, Dk), exactly what fla's ``chunk_gla``
-takes as ``g``. The output is linear in S, so o = gamma * o1 + (1 - gamma) * o2 with o_i plain GLA
-under gate i: every backend runs single-state GLA twice.
+``log_alpha = logsigmoid(x W + b) / GATE_NORMALISER`` (``log_gate``) of shape (B, Hq, T, Dk),
+exactly what fla's ``chunk_gla`` takes as ``g``. The output is linear in S, so
+o = gamma * o1 + (1 - gamma) * o2 with o_i plain GLA under gate i: every backend runs single-state
+GLA twice.
 
 Padding (``valid`` False) is a no-op: q, k, v are zeroed there (no write, zero output) and the
 log-gates set to 0 (no decay), so a left-padded row equals the row alone and garbage (even NaN) at
 padded positions never reaches outputs or gradients.
 
 Backends of ``dsla_attention`` (``BACKENDS``): "torch" (chunked, pure PyTorch, autograd, any device)
-and "fla" (flash-linear-attention 0.6.0 Triton kernels, CUDA only). ``dsla_attention_reference`` is
-the plain float32 loop that specifies both.
+and "fla" (flash-linear-attention 0.6.0 Triton kernels, CUDA only). ``dsla_attention_reference`` and
+``gla_reference`` (in ``linearize.ops.naive``, re-exported here) are the plain float32 loops that
+specify both; they share no code with them.
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .common import default_valid, gqa_groups, repeat_kv, safe_divide
+from .naive import dsla_attention_reference, gla_reference  # noqa: F401 (the specification)
 from .states import DslaState
 
-GATE_LOGIT_NORMALIZER = 16
-"""log_alpha = logsigmoid(z) / 16: fla's GLA default, and this package's gate parameterisation."""
+GATE_NORMALISER = 16.0
+"""log_alpha = logsigmoid(z) / GATE_NORMALISER: fla's GLA default, and this package's gate
+parameterisation (it keeps a freshly initialised gate's values near 1: slow forgetting)."""
 
 FLA_RECURRENT_MAX_LEN = 64
 """fla's GLA layer runs ``fused_recurrent_gla`` for sequences of at most 64 tokens, ``chunk_gla`` above."""
@@ -43,14 +47,21 @@ GlaFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor | None, float, int], tu
 
 
 def init_gate_bias(alpha: float) -> float:
-    """Pre-activation z with exp(logsigmoid(z) / 16) = alpha, i.e. z = logit(alpha ** 16).
+    """Pre-activation z with exp(logsigmoid(z) / GATE_NORMALISER) = alpha, i.e.
+    z = logit(alpha ** GATE_NORMALISER).
 
     0.999 -> 4.13 (history gate), 0.9 -> -1.48 (recent gate).
     """
     if not 0.0 < alpha < 1.0:
         raise ValueError(f"gate value alpha must lie in (0, 1), got {alpha}")
-    p = alpha**GATE_LOGIT_NORMALIZER
+    p = alpha**GATE_NORMALISER
     return math.log(p) - math.log1p(-p)
+
+
+def log_gate(z: Tensor) -> Tensor:
+    """Log-gate from the gate's pre-activation: logsigmoid(z) / GATE_NORMALISER, in float32 (or
+    wider), <= 0; exp of it is the gate value alpha in (0, 1)."""
+    return F.logsigmoid(z.to(torch.promote_types(z.dtype, torch.float32))) / GATE_NORMALISER
 
 
 def gate_half_life(alpha: float) -> float:
@@ -58,51 +69,6 @@ def gate_half_life(alpha: float) -> float:
     if not 0.0 < alpha < 1.0:
         raise ValueError(f"gate value alpha must lie in (0, 1), got {alpha}")
     return math.log(0.5) / math.log(alpha)
-
-
-def gla_reference(
-    q: Tensor, k: Tensor, v: Tensor, log_alpha: Tensor, state: Tensor | None = None, scale: float | None = None
-) -> tuple[Tensor, Tensor]:
-    """Single-state GLA as a plain loop over t (float32, float64 for float64 inputs): the specification.
-
-    q/log_alpha (B, Hq, T, Dk), k (B, Hkv, T, Dk), v (B, Hkv, T, Dv), state (B, Hq, Dk, Dv).
-    Returns o (B, Hq, T, Dv) in q's dtype and the final state (B, Hq, Dk, Dv) in the compute dtype.
-    """
-    n_rep = gqa_groups(q, k)
-    dtype = _compute_dtype(q)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    qf, gf = q.to(dtype), log_alpha.to(dtype)  # (B, H, T, Dk)
-    kf = repeat_kv(k.to(dtype), n_rep)  # (B, H, T, Dk)
-    vf = repeat_kv(v.to(dtype), n_rep)  # (B, H, T, Dv)
-    b, h, t, dk = qf.shape
-    s = qf.new_zeros(b, h, dk, vf.shape[-1]) if state is None else state.to(dtype)  # (B, H, Dk, Dv)
-    outs = []
-    for i in range(t):
-        kv = kf[:, :, i, :, None] * vf[:, :, i, None, :]  # (B, H, Dk, Dv)
-        s = gf[:, :, i, :, None].exp() * s + kv  # (B, H, Dk, Dv)
-        outs.append(scale * (qf[:, :, i, :, None] * s).sum(-2))  # (B, H, Dv)
-    return torch.stack(outs, dim=2).to(q.dtype), s  # (B, H, T, Dv), (B, H, Dk, Dv)
-
-
-def dsla_attention_reference(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    log_alpha_history: Tensor,
-    log_alpha_recent: Tensor,
-    gamma: Tensor,
-    *,
-    valid: Tensor | None = None,
-    state: DslaState | None = None,
-    scale: float | None = None,
-    normalize: bool = False,
-) -> tuple[Tensor, DslaState]:
-    """DSLA as two ``gla_reference`` loops; same arguments and results as ``dsla_attention``."""
-    q, k, v, g1, g2 = _mask_padding(q, k, v, log_alpha_history, log_alpha_recent, valid)
-    v = _with_ones(v) if normalize else v
-    o1, s1 = gla_reference(q, k, v, g1, None if state is None else state.history, scale)
-    o2, s2 = gla_reference(q, k, v, g2, None if state is None else state.recent, scale)
-    return _mix(o1, o2, gamma, q, normalize), DslaState(history=s1, recent=s2)
 
 
 def dsla_attention(

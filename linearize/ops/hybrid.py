@@ -34,6 +34,7 @@ from torch import Tensor
 
 from .common import FeatureFn, default_valid, gqa_groups, repeat_kv, safe_divide
 from .linear_attn import accumulation_dtype, linear_attention_numden
+from .naive import hybrid_attention_reference  # noqa: F401 (the specification)
 from .states import HybridState, LinearState, WindowState
 
 MIXES = ("joint", "gate")
@@ -128,7 +129,7 @@ def _mix(
     return g * safe_divide(sw_num, sw_den) + (1 - g) * safe_divide(lin_num, lin_den)
 
 
-def hybrid_attention_reference(
+def _hybrid_quadratic(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -145,12 +146,9 @@ def hybrid_attention_reference(
     scale: float | None = None,
     q_lin: Tensor | None = None,
     k_lin: Tensor | None = None,
-) -> tuple[Tensor, HybridState]:
-    """Plain quadratic form over the full sequence (the specification).
-
-    window_factor None means f = 1; gate None means g = 0.5. Returns (out (B, Hq, T, Dv) in v's
-    dtype, the HybridState after the sequence).
-    """
+) -> Tensor:
+    """The hybrid's output (B, Hq, T, Dv) in v's dtype as one quadratic form over the full sequence
+    (T x T scores and masks): what ``hybrid_attention_weights`` differentiates through."""
     n_rep = _check_args(q, k, window, mix, branches, q_lin, k_lin)
     valid = default_valid(q, valid)
     b, hq, t, d = q.shape
@@ -180,35 +178,18 @@ def hybrid_attention_reference(
         gate=_per_head(gate, hq, "gate", 0.5, vr),
     )
     out = torch.where(valid[:, None, :, None], out, torch.zeros_like(out))  # (B, Hq, T, Dv)
-
-    # Final state: window = last `window` real tokens (right-aligned); linear = the real tokens before them.
-    n_real = valid.sum(dim=1)  # (B,)
-    older = valid & (pos < (n_real - window)[:, None])  # (B, T)
-    kf_old = kf * older[:, None, :, None]  # (B, Hq, T, F)
-    linear = LinearState(kv=torch.einsum("bhtf,bhtd->bhfd", kf_old, vr), k_sum=kf_old.sum(dim=2))
-    ws = WindowState.empty(b, k.shape[1], window, d, v.shape[-1], device=q.device, dtype=dt, linear_keys=k_lin is not None)
-    for row in range(b):
-        idx = valid[row].nonzero().flatten()[-window:]  # (n,) indices of the kept real tokens
-        n = idx.numel()
-        ws.keys[row, :, window - n :] = k[row, :, idx].to(dt)
-        if k_lin is not None:
-            ws.linear_keys[row, :, window - n :] = k_lin[row, :, idx].to(dt)
-        ws.values[row, :, window - n :] = v[row, :, idx].to(dt)
-        ws.valid[row, window - n :] = True
-        ws.positions[row, window - n :] = pos[row, idx]
-    return out.to(v.dtype), HybridState(window=ws, linear=linear)
+    return out.to(v.dtype)
 
 
 def hybrid_attention_weights(q: Tensor, k: Tensor, **kwargs) -> Tensor:
     """(B, Hq, T, T): the weight each query gives each key under the hybrid (any mix, branches).
 
-    The output is linear in v, so the reference with identity values yields the weight matrix;
+    The output is linear in v, so the quadratic form with identity values yields the weight matrix;
     ``kwargs`` are those of ``hybrid_attention_reference``. Quadratic: for attention transfer at ~1K.
     """
     b, hkv, t, _ = k.shape
     eye = torch.eye(t, dtype=accumulation_dtype(q.dtype), device=q.device).expand(b, hkv, t, t)  # (B, Hkv, T, T)
-    weights, _ = hybrid_attention_reference(q, k, eye, **kwargs)
-    return weights
+    return _hybrid_quadratic(q, k, eye, **kwargs)
 
 
 def _gather_tokens(x: Tensor, index: Tensor) -> Tensor:
@@ -240,9 +221,11 @@ def hybrid_attention(
     """The exact hybrid in O(T (chunk + window)) memory, continuing from ``state``.
 
     Splitting a sequence into calls (prefill pieces, token-by-token decode) gives the same outputs
-    and state as one call. ``backend`` ("torch" or "fla") runs the linear part over the older
-    tokens; ``chunk`` is the query-chunk length. Differentiable on the torch backend. As in the
-    reference, window_factor None means f = 1 and gate None means g = 0.5.
+    and state as one call, and one call gives those of ``hybrid_attention_reference`` (the
+    specification: a loop over queries, in ``linearize.ops.naive``). ``backend`` ("torch" or "fla")
+    runs the linear part over the older tokens; ``chunk`` is the query-chunk length. Differentiable
+    on the torch backend. As in the reference, window_factor None means f = 1 and gate None means
+    g = 0.5.
     Returns (out (B, Hq, T, Dv) in v's dtype, the new HybridState).
     """
     n_rep = _check_args(q, k, window, mix, branches, q_lin, k_lin)

@@ -6,7 +6,8 @@
 Inputs are per query head: keys already repeated for GQA and featurised, q_phi/k_phi (B, H, T, F),
 v (B, H, T, Dv). The module is mask-free: callers zero phi(k) (and v) of padding tokens themselves,
 so padding never enters a sum or a state. Sums are accumulated in float32 (float64 inputs stay
-float64); states are returned in that dtype.
+float64); states are returned in that dtype. The specification, ``linear_attention_reference``
+(a token-by-token loop), lives in ``linearize.ops.naive`` and is re-exported here.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .common import safe_divide
+from .naive import linear_attention_reference  # noqa: F401 (the specification)
 from .states import LinearState
 
 BACKENDS = ("torch", "fla")
@@ -29,25 +31,6 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 def _zero_state(q_phi: Tensor, v: Tensor, dtype: torch.dtype) -> LinearState:
     b, h, _, f = q_phi.shape
     return LinearState.zeros(b, h, f, v.shape[-1], device=q_phi.device, dtype=dtype)
-
-
-def linear_attention_reference(
-    q_phi: Tensor, k_phi: Tensor, v: Tensor, state: LinearState | None = None
-) -> tuple[Tensor, LinearState]:
-    """Plain token-by-token loop (the specification). Returns (out in v's dtype, final state)."""
-    dt = accumulation_dtype(v.dtype)
-    state = _zero_state(q_phi, v, dt) if state is None else state
-    s, z = state.kv.to(dt), state.k_sum.to(dt)  # (B, H, F, Dv), (B, H, F)
-    outs = []
-    for t in range(q_phi.shape[2]):
-        qt, kt, vt = q_phi[:, :, t].to(dt), k_phi[:, :, t].to(dt), v[:, :, t].to(dt)  # (B, H, F|Dv)
-        s = s + kt[..., :, None] * vt[..., None, :]  # (B, H, F, Dv)
-        z = z + kt  # (B, H, F)
-        num = torch.einsum("bhf,bhfd->bhd", qt, s)  # (B, H, Dv)
-        den = (qt * z).sum(-1)  # (B, H)
-        outs.append(safe_divide(num, den))
-    out = torch.stack(outs, dim=2)  # (B, H, T, Dv)
-    return out.to(v.dtype), LinearState(kv=s, k_sum=z)
 
 
 def _numden_torch(q_phi: Tensor, k_phi: Tensor, v: Tensor, state: LinearState | None, chunk: int):

@@ -60,8 +60,9 @@ linear term (state and on-the-fly reads) in both numerator and denominator (1: t
 read; 0: the same read as ``read_state=False``). What is kept does not depend on ``linear_weight``.
 
 ``lola_attention_reference`` is the specification (a plain float32 loop per row, head, chunk and
-query over lists of token indices, sharing no computation with the fast path); ``lola_attention``
-is the vectorised op (loop over chunks only) that continues from a ``LolaState``.
+query over lists of token indices, in ``linearize.ops.naive``, re-exported here; it shares no code
+with the fast path); ``lola_attention`` is the vectorised op (loop over chunks only) that continues
+from a ``LolaState``.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from linearize.ops.common import EMPTY_DENOMINATOR, FeatureFn, default_valid, gqa_groups, repeat_kv, safe_divide
+from linearize.ops.common import FeatureFn, default_valid, gqa_groups, repeat_kv, safe_divide
+from linearize.ops.naive import lola_attention_reference  # noqa: F401 (the specification)
 from linearize.ops.states import LinearState, LolaState, SparseCacheState, WindowState
 
 logger = logging.getLogger(__name__)
@@ -87,138 +89,6 @@ def self_recall_error(k_phi: Tensor, v: Tensor, linear: LinearState) -> Tensor:
     num = k_phi @ linear.kv  # (..., N, Dv)
     den = (k_phi @ linear.k_sum.unsqueeze(-1)).squeeze(-1)  # (..., N)
     return torch.linalg.vector_norm(safe_divide(num, den) - v, dim=-1)  # (..., N)
-
-
-def lola_attention_reference(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    phi_q: FeatureFn,
-    phi_k: FeatureFn,
-    window: int,
-    sparse: int,
-    window_factor: Tensor,
-    chunk: int = 1,
-    valid: Tensor | None = None,
-    scale: float | None = None,
-    read_state: bool = True,
-    read_sparse: bool = True,
-    q_lin: Tensor | None = None,
-    k_lin: Tensor | None = None,
-    sinks: int = 0,
-    linear_weight: float = 1.0,
-) -> tuple[Tensor, LolaState]:
-    """The specification: a plain loop over rows, query heads, chunks and queries, in float32.
-
-    q (B, Hq, T, D), k (B, Hkv, T, D), v (B, Hkv, T, Dv) -> output (B, Hq, T, Dv) and the final state,
-    from an empty state. Chunks of ``chunk`` real tokens (capped at ``window``), as ``lola_attention``
-    cuts them in one call. Memories are lists of sequence indices; positions in the state count real
-    tokens. Shares no computation with the fast path (the self-recall error is written out here).
-    ``q_lin`` / ``k_lin``: what the feature maps see instead of q / k (see the module docstring).
-    """
-    _check_args(q, k, v, window=window, sparse=sparse, chunk=chunk, window_factor=window_factor, q_lin=q_lin, k_lin=k_lin,
-                sinks=sinks, linear_weight=linear_weight)
-    batch, hq, t_len, d = q.shape
-    hkv, dv = k.shape[1], v.shape[-1]
-    if hq % hkv != 0:
-        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
-    n_rep = hq // hkv
-    chunk = min(chunk, window)
-    scale = d**-0.5 if scale is None else scale
-    if valid is None:
-        valid = torch.ones(batch, t_len, dtype=torch.bool, device=q.device)
-    if valid.shape != (batch, t_len):
-        raise ValueError(f"valid mask has shape {tuple(valid.shape)}, expected {(batch, t_len)}")
-    dtype = q.dtype
-    separate = k_lin is not None
-    q, k, v = q.float(), k.float(), v.float()
-    q_feat = q_lin.float() if separate else q  # (B, Hq, T, D) what phi_q sees
-    k_feat = k_lin.float() if separate else k  # (B, Hkv, T, D) what phi_k sees
-    f = window_factor.to(q.device, torch.float32)  # (Hq,)
-    kv_head = [h // n_rep for h in range(hq)]
-    q_phi = phi_q(q_feat).float()  # (B, Hq, T, F)
-    k_phi = phi_k(k_feat[:, kv_head]).float()  # (B, Hq, T, F)
-    feats = k_phi.shape[-1]
-
-    out = torch.zeros(batch, hq, t_len, dv, device=q.device)  # (B, Hq, T, Dv)
-    final = LolaState(
-        window=WindowState.empty(batch, hkv, window, d, dv, device=q.device, linear_keys=separate),
-        sparse=SparseCacheState.empty(batch, hq, sparse, d, dv, device=q.device, linear_keys=separate),
-        linear=LinearState.zeros(batch, hq, feats, dv, device=q.device),
-    )
-    for b in range(batch):
-        real = valid[b].nonzero().flatten().tolist()  # sequence index of each real token
-        position = {t: i for i, t in enumerate(real)}
-        for h in range(hq):
-            g = kv_head[h]
-            win: list[int] = []  # sequence indices, oldest first
-            cache: list[int] = []  # sequence indices, ascending (all older than the window)
-            kv = torch.zeros(feats, dv, device=q.device)  # (F, Dv) H
-            k_sum = torch.zeros(feats, device=q.device)  # (F,) s
-            for c0 in range(0, len(real), chunk):
-                tokens = real[c0 : c0 + chunk]
-
-                # 1. Select among G and the window tokens leaving during this chunk, against (H, s).
-                leaving = win[: max(0, len(win) + len(tokens) - window)]
-                cands = cache + leaving  # position ascending
-                errs = []
-                for j in cands:
-                    phi_j = k_phi[b, h, j]  # (F,) phi of the feature map's key: how the STATE recalls j
-                    den = phi_j @ k_sum
-                    readout = phi_j @ kv / den if den > EMPTY_DENOMINATOR else torch.zeros(dv, device=q.device)
-                    errs.append(torch.linalg.vector_norm(readout - v[b, g, j]).item())
-                errs = [float("inf") if position[j] < sinks else e for j, e in zip(cands, errs)]  # sinks stay
-                ranked = sorted(range(len(cands)), key=lambda i: (-errs[i], i))  # ties: earlier first
-                new_cache = sorted(cands[i] for i in ranked[:sparse])
-                written = [cands[i] for i in ranked[sparse:]]
-
-                # 2. Attend: the true window W_t exactly; older tokens where the selection put them.
-                seen = win + tokens
-                for i, t in enumerate(tokens):
-                    w_t = seen[: len(win) + i + 1][-window:]
-                    explicit = w_t + ([j for j in new_cache if j not in w_t] if read_sparse else [])
-                    scores = torch.stack([q[b, h, t] @ k[b, g, j] * scale for j in explicit])  # (N,)
-                    p = f[h] * torch.exp(scores - scores.max())  # (N,)
-                    num = sum(p[n] * v[b, g, j] for n, j in enumerate(explicit))  # (Dv,)
-                    den = p.sum()
-                    if read_state:
-                        # LoLCATs convention: the linear term is NOT rescaled by exp(-m_t); it is
-                        # weighted by linear_weight (1 = LoLCATs).
-                        lin_num = q_phi[b, h, t] @ kv  # (Dv,)
-                        lin_den = q_phi[b, h, t] @ k_sum
-                        for j in written:
-                            if j not in w_t:  # left the window, not yet in the state: on the fly
-                                a = q_phi[b, h, t] @ k_phi[b, h, j]
-                                lin_num, lin_den = lin_num + a * v[b, g, j], lin_den + a
-                        num, den = num + linear_weight * lin_num, den + linear_weight * lin_den
-                    out[b, h, t] = num / den
-
-                # 3. Fold the written tokens into the state, keep G', slide the window.
-                for j in written:
-                    kv = kv + torch.outer(k_phi[b, h, j], v[b, g, j])
-                    k_sum = k_sum + k_phi[b, h, j]
-                cache = new_cache
-                win = seen[-window:]
-
-            # The window of KV head g is the same for all its query heads: rewriting it is harmless.
-            slots = slice(window - len(win), window)  # right-aligned, oldest first
-            final.window.keys[b, g, slots] = k[b, g, win]
-            if separate:
-                final.window.linear_keys[b, g, slots] = k_feat[b, g, win]
-            final.window.values[b, g, slots] = v[b, g, win]
-            final.window.valid[b, slots] = True
-            final.window.positions[b, slots] = torch.tensor([position[t] for t in win], dtype=torch.long)
-            n_cache = len(cache)
-            final.sparse.keys[b, h, :n_cache] = k[b, g, cache]
-            if separate:
-                final.sparse.linear_keys[b, h, :n_cache] = k_feat[b, g, cache]
-            final.sparse.values[b, h, :n_cache] = v[b, g, cache]
-            final.sparse.valid[b, h, :n_cache] = True
-            final.sparse.positions[b, h, :n_cache] = torch.tensor([position[t] for t in cache], dtype=torch.long)
-            final.linear.kv[b, h] = kv
-            final.linear.k_sum[b, h] = k_sum
-    return out.to(dtype), final
 
 
 def lola_attention(

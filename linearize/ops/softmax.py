@@ -2,7 +2,9 @@
 
 These give the reference behaviour of the teacher (``softmax_attention``) and the two component
 diagnostics of the HedgeCATs paper: attention restricted to the first ``n_sinks`` real tokens, and
-no attention at all (the output is zero; residual and MLP remain).
+no attention at all (the output is zero; residual and MLP remain). Their specifications,
+``softmax_attention_reference`` and ``sinks_attention_reference``, live in ``linearize.ops.naive``
+(re-exported here) and share no code with these.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import torch
 from torch import Tensor
 
 from .common import default_valid, gqa_groups, repeat_kv
+from .naive import sinks_attention_reference, softmax_attention_reference  # noqa: F401 (the specification)
 from .states import KVState
 
 
@@ -103,25 +106,6 @@ def sinks_attention(
     allowed = new_state.valid[:, None, :] & (slot_ids[None, None, :] <= pos[:, :, None]) & valid[:, :, None]  # (B, T, n)
     out = _masked_softmax_attention(q, repeat_kv(new_state.keys, n_rep), repeat_kv(new_state.values, n_rep), allowed, scale)
     return out, new_state
-
-
-def sinks_attention_reference(q: Tensor, k: Tensor, v: Tensor, *, n_sinks: int = 8, valid: Tensor | None = None, scale: float | None = None) -> Tensor:
-    """Quadratic float32 form over the full sequence."""
-    n_rep = gqa_groups(q, k)
-    valid = default_valid(q, valid)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    pos = valid.long().cumsum(dim=1) - 1  # (B, T)
-    key_ok = valid & (pos < n_sinks)  # (B, T)
-    t = q.shape[2]
-    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-    allowed = causal[None] & key_ok[:, None, :] & valid[:, :, None]
-    return _masked_softmax_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), allowed, scale)
-
-
-def softmax_attention_reference(q: Tensor, k: Tensor, v: Tensor, *, valid: Tensor | None = None, scale: float | None = None) -> Tensor:
-    """Plain quadratic float32 causal softmax over the full sequence."""
-    out, _ = softmax_attention(q, k, v, valid=valid, state=None, scale=scale)
-    return out
 
 
 def zero_attention(q: Tensor, v: Tensor) -> Tensor:

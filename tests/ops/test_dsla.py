@@ -14,11 +14,13 @@ import torch.nn.functional as F
 
 from linearize.ops.common import repeat_kv
 from linearize.ops.dsla import (
+    GATE_NORMALISER,
     dsla_attention,
     dsla_attention_reference,
     gate_half_life,
     gla_reference,
     init_gate_bias,
+    log_gate,
 )
 from linearize.ops.states import DslaState
 
@@ -55,13 +57,26 @@ def make_inputs(c: Case, dtype=torch.float32, device="cpu", seed=0) -> dict[str,
         "q": randn(c.b, c.hq, c.t, c.dk),
         "k": randn(c.b, hkv, c.t, c.dk),
         "v": randn(c.b, hkv, c.t, dv),
-        "g1": F.logsigmoid(randn(c.b, c.hq, c.t, c.dk) + 4) / 16,  # alpha ~ 0.999
+        "g1": F.logsigmoid(randn(c.b, c.hq, c.t, c.dk) + 4) / GATE_NORMALISER,  # alpha ~ 0.999
         "g2": F.logsigmoid(randn(c.b, c.hq, c.t, c.dk)),  # alpha ~ 0.5: decays hard within a chunk
         "gamma": torch.tensor(0.3, dtype=torch.float64),
         "history": randn(c.b, c.hq, c.dk, dv),
         "recent": randn(c.b, c.hq, c.dk, dv),
     }
     return {n: t.to(device=device, dtype=dtype) for n, t in x.items()}
+
+
+def left_padded(x: dict[str, torch.Tensor], pad: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Row 0 gets ``pad`` NaN tokens on the left (row 1 loses its first ``pad`` tokens to padding)."""
+    t = x["q"].shape[2]
+    valid = torch.ones(x["q"].shape[0], t, dtype=torch.bool)
+    valid[:, :pad] = False
+    out = dict(x)
+    for n in ("q", "k", "v", "g1", "g2"):
+        shifted = torch.cat([torch.full_like(x[n][:1, :, :pad], float("nan")), x[n][:1, :, : t - pad]], dim=2)
+        out[n] = torch.cat([shifted, x[n][1:]], dim=0)
+        out[n][1:, :, :pad] = float("nan")
+    return out, valid
 
 
 def run(fn, x: dict[str, torch.Tensor], *, seed=1, **kwargs):
@@ -98,12 +113,17 @@ CASES = [
 TOL = {torch.float32: (1e-4, 1e-4), torch.float64: (1e-10, 1e-10)}
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "leftpad"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_chunked_matches_reference(case: Case, dtype: torch.dtype) -> None:
-    x = make_inputs(case, dtype)
-    ref = run(dsla_attention_reference, x)
-    out = run(dsla_attention, x, chunk=case.chunk)
+def test_chunked_matches_reference(case: Case, dtype: torch.dtype, padded: bool) -> None:
+    """Outputs, both final states and the gradients of every input (q, k, v, both gates, gamma,
+    both initial states); ``padded``: NaN-filled left padding in every row."""
+    x, valid = make_inputs(case, dtype), None
+    if padded:
+        x, valid = left_padded(x, pad=case.t // 4)
+    ref = run(dsla_attention_reference, x, valid=valid)
+    out = run(dsla_attention, x, chunk=case.chunk, valid=valid)
     assert out[0].dtype == dtype and out[1].dtype == dtype
     assert_same_run(ref, out, *TOL[dtype])
 
@@ -150,19 +170,6 @@ def test_gqa_equals_repeated_kv() -> None:
     assert_close("history", s_rep.history, s.history, 1e-6, 1e-6)
 
 
-def left_padded(x: dict[str, torch.Tensor], pad: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Row 0 gets ``pad`` NaN tokens on the left (row 1 loses its first ``pad`` tokens to padding)."""
-    t = x["q"].shape[2]
-    valid = torch.ones(x["q"].shape[0], t, dtype=torch.bool)
-    valid[:, :pad] = False
-    out = dict(x)
-    for n in ("q", "k", "v", "g1", "g2"):
-        shifted = torch.cat([torch.full_like(x[n][:1, :, :pad], float("nan")), x[n][:1, :, : t - pad]], dim=2)
-        out[n] = torch.cat([shifted, x[n][1:]], dim=0)
-        out[n][1:, :, :pad] = float("nan")
-    return out, valid
-
-
 @pytest.mark.parametrize("fn", [dsla_attention_reference, dsla_attention], ids=["reference", "torch"])
 def test_left_padding_equals_row_alone(fn) -> None:
     case, pad = Case(b=2, t=41, hq=4, dk=8, hkv=2), 7
@@ -198,7 +205,8 @@ def test_prefill_in_pieces_then_decode_equals_one_call(fn) -> None:
 def test_init_gate_bias(alpha: float, z: float) -> None:
     bias = init_gate_bias(alpha)
     assert bias == pytest.approx(z, abs=1e-3)
-    assert math.exp(F.logsigmoid(torch.tensor(bias, dtype=torch.float64)).item() / 16) == pytest.approx(alpha, rel=1e-12)
+    log_alpha = F.logsigmoid(torch.tensor(bias, dtype=torch.float64)).item() / GATE_NORMALISER
+    assert math.exp(log_alpha) == pytest.approx(alpha, rel=1e-12)
 
 
 def test_gate_half_life() -> None:
@@ -278,12 +286,15 @@ def normalized_inputs(c: Case, dtype=torch.float32, device="cpu", seed=0) -> dic
     return {n: t.to(device=device, dtype=dtype) for n, t in x.items()}
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "leftpad"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_normalized_chunked_matches_reference(case: Case, dtype: torch.dtype) -> None:
-    x = normalized_inputs(case, dtype)
-    ref = run(partial(dsla_attention_reference, normalize=True), x)
-    out = run(partial(dsla_attention, normalize=True, chunk=case.chunk), x)
+def test_normalized_chunked_matches_reference(case: Case, dtype: torch.dtype, padded: bool) -> None:
+    x, valid = normalized_inputs(case, dtype), None
+    if padded:
+        x, valid = left_padded(x, pad=case.t // 4)
+    ref = run(partial(dsla_attention_reference, normalize=True), x, valid=valid)
+    out = run(partial(dsla_attention, normalize=True, chunk=case.chunk), x, valid=valid)
     dv = (case.dv or case.dk)
     assert out[0].shape[-1] == dv and out[1].shape[-1] == dv + 1
     assert_same_run(ref, out, *TOL[dtype])
@@ -333,3 +344,69 @@ def test_normalized_fla_matches_reference(case: Case, dtype: torch.dtype) -> Non
         diff = o.float() - r.float()
         ratio = (diff.pow(2).mean().sqrt() / r.float().pow(2).mean().sqrt().clamp_min(1e-12)).item()
         assert ratio <= GPU_TOL[dtype], f"{name}: relative rms error {ratio:.2e}"
+
+
+# --- the reference against a brute force on python floats -------------------------------------------
+def brute_force_dsla(x: dict[str, torch.Tensor], valid: torch.Tensor, normalize: bool):
+    """The unrolled closed form with explicit loops on python floats: for each state,
+    S_t = S_0 prod_{j<=t} alpha_j + sum_{i<=t} k_i v_i^T prod_{i<j<=t} alpha_j (per key dimension,
+    over real tokens only), read o = scale q_t^T S_t (divided by its normaliser column with
+    ``normalize``), then mixed by gamma per head."""
+    b_size, hq, t_len, dk = x["q"].shape
+    hkv, dv = x["k"].shape[1], x["v"].shape[-1]
+    width = dv + 1 if normalize else dv
+    q, k, v, g1, g2, s1, s2 = (x[n].tolist() for n in ("q", "k", "v", "g1", "g2", "history", "recent"))
+    gamma = x["gamma"].expand(hq).tolist()
+    valid = valid.tolist()
+    out = [[[[0.0] * dv for _ in range(t_len)] for _ in range(hq)] for _ in range(b_size)]
+    finals = {}
+    for b in range(b_size):
+        real = [t for t in range(t_len) if valid[b][t]]
+        for h in range(hq):
+            kh = h // (hq // hkv)
+            for p, t in enumerate(real + [None]):  # None: the final state after the last real token
+                upto = real[: p + 1] if t is not None else real
+                vals = {i: v[b][kh][i] + [1.0] for i in upto}  # v and, for the normaliser column, 1
+                reads = []
+                for name, gates, s0 in (("history", g1, s1), ("recent", g2, s2)):
+                    # log of the product of alpha[d] over the real tokens after i (-1: all) up to t
+                    log_decay = {(i, d): sum(gates[b][h][j][d] for j in upto if j > i) for i in [-1, *upto] for d in range(dk)}
+                    s = [[s0[b][h][d][e] * math.exp(log_decay[-1, d])
+                          + sum(k[b][kh][i][d] * vals[i][e] * math.exp(log_decay[i, d]) for i in upto)
+                          for e in range(width)] for d in range(dk)]
+                    if t is None:
+                        finals.setdefault(name, {})[(b, h)] = s
+                        continue
+                    r = [sum(q[b][h][t][d] * s[d][e] for d in range(dk)) / math.sqrt(dk) for e in range(width)]
+                    if normalize:
+                        r = [y / r[dv] if r[dv] > 1e-12 else 0.0 for y in r[:dv]]
+                    reads.append(r)
+                if t is not None:
+                    out[b][h][t] = [gamma[h] * y1 + (1 - gamma[h]) * y2 for y1, y2 in zip(*reads)]
+    states = {n: torch.tensor([[finals[n][(b, h)] for h in range(hq)] for b in range(b_size)], dtype=torch.float64)
+              for n in ("history", "recent")}
+    return torch.tensor(out, dtype=torch.float64), states
+
+
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+def test_reference_equals_brute_force(normalize: bool) -> None:
+    case = Case(b=2, t=6, hq=4, dk=2, hkv=2, dv=3)
+    x = normalized_inputs(case, torch.float64) if normalize else make_inputs(case, torch.float64)
+    x["gamma"] = torch.tensor([0.0, 0.3, 0.6, 1.0], dtype=torch.float64)
+    valid = torch.tensor([[True] * 6, [False, False, True, False, True, True]])  # left padding, a hole
+    o, s = dsla_attention_reference(x["q"], x["k"], x["v"], x["g1"], x["g2"], x["gamma"], valid=valid,
+                                    state=DslaState(history=x["history"], recent=x["recent"]), normalize=normalize)
+    want_o, want_s = brute_force_dsla(x, valid, normalize)
+    torch.testing.assert_close(o, want_o)
+    torch.testing.assert_close(s.history, want_s["history"])
+    torch.testing.assert_close(s.recent, want_s["recent"])
+    assert (o[1, :, [0, 1, 3]] == 0).all()
+
+
+def test_log_gate_uses_the_gate_normaliser() -> None:
+    z = torch.tensor([-3.0, 0.0, 4.127], dtype=torch.bfloat16)
+    g = log_gate(z)
+    assert g.dtype == torch.float32 and (g <= 0).all()
+    torch.testing.assert_close(g, F.logsigmoid(z.float()) / GATE_NORMALISER)
+    assert GATE_NORMALISER == 16.0
+    assert math.exp(log_gate(torch.tensor(init_gate_bias(0.9), dtype=torch.float64)).item()) == pytest.approx(0.9, rel=1e-12)

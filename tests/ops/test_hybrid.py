@@ -1,5 +1,6 @@
 import importlib.util
 import itertools
+import math
 
 import pytest
 import torch
@@ -72,11 +73,23 @@ def assert_states_close(a: HybridState, b: HybridState, **tol):
             assert torch.equal(x, y)
 
 
+def state_loss(state: HybridState) -> torch.Tensor:
+    """A loss that reaches every floating tensor of the state, each with its own weights."""
+    g = torch.Generator().manual_seed(99)
+    return sum((x * torch.randn(x.shape, generator=g, dtype=x.dtype)).sum() for x in state.tensors() if x.is_floating_point())
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "leftpad"])
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 @pytest.mark.parametrize("mode", MODES, ids=mode_id)
-def test_matches_reference_outputs_states_gradients(case, mode):
+def test_matches_reference_outputs_states_gradients(case, mode, padded):
+    """Fast path == the reference loop: outputs, final state and the gradients of every input
+    through both (a left-padded last row with ``padded``)."""
     q, k, v, params = setup(case)
     args = kw(params, mode)
+    if padded:
+        args["valid"] = torch.ones(case[0], case[1], dtype=torch.bool)
+        args["valid"][-1, :5] = False
     leaves = [q, k, v, args["window_factor"], args["gate"], args["phi_q"].weight, args["phi_k"].weight]
     for x in leaves:
         x.requires_grad_()
@@ -84,15 +97,18 @@ def test_matches_reference_outputs_states_gradients(case, mode):
 
     def run(fn, **extra):
         out, state = fn(q, k, v, **args, **extra)
-        grads = torch.autograd.grad((out * w).sum(), leaves, allow_unused=True, materialize_grads=True)
+        loss = (out * w).sum() + state_loss(state)
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True, materialize_grads=True)
         return out, state, grads
 
     ref_out, ref_state, ref_grads = run(hybrid_attention_reference)
     out, state, grads = run(hybrid_attention, chunk=case[-1])
     torch.testing.assert_close(out, ref_out)
     assert_states_close(state, ref_state)
-    for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g, r)
+    for name, g, r in zip(["q", "k", "v", "window_factor", "gate", "phi_q", "phi_k"], grads, ref_grads):
+        torch.testing.assert_close(g, r, msg=lambda m, name=name: f"d{name}: {m}")
+    if padded:
+        assert torch.all(out[-1, :, :5] == 0)
 
 
 @pytest.mark.parametrize("mode", [("joint", False, "both"), ("gate", True, "both")], ids=mode_id)
@@ -410,3 +426,68 @@ def test_separate_feature_inputs_cannot_switch_mid_sequence():
         hybrid_attention(q, k, v, **args, q_lin=q_lin, chunk=8)
     with pytest.raises(ValueError, match="merge"):
         HybridState.merge([plain_state, sep_state])
+
+
+# --- the reference against a brute force on python floats -------------------------------------------
+def brute_force_hybrid(q, k, v, valid, phi, *, window, mix, overlap, branches, f, g):
+    """methods.md section 1 with explicit loops over rows, heads, queries and keys on python floats.
+    ``phi`` acts on each head alike, so it is applied to the KV heads before any repetition."""
+    b_size, hq, t_len, d = q.shape
+    hkv, dv = k.shape[1], v.shape[-1]
+    qp, kp = phi(q).tolist(), phi(k).tolist()
+    q, k, v, valid, f, g = q.tolist(), k.tolist(), v.tolist(), valid.tolist(), f.tolist(), g.tolist()
+
+    def dot(x, y):
+        return sum(a * b for a, b in zip(x, y))
+
+    def ratio(num, den):
+        return [x / den for x in num] if den > 1e-12 else [0.0] * dv
+
+    out = [[[[0.0] * dv for _ in range(t_len)] for _ in range(hq)] for _ in range(b_size)]
+    older_kv = [[[[0.0] * dv for _ in range(len(kp[0][0][0]))] for _ in range(hq)] for _ in range(b_size)]
+    for b in range(b_size):
+        real = [t for t in range(t_len) if valid[b][t]]
+        for h in range(hq):
+            kh = h // (hq // hkv)
+            for p, t in enumerate(real):
+                win = real[max(0, p - window + 1) : p + 1]
+                lin = real[: p + 1] if (overlap or branches == "linear") else real[: max(0, p - window + 1)]
+                s = [dot(q[b][h][t], k[b][kh][j]) / math.sqrt(d) for j in win]
+                e = [math.exp(x - max(s)) for x in s]
+                a = [dot(qp[b][h][t], kp[b][kh][j]) for j in lin]
+                sw_num = [sum(e[n] * v[b][kh][j][c] for n, j in enumerate(win)) for c in range(dv)]
+                la_num = [sum(a[n] * v[b][kh][j][c] for n, j in enumerate(lin)) for c in range(dv)]
+                if branches == "window":
+                    o = ratio(sw_num, sum(e))
+                elif branches == "linear":
+                    o = ratio(la_num, sum(a))
+                elif mix == "joint":  # one denominator; the linear term is not rescaled by exp(-max)
+                    o = ratio([f[h] * x + y for x, y in zip(sw_num, la_num)], f[h] * sum(e) + sum(a))
+                else:
+                    o = [g[h] * x + (1 - g[h]) * y for x, y in zip(ratio(sw_num, sum(e)), ratio(la_num, sum(a)))]
+                out[b][h][t] = o
+            for j in real[: max(0, len(real) - window)]:  # the state: tokens older than the last window
+                for i, phi_i in enumerate(kp[b][kh][j]):
+                    older_kv[b][h][i] = [x + phi_i * y for x, y in zip(older_kv[b][h][i], v[b][kh][j])]
+    return torch.tensor(out, dtype=torch.float64), torch.tensor(older_kv, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("window", [1, 2, 3], ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("mode", MODES, ids=mode_id)
+def test_reference_equals_brute_force(mode, window):
+    mix, overlap, branches = mode
+    g = torch.Generator().manual_seed(30)
+    q, k, v = (torch.randn(2, h, 7, 3, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    valid = torch.tensor([[True] * 7, [False, False, True, True, False, True, True]])  # left padding, a hole
+    f, gate = torch.rand(4, generator=g, dtype=torch.float64), torch.rand(4, generator=g, dtype=torch.float64)
+    phi = lambda x: F.elu(x) + 1  # noqa: E731
+    out, state = hybrid_attention_reference(q, k, v, phi_q=phi, phi_k=phi, window=window, mix=mix, overlap=overlap,
+                                            branches=branches, window_factor=f, gate=gate, valid=valid)
+    want_out, want_kv = brute_force_hybrid(q, k, v, valid, phi, window=window, mix=mix, overlap=overlap,
+                                           branches=branches, f=f, g=gate)
+    torch.testing.assert_close(out, want_out)
+    torch.testing.assert_close(state.linear.kv, want_kv)
+    n_real = valid.sum(1).tolist()
+    for b in range(2):
+        kept = list(range(max(0, n_real[b] - window), n_real[b]))
+        assert state.window.positions[b].tolist() == [-1] * (window - len(kept)) + kept

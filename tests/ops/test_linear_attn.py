@@ -181,3 +181,39 @@ def test_fla_bfloat16_close_to_reference():
     assert out.dtype == torch.bfloat16 and st.kv.dtype == torch.float32
     torch.testing.assert_close(out.float(), ref, rtol=5e-2, atol=5e-2)
     assert_states_close(st, ref_state, rtol=2e-2, atol=1.0)
+
+
+def brute_force_linear(q, k, v, state):
+    """Python floats, explicit sums over the keys up to t (no recurrence): the definition."""
+    b_size, h_size, t_len, f = q.shape
+    dv = v.shape[-1]
+    q, k, v, s0, z0 = q.tolist(), k.tolist(), v.tolist(), state.kv.tolist(), state.k_sum.tolist()
+    out = []
+    for b in range(b_size):
+        heads = []
+        for h in range(h_size):
+            rows = []
+            for t in range(t_len):
+                num = [sum(q[b][h][t][i] * s0[b][h][i][c] for i in range(f)) for c in range(dv)]
+                den = sum(q[b][h][t][i] * z0[b][h][i] for i in range(f))
+                for j in range(t + 1):
+                    a = sum(q[b][h][t][i] * k[b][h][j][i] for i in range(f))
+                    num = [num[c] + a * v[b][h][j][c] for c in range(dv)]
+                    den += a
+                rows.append([x / den if den > 1e-12 else 0.0 for x in num])
+            heads.append(rows)
+        out.append(heads)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("with_state", [False, True], ids=["fresh", "state"])
+def test_reference_equals_brute_force(with_state):
+    q, k, v = make_inputs(2, 6, 2, 3, 2, seed=7)
+    k[0, :, :2] = 0  # nothing to attend to yet in row 0: the output is 0 there (without a state)
+    state = random_state(2, 2, 3, 2, seed=8) if with_state else LinearState.zeros(2, 2, 3, 2, dtype=torch.float64)
+    ref, ref_state = linear_attention_reference(q, k, v, state)
+    torch.testing.assert_close(ref, brute_force_linear(q, k, v, state))
+    torch.testing.assert_close(ref_state.kv, state.kv + torch.einsum("bhtf,bhtd->bhfd", k, v))
+    torch.testing.assert_close(ref_state.k_sum, state.k_sum + k.sum(2))
+    if not with_state:
+        assert torch.all(ref[0, :, :2] == 0)

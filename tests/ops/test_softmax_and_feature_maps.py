@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from linearize.ops.feature_maps import FIXED_FEATURE_MAPS, hedgehog, hedgehog_reference
-from linearize.ops.softmax import sinks_attention, sinks_attention_reference, softmax_attention, zero_attention
+from linearize.ops.softmax import (
+    sinks_attention,
+    sinks_attention_reference,
+    softmax_attention,
+    softmax_attention_reference,
+    zero_attention,
+)
 
 
 def qkv(b=2, hq=4, hkv=2, t=13, d=8, seed=0):
@@ -80,3 +88,94 @@ def test_sinks_reference_only_looks_at_first_tokens():
 def test_zero_attention_shape():
     q, _, v = qkv()
     assert torch.equal(zero_attention(q, v), torch.zeros(2, 4, 13, 8))
+
+
+def padding(b: int, t: int, padded: bool) -> torch.Tensor | None:
+    """None, or left padding of 4 tokens in the last row."""
+    if not padded:
+        return None
+    valid = torch.ones(b, t, dtype=torch.bool)
+    valid[-1, :4] = False
+    return valid
+
+
+SHAPES = [(2, 4, 2, 13, 8), (1, 2, 2, 6, 4), (2, 3, 1, 9, 16)]
+
+
+def shape_id(s):
+    return "B{}-Hq{}-Hkv{}-T{}-D{}".format(*s)
+
+
+def grads_of(fn, leaves, w):
+    out = fn(*leaves)
+    return out, torch.autograd.grad((out * w).sum(), leaves)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "leftpad"])
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+def test_softmax_matches_reference_outputs_state_gradients(shape, padded):
+    b, hq, hkv, t, d = shape
+    q, k, v = qkv(b, hq, hkv, t, d, seed=2)
+    valid = padding(b, t, padded)
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    w = torch.randn(b, hq, t, d, generator=torch.Generator().manual_seed(3))
+    state = {}
+
+    def fast(*a):
+        out, state["kv"] = softmax_attention(*a, valid=valid)
+        return out
+
+    out, grads = grads_of(fast, leaves, w)
+    ref, ref_grads = grads_of(lambda *a: softmax_attention_reference(*a, valid=valid), leaves, w)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for name, g, r in zip("qkv", grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"d{name}: {m}")
+    # The final state is the sequence itself: every token, padding marked invalid.
+    assert torch.equal(state["kv"].keys, k) and torch.equal(state["kv"].values, v)
+    assert torch.equal(state["kv"].valid, torch.ones(b, t, dtype=torch.bool) if valid is None else valid)
+    if padded:
+        assert torch.all(ref[-1, :, :4] == 0)
+
+
+@pytest.mark.parametrize("n_sinks", [1, 3, 8], ids=lambda n: f"sinks{n}")
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "leftpad"])
+def test_sinks_gradients_match_reference(padded, n_sinks):
+    q, k, v = qkv(t=12, seed=4)
+    valid = padding(2, 12, padded)
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    w = torch.randn(2, 4, 12, 8, generator=torch.Generator().manual_seed(5))
+    out, grads = grads_of(lambda *a: sinks_attention(*a, n_sinks=n_sinks, valid=valid)[0], leaves, w)
+    ref, ref_grads = grads_of(lambda *a: sinks_attention_reference(*a, n_sinks=n_sinks, valid=valid), leaves, w)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for name, g, r in zip("qkv", grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"d{name}: {m}")
+
+
+def brute_force_softmax(q, k, v, valid, n_first=None):
+    """Python floats and explicit loops over rows, heads, queries and keys: the definition."""
+    b_size, hq, t_len, d = q.shape
+    hkv, dv = k.shape[1], v.shape[-1]
+    q, k, v, valid = q.tolist(), k.tolist(), v.tolist(), valid.tolist()
+    out = [[[[0.0] * dv for _ in range(t_len)] for _ in range(hq)] for _ in range(b_size)]
+    for b in range(b_size):
+        real = [t for t in range(t_len) if valid[b][t]]
+        for h in range(hq):
+            g = h // (hq // hkv)
+            for p, t in enumerate(real):
+                keys = real[: p + 1] if n_first is None else real[: min(p + 1, n_first)]
+                s = [sum(q[b][h][t][i] * k[b][g][j][i] for i in range(d)) / math.sqrt(d) for j in keys]
+                e = [math.exp(x - max(s)) for x in s]
+                out[b][h][t] = [sum(e[n] * v[b][g][j][c] for n, j in enumerate(keys)) / sum(e) for c in range(dv)]
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("n_sinks", [None, 1, 2], ids=["softmax", "sinks1", "sinks2"])
+def test_references_equal_brute_force(n_sinks):
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, h, 6, 3, generator=g, dtype=torch.float64) for h in (2, 1, 1))
+    valid = torch.tensor([[True] * 6, [False, False, True, False, True, True]])  # left padding and a hole
+    if n_sinks is None:
+        ref = softmax_attention_reference(q, k, v, valid=valid)
+    else:
+        ref = sinks_attention_reference(q, k, v, n_sinks=n_sinks, valid=valid)
+    torch.testing.assert_close(ref, brute_force_softmax(q, k, v, valid, n_sinks))
