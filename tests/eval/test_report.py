@@ -50,6 +50,7 @@ def test_suite_runs_and_renders(corpus):
     assert "| ppl@32 |" in markdown and "| passkey | 128 |" in markdown
 
 
+@pytest.mark.slow
 def test_suite_reports_each_finished_part(corpus):
     """on_update sees the result grow part by part: perplexity, then each synthetic task and length."""
     model, tok = build_tiny_llama(seed=0, num_hidden_layers=2), tiny_tokenizer()
@@ -109,6 +110,7 @@ def test_ablation_reports_every_mode_and_delta_la(corpus):
     assert ablate(model, tok, tiny_suite(heldout_source=corpus, synthetic_tasks=[]))["modes"] == list(LOLA_ABLATIONS)
 
 
+@pytest.mark.slow
 def test_dsla_ablation_reads_each_state_alone(corpus):
     """DSLA's default ablation: history_only / recent_only are the layer with gamma fixed to 1 / 0."""
     model, tok = build_tiny_llama(seed=0, num_hidden_layers=2), tiny_tokenizer()
@@ -181,6 +183,7 @@ def test_cli_eval_spec_flags_convert_a_trained_model_keeping_its_spec(tmp_path, 
     assert model.config.linearize["window"] == 8 and model.config.linearize["sparse_cache"] == 4
 
 
+@pytest.mark.slow
 def test_cli_plots_for_a_lola_conversion(tmp_path, model_dir, corpus, capsys):
     assert main(["plots", "--model", str(model_dir), "--attention", "lola", "--window", "4", "--sparse-cache", "2",
                  "--source", corpus, "--tokens", "48", "--layer", "1", "--out", str(tmp_path / "plots")]) == 0, capsys.readouterr().err
@@ -218,6 +221,7 @@ def test_cli_compare_from_saved_reports(tmp_path, capsys):
     assert "name the models" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_ablation_of_a_nested_family_leaves_its_teacher_layers_alone(tmp_path, corpus):
     """With active=1 of order [1, 0], layer 0 runs the teacher: every mode is applied to layer 1 only,
     and the CLI takes --active on a saved conversion (merged into the model's own spec)."""
