@@ -8,7 +8,11 @@ plain KV while converted ones keep window + linear state, LoLA memories or DSLA 
 
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
 import torch
+from transformers import LlamaModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .ops.states import BatchState
@@ -114,3 +118,24 @@ def cache_nbytes(cache: Cache) -> dict[int, int]:
         else:
             out[i] = sum(t.numel() * t.element_size() for t in (layer.keys, layer.values) if isinstance(t, torch.Tensor))
     return out
+
+
+# transformers renamed the cache argument and output field ``past_key_values`` to ``cache`` within 5.x
+# (the old name warns, and goes in 5.40); this is the name the installed version takes.
+CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
+
+
+def cache_kwargs(cache: Cache | None) -> dict[str, Any]:
+    """``model(..., **cache_kwargs(cache))``: the cache under the argument name of the installed transformers."""
+    return {CACHE_ARG: cache}
+
+
+def output_cache(outputs) -> Cache | None:
+    """The cache of a forward or ``generate(return_dict_in_generate=True)`` output."""
+    return getattr(outputs, CACHE_ARG)
+
+
+def cache_argument(kwargs: dict[str, Any]) -> Cache | None:
+    """The cache among the keyword arguments an attention module receives, under either name."""
+    cache = kwargs.get(CACHE_ARG)
+    return cache if cache is not None else kwargs.get("past_key_values" if CACHE_ARG == "cache" else "cache")

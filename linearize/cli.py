@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import spec as spec_module
+from .data import EVAL_DATA
 from .spec import ConversionSpec
 
 EXIT_USAGE = 2
@@ -541,7 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def suite_flags(p):
         p.add_argument("--suite", default="quick", help="quick | full (default: quick)")
-        p.add_argument("--data-dir", help="folder with the multiple-choice data files (e.g. ../shared/data/eval); without it they are skipped")
+        p.add_argument("--data-dir", default=str(EVAL_DATA), help="folder with the multiple-choice data files (default: the copy shipped in the package)")
         p.add_argument("--samples", type=int, help="synthetic samples per task and length (overrides the suite)")
         p.add_argument("--tasks", help="comma-separated synthetic tasks (overrides the suite)")
         p.add_argument("--lengths", type=_int_list, help="comma-separated synthetic lengths (overrides the suite)")

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .cache import cache_nbytes
+from .cache import cache_nbytes, output_cache
 
 
 @dataclass
@@ -62,7 +62,7 @@ def generate_text(model, tokenizer, prompt: str, *, max_new_tokens: int = 64, ch
     )
     seconds = time.perf_counter() - start
     new = out.sequences[0, input_ids.shape[1]:]
-    by_layer = cache_nbytes(out.past_key_values)
+    by_layer = cache_nbytes(output_cache(out))
     return GenerationResult(
         text=tokenizer.decode(new, skip_special_tokens=True).strip(),
         context_tokens=int(out.sequences.shape[1]),

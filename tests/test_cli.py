@@ -52,6 +52,7 @@ def test_convert_from_flags_and_yaml_spec_then_info(tiny_dir, tmp_path, capsys):
     assert meta["spec"]["attention"] == "lola" and meta["spec"]["window"] == 6 and meta["base_model"] == tiny_dir
 
 
+@pytest.mark.slow
 def test_generate_prints_text_speed_and_memory(tiny_dir, tmp_path):
     tok_dir = tmp_path / "with_tokenizer"
     model, _ = linearize.load_model(tiny_dir)
@@ -79,6 +80,7 @@ def test_bad_input_exits_2_with_a_clear_message(tiny_dir, tmp_path, capsys, args
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow
 def test_unknown_model_and_unsupported_architecture(tmp_path):
     result = run_cli("info", "no-such-model-anywhere")
     assert result.returncode == 2 and "no-such-model-anywhere" in result.stderr and "smollm2-135m" in result.stderr

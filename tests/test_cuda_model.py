@@ -15,6 +15,7 @@ import torch
 from transformers import DynamicCache
 
 import linearize
+from linearize.cache import cache_kwargs
 
 from .test_model import VARIANTS, convert, padded_batch, positions, tiny
 
@@ -41,9 +42,9 @@ def test_cuda_matches_cpu_forward_and_decode(name):
     real = mask.bool().cpu()
     torch.testing.assert_close(full.cpu()[real], want[real], atol=1e-4, rtol=1e-4)
     prefill, cache = ids.shape[1] - 5, DynamicCache()
-    logits = [gpu(ids[:, :prefill], attention_mask=mask[:, :prefill], position_ids=pos[:, :prefill], past_key_values=cache, use_cache=True).logits]
+    logits = [gpu(ids[:, :prefill], attention_mask=mask[:, :prefill], position_ids=pos[:, :prefill], **cache_kwargs(cache), use_cache=True).logits]
     for t in range(prefill, ids.shape[1]):
-        logits.append(gpu(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], position_ids=pos[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+        logits.append(gpu(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], position_ids=pos[:, t : t + 1], **cache_kwargs(cache), use_cache=True).logits)
     torch.testing.assert_close(torch.cat(logits, dim=1).cpu()[real], want[real], atol=1e-4, rtol=1e-4)
 
 

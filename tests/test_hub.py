@@ -252,6 +252,7 @@ def smollm2(tmp_path_factory):
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_smollm2_architecture(smollm2):
     model, cfg = smollm2.model, smollm2.model.config
     assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (30, 9, 3, 64)
@@ -261,6 +262,7 @@ def test_smollm2_architecture(smollm2):
     assert model.dtype == torch.float32 and not model.training
 
 
+@pytest.mark.slow
 def test_smollm2_cache_is_reused(smollm2):
     assert any("Dequantising" in m for m in smollm2.build_log)
     assert not any("Dequantising" in m for m in smollm2.cached_log)
@@ -270,6 +272,7 @@ def test_smollm2_cache_is_reused(smollm2):
     assert smollm2.cached_s < smollm2.build_s / 5, (smollm2.cached_s, smollm2.build_s)
 
 
+@pytest.mark.slow
 def test_smollm2_cached_logits_equal_gguf_direct(smollm2):
     ids = smollm2.tokenizer("The capital of France is", return_tensors="pt").input_ids
     assert ids.tolist() == [[504, 3575, 282, 4649, 314]]
@@ -280,6 +283,7 @@ def test_smollm2_cached_logits_equal_gguf_direct(smollm2):
     assert "Paris" in smollm2.tokenizer.decode(out[0, ids.shape[1] :])
 
 
+@pytest.mark.slow
 def test_smollm2_tokenizer_pads_left_with_im_end(smollm2):
     tok = smollm2.tokenizer
     assert len(tok) == 49152 and tok.padding_side == "left"

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import linearize
-from linearize.cache import StateCacheLayer, cache_nbytes
+from linearize.cache import StateCacheLayer, cache_kwargs, cache_nbytes
 from linearize.convert import converted_layers
 from linearize.hub import build_tiny_llama
 from linearize.memory import layer_memory
@@ -94,7 +94,11 @@ def test_softmax_kind_matches_teacher_and_reuses_projections():
     torch.testing.assert_close(out[real], ref[real], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
+# -m "not slow" runs one variant of each attention kind; every variant runs in the full suite.
+FAST_VARIANTS = {"softmax", "hybrid-joint", "lola", "dsla"}
+
+
+@pytest.mark.parametrize("name", [n if n in FAST_VARIANTS else pytest.param(n, marks=pytest.mark.slow) for n in VARIANTS])
 @torch.no_grad()
 def test_prefill_then_decode_matches_full_forward_with_left_padding(name):
     spec, mode = VARIANTS[name]
@@ -105,10 +109,10 @@ def test_prefill_then_decode_matches_full_forward_with_left_padding(name):
     prefill = ids.shape[1] - decode_steps
     cache = DynamicCache()
     pos = positions(mask)
-    out = model(ids[:, :prefill], attention_mask=mask[:, :prefill], position_ids=pos[:, :prefill], past_key_values=cache, use_cache=True)
+    out = model(ids[:, :prefill], attention_mask=mask[:, :prefill], position_ids=pos[:, :prefill], **cache_kwargs(cache), use_cache=True)
     logits = [out.logits]
     for t in range(prefill, ids.shape[1]):
-        out = model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], position_ids=pos[:, t : t + 1], past_key_values=cache, use_cache=True)
+        out = model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], position_ids=pos[:, t : t + 1], **cache_kwargs(cache), use_cache=True)
         logits.append(out.logits)
     stepped = torch.cat(logits, dim=1)
     real = mask.bool()
@@ -117,6 +121,7 @@ def test_prefill_then_decode_matches_full_forward_with_left_padding(name):
     assert converted == sorted(converted_layers(model))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["hybrid-joint", "lola", "dsla", "softmax"])
 @torch.no_grad()
 def test_generate_matches_greedy_full_forwards(name):
@@ -140,7 +145,7 @@ def test_states_split_and_merge_per_request():
     ids, mask = padded_batch(model.config.vocab_size, [9, 6, 8], seed=2)
     pos = positions(mask)
     cache = DynamicCache()
-    model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+    model(ids, attention_mask=mask, position_ids=pos, **cache_kwargs(cache), use_cache=True)
     next_ids = torch.tensor([[5], [6], [7]])
     next_mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], dim=1)
     next_pos = pos[:, -1:] + 1
@@ -149,13 +154,13 @@ def test_states_split_and_merge_per_request():
     merged = type(layer0.state).merge(parts)
     for a, b in zip(merged.tensors(), layer0.state.tensors()):
         assert torch.equal(a, b)
-    batch_logits = model(next_ids, attention_mask=next_mask, position_ids=next_pos, past_key_values=cache, use_cache=True).logits
+    batch_logits = model(next_ids, attention_mask=next_mask, position_ids=next_pos, **cache_kwargs(cache), use_cache=True).logits
     assert layer0.nbytes() > 0 and isinstance(layer0.state, BatchState)
     # Row 1 alone: rebuild its cache by selecting its row everywhere.
     cache_row = DynamicCache()
-    model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache_row, use_cache=True)
+    model(ids, attention_mask=mask, position_ids=pos, **cache_kwargs(cache_row), use_cache=True)
     cache_row.batch_select_indices(torch.tensor([1]))
-    row_logits = model(next_ids[1:2], attention_mask=next_mask[1:2], position_ids=next_pos[1:2], past_key_values=cache_row, use_cache=True).logits
+    row_logits = model(next_ids[1:2], attention_mask=next_mask[1:2], position_ids=next_pos[1:2], **cache_kwargs(cache_row), use_cache=True).logits
     torch.testing.assert_close(row_logits[0], batch_logits[1], atol=1e-5, rtol=1e-5)
 
 
@@ -165,7 +170,7 @@ def test_memory_formula_matches_measured_state(linear_rope):
     model = convert(tiny(), {"attention": "hybrid", "window": 4, "layers": [1], "linear_rope": linear_rope}, None)
     ids, mask = padded_batch(model.config.vocab_size, [10])
     cache = DynamicCache()
-    model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    model(ids, attention_mask=mask, **cache_kwargs(cache), use_cache=True)
     measured = cache_nbytes(cache)
     spec = model.model.layers[1].self_attn.spec
     formula = layer_memory(spec, model.config, dtype_bytes=4)
@@ -185,7 +190,7 @@ def test_lola_memory_formula_matches_measured_state(linear_rope):
                              "linear_rope": linear_rope}, None)
     ids, mask = padded_batch(model.config.vocab_size, [10])
     cache = DynamicCache()
-    model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    model(ids, attention_mask=mask, **cache_kwargs(cache), use_cache=True)
     measured = cache_nbytes(cache)
     spec = model.model.layers[1].self_attn.spec
     state = cache.layers[1].state
@@ -233,7 +238,7 @@ def test_memory_formula_counts_a_nested_familys_teacher_layers():
     linearize.convert(model, {"attention": "dsla", "order": [2, 0, 1], "active": 1})
     ids, mask = padded_batch(model.config.vocab_size, [10])
     cache = DynamicCache()
-    model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    model(ids, attention_mask=mask, **cache_kwargs(cache), use_cache=True)
     measured = cache_nbytes(cache)
     teacher, dsla = layer_memory(None, model.config, 4), layer_memory(ConversionSpec(attention="dsla"), model.config, 4)
     assert measured[0] == measured[1] == teacher.at(10) and measured[2] == dsla.at(10)
@@ -243,6 +248,7 @@ def test_memory_formula_counts_a_nested_familys_teacher_layers():
     assert [r["kv_bytes_per_token"] > 0 for r in rows] == [True, True, False]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", [{"attention": "hybrid", "window": 4, "mix": "gate", "learn_gate": True}, {"attention": "dsla"}])
 @torch.no_grad()
 def test_save_pretrained_and_adapter_round_trip(tmp_path, spec):
@@ -344,7 +350,7 @@ def test_teacher_mode_runs_the_original_attention_with_plain_kv():
     pos = positions(mask)
     assert torch.equal(model(ids, attention_mask=mask, position_ids=pos).logits, teacher(ids, attention_mask=mask, position_ids=pos).logits)
     cache = DynamicCache()
-    model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache)
+    model(ids, attention_mask=mask, position_ids=pos, **cache_kwargs(cache))
     assert not any(isinstance(layer, StateCacheLayer) for layer in cache.layers)
     assert model.model.layers[0].self_attn.gate_history.up.bias.requires_grad  # parameters kept
 

@@ -10,8 +10,11 @@ import torch
 from transformers import DynamicCache
 
 import linearize
+from linearize.cache import cache_kwargs
 from linearize.hub import find_smollm2_gguf
 from linearize.memory import layer_memory
+
+pytestmark = pytest.mark.slow  # the real model
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +48,9 @@ def test_real_model_decode_matches_full_forward(smollm2, spec):
         full = model(ids, attention_mask=mask, position_ids=pos).logits
         cache = DynamicCache()
         split = ids.shape[1] - 4
-        logits = [model(ids[:, :split], attention_mask=mask[:, :split], position_ids=pos[:, :split], past_key_values=cache).logits]
+        logits = [model(ids[:, :split], attention_mask=mask[:, :split], position_ids=pos[:, :split], **cache_kwargs(cache)).logits]
         for t in range(split, ids.shape[1]):
-            logits.append(model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], position_ids=pos[:, t : t + 1], past_key_values=cache).logits)
+            logits.append(model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], position_ids=pos[:, t : t + 1], **cache_kwargs(cache)).logits)
         stepped = torch.cat(logits, dim=1)
         real = mask.bool()
         torch.testing.assert_close(stepped[real], full[real], atol=1e-3, rtol=1e-3)  # 30 float32 layers

@@ -32,7 +32,7 @@ import transformers
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ..cache import cache_nbytes
+from ..cache import cache_kwargs, cache_nbytes, output_cache
 from ..convert import convert, converted_layers, running_layers
 from ..eval.perplexity import check_length, eval_mode
 from ..io import atomic_write_text, save_png
@@ -88,13 +88,13 @@ def _prefill(model, ids: Tensor):
 def _decoder(model, ids: Tensor, max_steps: int) -> Callable[[], None]:
     """Prefill ``ids`` (B, L) into a cache; returns one greedy single-token step with that cache."""
     out = _prefill(model, ids)
-    cache = out.past_key_values
+    cache = output_cache(out)
     mask = torch.ones(ids.shape[0], ids.shape[1] + max_steps, dtype=torch.long, device=ids.device)  # (B, L + steps)
     last = {"ids": out.logits[:, -1:].argmax(-1), "seen": ids.shape[1]}  # (B, 1) next token
 
     def step() -> None:
         seen = last["seen"] + 1
-        o = model(input_ids=last["ids"], attention_mask=mask[:, :seen], past_key_values=cache, use_cache=True)
+        o = model(input_ids=last["ids"], attention_mask=mask[:, :seen], **cache_kwargs(cache), use_cache=True)
         last["ids"], last["seen"] = o.logits[:, -1:].argmax(-1), seen
 
     return step
@@ -163,7 +163,7 @@ def memory_per_request(
     with eval_mode(model):
         for context in context_lengths:
             check_length(model, context)
-            cache = _prefill(model, _random_ids(model, 1, context, device, seed)).past_key_values
+            cache = output_cache(_prefill(model, _random_ids(model, 1, context, device, seed)))
             rows.append({"context": context, "measured_bytes": sum(cache_nbytes(cache).values()), "formula_bytes": formula_bytes(model, context)})
             del cache
     return rows

@@ -7,14 +7,15 @@ lm-eval has no plugin hook for model types, so the command line runs through thi
 registers the type and adds our local task folder (``tasks/``) to ``--include_path``::
 
     python -m linearize.eval.harness --model linearize --model_args pretrained=smollm2-135m,mode=la_only \\
-        --tasks local_copa,local_piqa --data_dir ../shared/data/eval --device cpu --limit 50
+        --tasks local_copa,local_piqa --device cpu --limit 50
 
-(any other ``lm-eval`` arguments and subcommands work; ``--data_dir DIR`` is short for
-``--metadata '{"data_dir": "DIR"}'``). The local tasks (``local_piqa``, ``local_winogrande``,
-``local_copa``, ``local_openbook_qa``, ``local_lambada_openai``) read the files of
-../shared/data/eval from that directory; any task lm-eval knows works where a network exists.
+(any other ``lm-eval`` arguments and subcommands work). The local tasks (``local_piqa``,
+``local_winogrande``, ``local_copa``, ``local_openbook_qa``, ``local_lambada_openai``) read their
+files from the copy shipped in the package (``linearize.data.EVAL_DATA``; sources and licences in
+its SOURCES.md); ``--data_dir DIR``, short for ``--metadata '{"data_dir": "DIR"}'``, reads another
+copy. Any task lm-eval knows works where a network exists.
 
-From Python: ``evaluate_tasks(model, tokenizer, ["copa", "piqa"], data_dir=DIR, limit=50)``.
+From Python: ``evaluate_tasks(model, tokenizer, ["copa", "piqa"], limit=50)``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from typing import Any
 import torch
 from lm_eval.api.registry import model_registry, register_model
 from lm_eval.models.huggingface import HFLM
+
+from ..data import EVAL_DATA
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +93,7 @@ def evaluate_tasks(
     tokenizer,
     tasks: list[str],
     *,
-    data_dir: str | Path | None = None,
+    data_dir: str | Path | None = EVAL_DATA,
     limit: int | None = None,
     batch_size: int | str = 1,
     device: str | torch.device | None = None,
@@ -100,8 +103,8 @@ def evaluate_tasks(
     """Run harness tasks on an in-memory model; returns ``{task: {acc, acc_norm, perplexity, ..., n}}``.
 
     ``tasks``: our local names (``piqa``, ``winogrande``, ``copa``, ``openbook_qa``,
-    ``lambada_openai``; read from ``data_dir`` when it is given, else the harness's own task of that
-    benchmark from the dataset hubs), the ``local_*`` names, or any task / group lm-eval knows.
+    ``lambada_openai``; read from ``data_dir``, by default the copy shipped in the package; with
+    ``data_dir=None`` the harness's own task of that benchmark from the dataset hubs), the ``local_*`` names, or any task / group lm-eval knows.
     Metrics are the harness's (acc, acc_norm where the task defines it, perplexity for LAMBADA), with
     ``<metric>_stderr``: closed form for accuracies, the harness's bootstrap only when
     ``bootstrap_iters > 0``; ``n`` is the number of documents scored (``limit``: the first ``limit``).
@@ -168,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
     if "--data_dir" in args:  # lm-eval merges repeated --metadata flags
         i = args.index("--data_dir")
         args[i : i + 2] = ["--metadata", json.dumps({"data_dir": args[i + 1]})]
+    elif "--tasks" in args and "--metadata" not in args:  # the local tasks read the shipped copy
+        args += ["--metadata", json.dumps({"data_dir": str(EVAL_DATA)})]
     if args and args[0] not in ("-h", "--help") and "--include_path" not in args:
         args += ["--include_path", str(TASKS_DIR)]
     sys.argv = ["lm-eval", *args]

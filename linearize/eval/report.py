@@ -132,7 +132,7 @@ def run_suite(
                 update()
     if suite.mc_tasks:
         if data_dir is None:
-            logger.warning("multiple-choice tasks skipped: pass data_dir (e.g. ../shared/data/eval) to run them offline")
+            logger.warning("multiple-choice tasks skipped: pass data_dir (e.g. linearize.data.EVAL_DATA) to run them offline")
             result["mc_skipped"] = "no data_dir given"
         else:
             from .harness import evaluate_tasks

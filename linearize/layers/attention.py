@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from ..cache import state_layer
+from ..cache import cache_argument, state_layer
 from ..ops.common import repeat_kv
 from ..ops.dsla import dsla_attention, init_gate_bias
 from ..ops.hybrid import hybrid_attention
@@ -134,18 +134,14 @@ class ConvertedAttention(nn.Module):
         hidden_states: Tensor,
         position_embeddings: tuple[Tensor, Tensor] | None = None,
         attention_mask: Tensor | None = None,
-        past_key_values=None,
         **kwargs,
     ) -> tuple[Tensor, None]:
-        if self.mode == "teacher":
-            return self.teacher(
-                hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
-                past_key_values=past_key_values, **kwargs,
-            )
+        if self.mode == "teacher":  # the cache reaches the teacher under the name the decoder layer gave it
+            return self.teacher(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs)
         b, t, _ = hidden_states.shape
         proj = self.project(hidden_states, position_embeddings)
         valid = key_padding_from_mask(attention_mask, t)
-        cache = past_key_values if past_key_values is not None else kwargs.get("cache")
+        cache = cache_argument(kwargs)
         slot = state_layer(cache, self.layer_idx) if cache is not None else None
         out, state = self._attend(proj, hidden_states, valid, slot.state if slot is not None else None)
         if slot is not None:
@@ -228,7 +224,7 @@ class HybridAttention(ConvertedAttention):
             if idx.numel() == 0:
                 continue
             sub_valid = valid[idx] if valid is not None else None
-            o, _ = modes[mode](p.map(lambda t: t[idx]), x[idx], sub_valid, None)  # (b, Hq, T, Dv)
+            o, _ = modes[mode](p.map(lambda t, idx=idx: t[idx]), x[idx], sub_valid, None)  # (b, Hq, T, Dv)
             out = (o.new_zeros(p.q.shape[0], *o.shape[1:]) if out is None else out).index_copy(0, idx, o)
         return out, None
 

@@ -1,7 +1,7 @@
 """lm-evaluation-harness on our models: local multiple-choice / LAMBADA tasks, the `linearize` model type.
 
-Runs the real SmolLM2-135M-Instruct on CPU with small limits; skips without its GGUF, lm-eval or the
-data files in ../shared/data/eval. One torch thread: on a shared 2-core machine two threads run these
+Runs the real SmolLM2-135M-Instruct on CPU with small limits on the evaluation data shipped in the
+package (linearize/data/eval); skips without its GGUF or lm-eval. One torch thread: on a shared 2-core machine two threads run these
 small batches up to 5x slower than one.
 """
 
@@ -16,14 +16,16 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # lm-eval runs on the real model
+
 pytest.importorskip("lm_eval", reason="lm-eval not installed (pip install lm-eval)")
 
 import linearize  # noqa: E402
+from linearize.data import EVAL_DATA  # noqa: E402
 from linearize.eval import harness  # noqa: E402
 from linearize.eval.harness import LOCAL_TASKS, evaluate_tasks  # noqa: E402
 from linearize.hub import find_smollm2_gguf  # noqa: E402
 
-DATA_DIR = Path(__file__).resolve().parents[3] / "shared" / "data" / "eval"
 SANITY_LIMIT = 50  # COPA and PIQA, checked above chance
 LIMIT = 10  # the other tasks
 
@@ -38,9 +40,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def data_dir() -> Path:
-    if not (DATA_DIR / "copa.jsonl").is_file():
-        pytest.skip(f"eval data not found in {DATA_DIR}")
-    return DATA_DIR
+    return EVAL_DATA
 
 
 def _smollm2():
@@ -116,11 +116,11 @@ def test_unknown_task(data_dir):
 
 
 def test_cli(data_dir):
-    """`python -m linearize.eval.harness` is lm-eval's CLI with `--model linearize`, our tasks and `--data_dir`."""
+    """`python -m linearize.eval.harness` is lm-eval's CLI with `--model linearize` and our tasks on the shipped data."""
     _smollm2()
     cmd = [
         sys.executable, "-m", "linearize.eval.harness", "--model", "linearize", "--model_args", "pretrained=smollm2-135m",
-        "--tasks", "local_copa", "--data_dir", str(data_dir), "--limit", "2", "--device", "cpu",
+        "--tasks", "local_copa", "--limit", "2", "--device", "cpu",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2], env=env)

@@ -40,6 +40,7 @@ def converted(kind: str, **spec):
     return linearize.convert(build_tiny_llama(), SPECS[kind] | spec)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("linear_rope", [True, False], ids=["rope", "nope"])
 @pytest.mark.parametrize("kind", ["hybrid", "lola"])
 def test_self_recall_zeros_exactly_where_held(kind, linear_rope):
@@ -85,6 +86,7 @@ def test_self_recall_cache_matches_reference_and_empty_state():
     torch.testing.assert_close(self_recall_error(k_phi, v_h, empty), v_h.norm(dim=-1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["hybrid", "no_state", "no_sparse", "window_only"])
 def test_lola_weights_reproduce_the_op(mode):
     model = converted("lola")
@@ -102,6 +104,7 @@ def test_lola_weights_reproduce_the_op(mode):
     assert in_cache.sum(-1).max() == L and not w.triu(1).any()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["hybrid", "no_sparse"])
 def test_lola_weights_and_sre_with_feature_maps_before_rope(mode):
     """linear_rope false: the weights and the self-recall maps follow the op run with q_lin/k_lin
@@ -201,6 +204,7 @@ def test_bad_layers_raise():
         ("dsla", {"attention_mass_layer1.png", "dsla_gates.png"}),
     ],
 )
+@pytest.mark.slow
 def test_diagnostic_plots_write_pngs(kind, files, tmp_path):
     text = " ".join(f"w{i}" for i in IDS.tolist())
     paths = diagnostic_plots(converted(kind), tiny_tokenizer(), text, tmp_path)
@@ -208,6 +212,7 @@ def test_diagnostic_plots_write_pngs(kind, files, tmp_path):
     assert all(p.stat().st_size > 1000 and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
 
 
+@pytest.mark.slow
 def test_plot_functions_write(tmp_path):
     model = converted("lola")
     plot_self_recall(self_recall_data(model, IDS[None].repeat(2, 1), layer=-1), tmp_path / "a.png")

@@ -50,6 +50,7 @@ def test_suite_runs_and_renders(corpus):
     assert "| ppl@32 |" in markdown and "| passkey | 128 |" in markdown
 
 
+@pytest.mark.slow
 def test_suite_reports_each_finished_part(corpus):
     """on_update sees the result grow part by part: perplexity, then each synthetic task and length."""
     model, tok = build_tiny_llama(seed=0, num_hidden_layers=2), tiny_tokenizer()
@@ -63,6 +64,7 @@ def test_suite_reports_each_finished_part(corpus):
     assert headline(updates[-1]) == headline(result)
 
 
+@pytest.mark.slow
 def test_cli_eval_stopped_midway_leaves_a_partial_report(tmp_path, model_dir, corpus, monkeypatch):
     """A run killed after its first synthetic length keeps what it measured; a finished run removes it."""
     import linearize.eval.synthetic as synthetic
@@ -91,6 +93,7 @@ def test_cli_eval_stopped_midway_leaves_a_partial_report(tmp_path, model_dir, co
     assert (out / "report.json").exists() and not (out / "report.partial.json").exists() and not (out / "report.partial.md").exists()
 
 
+@pytest.mark.slow
 def test_ablation_reports_every_mode_and_delta_la(corpus):
     model, tok = build_tiny_llama(seed=0, num_hidden_layers=2), tiny_tokenizer()
     linearize.convert(model, {"attention": "hybrid", "window": 4})
@@ -107,6 +110,7 @@ def test_ablation_reports_every_mode_and_delta_la(corpus):
     assert ablate(model, tok, tiny_suite(heldout_source=corpus, synthetic_tasks=[]))["modes"] == list(LOLA_ABLATIONS)
 
 
+@pytest.mark.slow
 def test_dsla_ablation_reads_each_state_alone(corpus):
     """DSLA's default ablation: history_only / recent_only are the layer with gamma fixed to 1 / 0."""
     model, tok = build_tiny_llama(seed=0, num_hidden_layers=2), tiny_tokenizer()
@@ -139,10 +143,11 @@ def test_ablate_refuses_an_unconverted_model_and_unknown_suite():
         get_suite("huge")
 
 
+@pytest.mark.slow
 def test_cli_eval_compare_ablate_bench(tmp_path, model_dir, corpus, capsys):
     converted = tmp_path / "hybrid"
     assert main(["convert", "--model", str(model_dir), "--attention", "hybrid", "--window", "4", "--out", str(converted)]) == 0
-    common = ["--tasks", "passkey", "--lengths", "128", "--samples", "1"]
+    common = ["--tasks", "passkey", "--lengths", "128", "--samples", "1", "--mc-tasks", "none"]
     assert main(["eval", "--model", str(model_dir), *common, "--out", str(tmp_path / "ev")]) == 0, capsys.readouterr().err
     assert json.loads((tmp_path / "ev" / "report.json").read_text())["synthetic"]["passkey"]["128"]["n"] == 1
     assert main(["compare", str(model_dir), str(converted), *common, "--out", str(tmp_path / "cmp")]) == 0
@@ -162,11 +167,12 @@ def test_cli_eval_compare_ablate_bench(tmp_path, model_dir, corpus, capsys):
     torch.set_num_threads(torch.get_num_threads())
 
 
+@pytest.mark.slow
 def test_cli_eval_spec_flags_convert_a_trained_model_keeping_its_spec(tmp_path, model_dir, corpus, capsys):
     converted = tmp_path / "hybrid"
     assert main(["convert", "--model", str(model_dir), "--attention", "hybrid", "--window", "8", "--out", str(converted)]) == 0
     assert main(["eval", "--model", str(converted), "--attention", "lola", "--sparse-cache", "4", "--tasks", "passkey",
-                 "--lengths", "128", "--samples", "1", "--out", str(tmp_path / "ev")]) == 0, capsys.readouterr().err
+                 "--lengths", "128", "--samples", "1", "--mc-tasks", "none", "--out", str(tmp_path / "ev")]) == 0, capsys.readouterr().err
     report = json.loads((tmp_path / "ev" / "report.json").read_text())
     assert report["synthetic"]["passkey"]["128"]["n"] == 1
     model, _ = linearize.load_model(str(converted))
@@ -177,6 +183,7 @@ def test_cli_eval_spec_flags_convert_a_trained_model_keeping_its_spec(tmp_path, 
     assert model.config.linearize["window"] == 8 and model.config.linearize["sparse_cache"] == 4
 
 
+@pytest.mark.slow
 def test_cli_plots_for_a_lola_conversion(tmp_path, model_dir, corpus, capsys):
     assert main(["plots", "--model", str(model_dir), "--attention", "lola", "--window", "4", "--sparse-cache", "2",
                  "--source", corpus, "--tokens", "48", "--layer", "1", "--out", str(tmp_path / "plots")]) == 0, capsys.readouterr().err
@@ -214,6 +221,7 @@ def test_cli_compare_from_saved_reports(tmp_path, capsys):
     assert "name the models" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_ablation_of_a_nested_family_leaves_its_teacher_layers_alone(tmp_path, corpus):
     """With active=1 of order [1, 0], layer 0 runs the teacher: every mode is applied to layer 1 only,
     and the CLI takes --active on a saved conversion (merged into the model's own spec)."""

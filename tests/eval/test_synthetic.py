@@ -148,6 +148,7 @@ def test_oracle_scores_100(task):
         assert score(s, " I don't know.") == 0.0
 
 
+@pytest.mark.slow
 def test_run_synthetic_on_a_tiny_model():
     model, tokenizer = build_tiny_llama(seed=0), word_tokenizer()
     tasks = ["vt", "passkey"]  # the shortest answers: CPU generate costs ~25 ms a step

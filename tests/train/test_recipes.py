@@ -26,6 +26,7 @@ def test_the_recipes_are_all_there():
     assert recipe_names() == RECIPES
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_runs_end_to_end_on_a_tiny_model(name, tiny_model_dir, tiny_corpus, tmp_path):
     extra = {"finetune.epochs": 2, "finetune.max_steps": None, "data.max_train_sequences": 8} if name == "ssd" else {}
@@ -65,6 +66,7 @@ def test_recipe_runs_end_to_end_on_a_tiny_model(name, tiny_model_dir, tiny_corpu
         assert (tmp_path / config.name / "adapter" / "lora.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_to_the_same_final_weights(tiny_model_dir, tiny_corpus, tmp_path, monkeypatch):
     overrides = tiny_overrides(tiny_model_dir, tiny_corpus, tmp_path, **{
         "transfer.max_steps": 4, "transfer.save_every": 1, "finetune.max_steps": 5, "finetune.save_every": 2})
@@ -92,6 +94,7 @@ def test_killed_run_resumes_to_the_same_final_weights(tiny_model_dir, tiny_corpu
     assert resumed["heldout_loss"] == straight["heldout_loss"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["lolcats", "dsla-chained"])
 def test_bf16_mixed_precision_trains_float32_weights_under_autocast(name, tiny_model_dir, tiny_corpus, tmp_path):
     overrides = tiny_overrides(tiny_model_dir, tiny_corpus, tmp_path, dtype="bf16-mixed")
@@ -104,6 +107,7 @@ def test_bf16_mixed_precision_trains_float32_weights_under_autocast(name, tiny_m
     assert weights and all(t.dtype == torch.float32 for t in weights.values())
 
 
+@pytest.mark.slow
 def test_wall_time_budget_stops_a_stage_early_and_evaluates(tiny_model_dir, tiny_corpus, tmp_path):
     overrides = tiny_overrides(tiny_model_dir, tiny_corpus, tmp_path, **{
         "transfer.max_steps": 1000, "transfer.max_minutes": 1e-6, "transfer.eval_every": 500, "finetune.enabled": False})
@@ -138,6 +142,7 @@ def test_cli_train_list_and_bad_override(capsys):
     assert "unknown override 'transfer.optim.lrr'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_two_process_data_parallel_matches_one_process(tiny_model_dir, tiny_corpus, tmp_path):
     """torchrun, 2 CPU processes on gloo, same global batch and seed: same weights, and the same held-out
     curve (each rank scores half of the same held-out sequences), as 1 process."""
@@ -182,6 +187,7 @@ def test_two_process_data_parallel_matches_one_process(tiny_model_dir, tiny_corp
     assert (tmp_path / "cmp" / "runs.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_cli_sensitivity_writes_order_and_plot(tiny_model_dir, tiny_corpus, tmp_path, capsys):
     from linearize.cli import main
 
@@ -210,6 +216,7 @@ def test_training_table_from_run_summaries(tmp_path):
         load_summaries([tmp_path / "missing"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bf16-mixed"])
 def test_lora_stage_changes_the_model_it_evaluates(dtype, tiny_model_dir, tiny_corpus, tmp_path):
     """The fine-tuning stage's held-out loss must move as LoRA trains (the evaluated model is the one
@@ -223,6 +230,7 @@ def test_lora_stage_changes_the_model_it_evaluates(dtype, tiny_model_dir, tiny_c
     assert len(heldout) == 4 and len(set(heldout)) == 4, heldout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bf16-mixed"])
 def test_stage_evaluation_matches_the_reloaded_adapter(dtype, tiny_model_dir, tiny_corpus, tmp_path):
     """The held-out loss a stage reports at its end is that of the model it saves."""
