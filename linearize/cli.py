@@ -1,7 +1,8 @@
 """The ``linearize`` command line: info, convert, generate, demo.
 
-Spec flags (``--attention``, ``--window``, ...) are generated from the ConversionSpec dataclass, so
-the CLI, YAML spec files and the Python API share one definition (and its documentation).
+Spec flags (``--attention``, ``--window``, ...) are generated from the ConversionSpec dataclass and
+every registered attention kind's options, so the CLI, YAML spec files and the Python API share one
+definition (and its documentation); a flag the chosen kind does not have is an error.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import typing
 from pathlib import Path
 from typing import Callable
 
-from . import spec as spec_module
-from .spec import ConversionSpec
+from .layers.registry import KINDS, all_modes, option_fields
+from .spec import ConversionSpec, LayerSpec
 
 EXIT_USAGE = 2
+MODES = all_modes()
 DEFAULT_CONVERSION = "smollm2-135m-lolcats"
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
@@ -73,17 +75,30 @@ def _parse_optional_int(text: str):
     return None if text.lower() == "none" else int(text)
 
 
+def _spec_flag_fields() -> list[tuple[dataclasses.Field, type, str, str]]:
+    """(field, type hint, doc, which kinds have it) of every spec flag: the attention, each kind's
+    options (first definition wins: kinds that share a field share its meaning) and the selection."""
+    out = []
+    owners = option_fields()
+    sources = [LayerSpec] + [kind.options for kind in KINDS.values()] + [ConversionSpec]
+    seen = {"options", "overrides"}
+    for cls in sources:
+        docs, hints = _field_docs(cls), typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in seen:
+                continue
+            seen.add(f.name)
+            kinds = f" [attention: {', '.join(owners[f.name])}]" if f.name in owners else ""
+            out.append((f, hints[f.name], docs.get(f.name, ""), kinds))
+    return out
+
+
 def add_spec_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per ConversionSpec field (default None = keep the spec file's or the default value)."""
-    group = parser.add_argument_group("conversion spec (each overrides --spec)")
-    docs = _field_docs(ConversionSpec)
-    hints = typing.get_type_hints(ConversionSpec, vars(spec_module))
-    for f in dataclasses.fields(ConversionSpec):
-        if f.name == "overrides":
-            continue
+    """One flag per spec field (default None = keep the spec file's or the default value)."""
+    group = parser.add_argument_group("conversion spec (each overrides --spec; a field the chosen attention lacks is an error)")
+    for f, hint, doc, kinds in _spec_flag_fields():
         flag = "--" + f.name.replace("_", "-")
-        hint = hints[f.name]
-        kwargs: dict = {"default": None, "help": f"{docs.get(f.name, '')} (default: {_default(f)})"}
+        kwargs: dict = {"default": None, "help": f"{doc}{kinds} (default: {_default(f)})"}
         if f.name == "layers":
             kwargs.update(type=_parse_layers, metavar="all|I,J,...")
         elif hint is bool:
@@ -114,12 +129,14 @@ def _spec_flags(args: argparse.Namespace) -> dict:
 def spec_from_args(args: argparse.Namespace, base: dict | None = None) -> ConversionSpec | None:
     """The spec the flags describe, or None when no spec flag was given. The flags override --spec;
     without --spec they override ``base`` (a loaded model's own spec), if given."""
-    if args.spec_file:
-        base = ConversionSpec.from_file(args.spec_file).to_dict()
     flags = _spec_flags(args)
     if not flags and not args.spec_file:
         return None
-    return ConversionSpec.from_dict({**(base or {}), **flags})
+    if args.spec_file:
+        return ConversionSpec.from_file(args.spec_file).replace(**flags)
+    if base is not None:
+        return ConversionSpec.from_dict(base).replace(**flags)
+    return ConversionSpec.from_dict(flags)
 
 
 # --- commands ----------------------------------------------------------------------------------
@@ -185,7 +202,8 @@ def cmd_demo(args) -> int:
     untrained = spec is not None
     if untrained:  # a fresh conversion of --model with these flags
         convert(teacher_model, spec)
-        student_model, label = teacher_model, f"{spec.attention}, window {spec.window}, untrained"
+        window = getattr(spec.options, "window", None)
+        student_model, label = teacher_model, f"{spec.attention}{f', window {window}' if window else ''}, untrained"
     else:
         student_model, _ = _load(args.conversion, args)
         spec = ConversionSpec.from_dict(student_model.config.linearize)
@@ -512,7 +530,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text (no chat template)")
-    p.add_argument("--mode", help="component mode of converted layers (hybrid, swa_only, la_only, sinks_only, none, ...)")
+    p.add_argument("--mode", help=f"component mode of converted layers ({', '.join(MODES)}; each kind has a subset)")
     p.add_argument("--json", action="store_true")
     add_spec_flags(p)
     p.set_defaults(func=cmd_generate)
@@ -570,7 +588,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("ablate", help="a converted model under each component mode, with Delta_LA")
     p.add_argument("--model", required=True)
-    p.add_argument("--modes", help="comma-separated modes (default per kind: hybrid: hybrid,swa_only,la_only,sinks_only,none; LoLA: hybrid,no_state,no_sparse,window_only; DSLA: hybrid,history_only,recent_only,sinks_only,none)")
+    defaults = "; ".join(f"{name}: {','.join(kind.ablation_modes)}" for name, kind in KINDS.items())
+    p.add_argument("--modes", help=f"comma-separated modes (default per kind: {defaults})")
     suite_flags(p)
     add_spec_flags(p)
     p.set_defaults(func=cmd_ablate)

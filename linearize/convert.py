@@ -8,17 +8,19 @@ from typing import Any, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from .layers.attention import GENERIC_MODES, ConvertedAttention
+from .layers.base import GENERIC_MODES, ConvertedAttention
+from .layers.registry import all_modes
 from .modeling import apply_spec, check_spec, decoder_layers
 from .spec import ConversionSpec, SpecError
 
 logger = logging.getLogger(__name__)
 
-MODES = ("hybrid", "swa_only", "la_only", "sinks_only", "none", "teacher", "no_state", "no_sparse", "window_only", "history_only", "recent_only")
-"""Component modes: hybrid (normal), swa_only (LA output zeroed), la_only (window removed, LA over all
-positions), sinks_only (softmax over the first 8 tokens), none (attention output zeroed), teacher (the
-original softmax attention with plain KV; the new parameters stay, inactive); LoLA read
-ablations: no_state, no_sparse, window_only; DSLA read ablations: history_only, recent_only. Each layer kind supports a subset (see set_mode)."""
+MODES = all_modes()
+"""Component modes of every registered kind (``AttentionKind.modes``: hybrid is the normal one;
+hybrid's swa_only, la_only; LoLA's no_state, no_sparse, window_only; DSLA's history_only,
+recent_only) and the generic ones every layer has: sinks_only (softmax over the first 8 tokens),
+none (attention output zeroed), teacher (the original softmax attention with plain KV; the new
+parameters stay, inactive). Each layer supports its kind's modes and the generic ones (see set_mode)."""
 
 
 def convert(model: PreTrainedModel, spec: ConversionSpec | dict[str, Any] | None = None) -> PreTrainedModel:

@@ -61,12 +61,12 @@ def lola_probe(samples: int, device: str) -> None:
 def dsla_probe(device: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    from linearize.layers.attention import resolve_kernel
+    from linearize.layers.base import resolve_kernel
 
     model, _ = linearize.load_model("smollm2-135m", device=device)
     linearize.convert(model, {"attention": "dsla"})
     layer = next(iter(converted_layers(model).values()))
-    log.info("DSLA spec %s resolved kernel %s", layer.spec, resolve_kernel(layer.spec.kernel, torch.device(device)))
+    log.info("DSLA spec %s resolved kernel %s", layer.spec, resolve_kernel(layer.options.kernel, torch.device(device)))
     for length in (1024, 4096):
         ids = torch.randint(0, 1000, (1, length), device=device)
         with torch.inference_mode():

@@ -199,5 +199,5 @@ def test_plot(tmp_path):
 
 def test_loss_increase_ignores_a_nested_family_order():
     model = tiny()
-    spec = {"attention": "softmax", "layers": [0, 2], "order": [2, 0], "active": 1, "overrides": {2: {"window": 8}}}
+    spec = {"attention": "softmax", "layers": [0, 2], "order": [2, 0], "active": 1, "overrides": {2: {"attention": "softmax"}}}
     assert loss_increase(model, spec, [random_ids(2, 10)], layers=[1, 2]) == pytest.approx([0.0, 0.0], abs=1e-5)

@@ -21,16 +21,12 @@ from typing import Any, Callable
 import torch
 
 from ..convert import running_layers, set_mode
+from ..layers.registry import KINDS
 from ..train.data import DataConfig
 
 logger = logging.getLogger(__name__)
 
 HELDOUT_ROW = 64
-HYBRID_ABLATIONS = ("hybrid", "swa_only", "la_only", "sinks_only", "none")
-LOLA_ABLATIONS = ("hybrid", "no_state", "no_sparse", "window_only")
-DSLA_ABLATIONS = ("hybrid", "history_only", "recent_only", "sinks_only", "none")
-ABLATIONS_BY_KIND = {"hybrid": HYBRID_ABLATIONS, "lola": LOLA_ABLATIONS, "dsla": DSLA_ABLATIONS}
-"""Default ablation modes per attention kind of the converted layers."""
 
 
 @dataclass
@@ -206,7 +202,7 @@ def ablate(
     if modes is None:
         if len(kinds) != 1:
             raise ValueError(f"converted layers of several kinds ({', '.join(sorted(kinds))}): name the modes to ablate")
-        modes = ABLATIONS_BY_KIND[kinds.pop()]
+        modes = KINDS[kinds.pop()].ablation_modes  # each kind's default ablation modes
     modes = list(modes)
     for mode in modes:  # every mode must exist for every converted layer: fail before any evaluation
         for m in layers.values():

@@ -14,7 +14,8 @@ from typing import Any
 
 import yaml
 
-from ..spec import ConversionSpec, SpecError, check_choice
+from ..checks import check_choice
+from ..spec import ConversionSpec, SpecError
 from .data import DataConfig
 
 OBJECTIVES = ("weights", "la_weights", "la_mse", "hybrid_mse", "output_mse")
@@ -240,7 +241,7 @@ class TrainConfig:
         try:
             ConversionSpec.from_dict(self.spec)
             if self.inference_spec is not None:
-                ConversionSpec.from_dict({**self.spec, **self.inference_spec})
+                ConversionSpec.from_dict(self.spec).replace(**self.inference_spec)
         except SpecError as err:
             raise ConfigError(f"spec: {err}") from None
 

@@ -20,7 +20,6 @@ when absent: real tokens count from 0) and ``labels`` (-100 = ignored; default: 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import logging
 import math
@@ -37,10 +36,10 @@ from transformers.models.llama.modeling_llama import rotate_half
 
 from ..convert import convert, new_parameters
 from ..io import atomic_write_text, save_png
-from ..layers.attention import ConvertedAttention
+from ..layers.base import ConvertedAttention
 from ..modeling import decoder_layers
 from ..ops.common import gqa_groups, repeat_kv
-from ..spec import LAYER_FIELDS, ConversionSpec, SpecError
+from ..spec import ConversionSpec, SpecError
 
 logger = logging.getLogger(__name__)
 
@@ -181,12 +180,7 @@ def _only_layer(spec: ConversionSpec, layers: list[int], n: int) -> ConversionSp
     """``spec`` restricted to ``layers``: its per-layer fields and overrides for those layers kept, every
     other layer-selection field (e.g. a nested family's order) back to its default."""
     overrides = {i: spec.overrides[j] for i in layers for j in (i, i - n) if j in spec.overrides}
-    selection = {
-        f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-        for f in dataclasses.fields(ConversionSpec)
-        if f.name not in LAYER_FIELDS
-    }
-    return dataclasses.replace(spec, **{**selection, "layers": layers, "overrides": overrides})
+    return spec.replace(layers=layers, overrides=overrides, order=None, active=None)
 
 
 class _ConversionSnapshot:

@@ -18,8 +18,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ..convert import converted_layers
-from ..layers.attention import ConvertedAttention, DslaAttention, HybridAttention, key_padding_from_mask
-from ..ops.hybrid import hybrid_attention_weights
+from ..layers.base import ConvertedAttention, key_padding_from_mask
 from ..ops.softmax import softmax_attention
 from .positions import offset_position_ids
 
@@ -90,29 +89,29 @@ def _teacher_probs(module: ConvertedAttention, q: Tensor, k: Tensor, valid: Tens
     return probs  # (B, Hq, T, T)
 
 
-def _weights_ce(module: HybridAttention, inp: LayerInput, branches: str) -> Tensor:
+def _weights_ce(module: ConvertedAttention, inp: LayerInput, branches: str) -> Tensor:
     """Soft cross-entropy -sum_t sum_{i<=t} A_teacher[t, i] log A_student[t, i], mean over queries and heads."""
     t = inp.hidden_states.shape[1]
     proj = module.project(inp.hidden_states, inp.position_embeddings)
-    q, k = proj.q, proj.k
     valid = key_padding_from_mask(inp.attention_mask, t)
     with torch.no_grad():
-        target = _teacher_probs(module, q, k, valid)
-    student = hybrid_attention_weights(
-        q, k, phi_q=module.feature_map_q, phi_k=module.feature_map_k, window=module.spec.window, mix=module.spec.mix,
-        overlap=module.spec.overlap, window_factor=module.window_factor(), gate=module.gate(), branches=branches,
-        valid=valid, scale=module.scaling, **module.linear_inputs(proj),
-    )
+        target = _teacher_probs(module, proj.q, proj.k, valid)
+    student = module.attention_weights(proj, valid, branches)  # (B, Hq, T, T)
     ce = -(target * torch.log(student.float().clamp_min(1e-12))).sum(-1)  # (B, Hq, T)
     if valid is not None:
         return ce.masked_select(valid[:, None, :].expand_as(ce)).mean()
     return ce.mean()
 
 
-def _gate_similarity(module: DslaAttention, inp: LayerInput) -> Tensor:
+def _gate_similarity(module: ConvertedAttention, inp: LayerInput) -> Tensor:
     """Mean cosine similarity of the two gates' values per (token, head) (DSLA: pushed apart)."""
     log_h, log_r = module.log_gates(inp.hidden_states)  # (B, Hq, T, D) each
     return F.cosine_similarity(log_h.exp(), log_r.exp(), dim=-1).mean()
+
+
+def has_two_gates(module: ConvertedAttention) -> bool:
+    """Layers with a history and a recent gate (DSLA): the gate-similarity term applies to them."""
+    return callable(getattr(module, "log_gates", None))
 
 
 Objective = Callable[[ConvertedAttention, LayerInput], Tensor]
@@ -124,7 +123,10 @@ OBJECTIVE_FUNCTIONS: dict[str, Objective] = {
     "output_mse": lambda m, inp: _mse(m, inp, "hybrid"),
 }
 """Objective name -> loss of one layer (see TransferConfig.objectives)."""
-HYBRID_ONLY = ("weights", "la_weights", "la_mse")
+NEEDS_WEIGHTS = ("weights", "la_weights")
+"""Objectives that need the layer's normalised attention weights (``ConvertedAttention.has_weights``)."""
+NEEDS_MODE = {"la_mse": "la_only"}
+"""Objectives that run the layer in a mode of its own."""
 _LAYER_LOSSES: dict[str, Objective] = {**OBJECTIVE_FUNCTIONS, "gate_cosine": _gate_similarity}
 
 
@@ -152,9 +154,14 @@ class TransferObjective(nn.Module):
         self.gate_similarity_weight = gate_similarity_weight
         modules = converted_layers(model)
         for i in layers:
+            module = modules[i]
             for name in self.objectives:
-                if name in HYBRID_ONLY and not isinstance(modules[i], HybridAttention):
-                    raise ValueError(f"objective {name!r} needs hybrid layers; layer {i} is {modules[i].spec.attention!r}")
+                if name in NEEDS_WEIGHTS and not module.has_weights:
+                    raise ValueError(f"objective {name!r} needs layers with attention weights (hybrid, lola); "
+                                     f"layer {i} is {module.spec.attention!r}")
+                if name in NEEDS_MODE and NEEDS_MODE[name] not in module.modes():
+                    raise ValueError(f"objective {name!r} needs mode {NEEDS_MODE[name]!r}; layer {i} is "
+                                     f"{module.spec.attention!r} (modes: {', '.join(module.modes())})")
 
     def forward(self, input_ids: Tensor, *, attention_mask: Tensor | None = None, step: int = 0, epoch: int = 0):
         position_ids = offset_position_ids(*input_ids.shape, self.position_offset if self.training else 0,  # held-out: 0..T-1
@@ -178,7 +185,7 @@ class TransferObjective(nn.Module):
 
     def _weights(self, module: ConvertedAttention) -> dict[str, float]:
         """Loss name -> weight for one layer: the objectives, plus DSLA's gate similarity."""
-        if isinstance(module, DslaAttention) and self.gate_similarity_weight:
+        if self.gate_similarity_weight and has_two_gates(module):
             return {**self.objectives, "gate_cosine": self.gate_similarity_weight}
         return self.objectives
 

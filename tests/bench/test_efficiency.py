@@ -21,7 +21,7 @@ def result():
 def test_result_keys_and_shapes(result):
     json.dumps(result)  # JSON-able
     assert {"model", "device", "dtype", "spec", "settings", "teacher", "converted", "ratios"} <= set(result)
-    assert result["spec"]["window"] == WINDOW
+    assert result["spec"]["options"]["window"] == WINDOW
     for name in ("teacher", "converted"):
         assert [r["length"] for r in result[name]["prefill"]] == LENGTHS
         assert [r["context"] for r in result[name]["decode"]] == CONTEXTS

@@ -185,7 +185,7 @@ def test_dsla_mass_and_gates():
 
 
 def test_bad_layers_raise():
-    with pytest.raises(ValueError, match="HybridAttention"):
+    with pytest.raises(ValueError, match="self_recall diagnostic"):
         self_recall_data(converted("dsla"), IDS)
     with pytest.raises(ValueError, match="not a converted"):
         attention_mass_data(converted("hybrid", layers=[1]), IDS, layer=0)

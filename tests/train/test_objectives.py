@@ -119,7 +119,7 @@ def test_finetune_draws_are_deterministic_and_follow_the_schedule():
     model, ids = model_and_batch({"attention": "hybrid", "window": 3})
     objective = FinetuneObjective(model, ce_weight=1.0, kl_weight=0.0, kl_temperature=1.0, swa_dropout="a", seed=3)
     objective.on_epoch(0)
-    assert objective.drop_probability == 0.9 and all(m.spec.window == 32 for m in converted_layers(model).values())
+    assert objective.drop_probability == 0.9 and all(m.options.window == 32 for m in converted_layers(model).values())
     objective._draw_window_dropout(64, step=5)
     first = [m.window_dropout.clone() for m in converted_layers(model).values()]
     objective._draw_window_dropout(64, step=5)
