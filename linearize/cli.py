@@ -287,7 +287,7 @@ def cmd_train(args) -> int:
 
 def cmd_sensitivity(args) -> int:
     """Per layer: entropy of the last query's attention and the measured held-out loss increase."""
-    from .train.data import DataConfig, build_dataset
+    from .data import DataConfig, build_dataset
     from .train.sensitivity import (attention_entropy, loss_increase, plot_sensitivity, save_order,
                                     sensitivity_report, trained_loss_increase)
 
@@ -466,7 +466,7 @@ def cmd_plots(args) -> int:
     """Diagnostic plots of a converted model on held-out text (self-recall error, attention mass, DSLA gates)."""
     from .eval.perplexity import heldout_tokens
     from .eval.plots import diagnostic_plots
-    from .train.data import DataConfig
+    from .data import DataConfig
 
     model, tokenizer = _load_converted(args)
     if tokenizer is None:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from transformers import PreTrainedModel
@@ -79,6 +80,18 @@ def set_active(model: PreTrainedModel, active: int) -> PreTrainedModel:
     return model
 
 
+@contextlib.contextmanager
+def kept_modes(model: PreTrainedModel) -> Iterator[dict[int, ConvertedAttention]]:
+    """Yields the converted layers {index: module}; their modes are put back after the block."""
+    layers = converted_layers(model)
+    saved = {i: m.mode for i, m in layers.items()}
+    try:
+        yield layers
+    finally:
+        for i, m in layers.items():
+            m.mode = saved[i]
+
+
 def layer_modes(model: PreTrainedModel) -> dict[int, str]:
     return {i: m.mode for i, m in converted_layers(model).items()}
 
@@ -98,4 +111,4 @@ def _teacher_params(attn) -> list[torch.nn.Parameter]:
     return list(teacher.parameters())
 
 
-__all__ = ["convert", "set_mode", "set_active", "layer_modes", "converted_layers", "running_layers", "new_parameters", "MODES", "GENERIC_MODES"]
+__all__ = ["convert", "set_mode", "set_active", "layer_modes", "kept_modes", "converted_layers", "running_layers", "new_parameters", "MODES", "GENERIC_MODES"]

@@ -110,7 +110,7 @@ if [ "$PROBE" = 1 ] && [ "$DEVICE" = cuda ]; then
 fi
 step warm python -c "
 import linearize
-from linearize.train.data import DataConfig, build_dataset
+from linearize.data import DataConfig, build_dataset
 model, tok = linearize.load_model('smollm2-135m', device='cpu')
 build_dataset(DataConfig(source='wiki', seq_len=1024), tok)
 build_dataset(DataConfig(source='wiki', seq_len=64), tok)

@@ -19,7 +19,7 @@ import torch
 import linearize
 from linearize.api import SHIPPED
 from linearize.io import atomic_write_text
-from linearize.train.data import DataConfig, build_dataset
+from linearize.data import DataConfig, build_dataset
 from linearize.train.finetune import heldout_loss
 
 

@@ -34,12 +34,12 @@ from tqdm.auto import tqdm
 
 from ..cache import cache_nbytes
 from ..convert import convert, converted_layers, running_layers
-from ..eval.perplexity import check_length, eval_mode
+from ..runtime import check_length, eval_mode
 from ..io import atomic_write_text, save_png
 from ..memory import layer_memory
 from ..modeling import decoder_layers
 from ..spec import ConversionSpec
-from ..train.transfer import teacher_modes
+from ..teacher import teacher_modes
 
 logger = logging.getLogger(__name__)
 

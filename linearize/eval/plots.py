@@ -29,14 +29,14 @@ from torch import Tensor
 
 from ..convert import converted_layers
 from ..io import save_png
-from ..layers.base import ConvertedAttention, Projection
+from ..layers.base import ConvertedAttention, Projection, has_two_gates
 from ..layers.lola import LolaAttention
 from ..layers.registry import KINDS
 from ..modeling import decoder_layers
 from ..ops.common import gqa_groups, repeat_kv
 from ..ops.lola import lola_attention, self_recall_error
 from ..ops.states import LinearState, LolaState
-from ..train.transfer import LayerInput, _teacher_probs, capture_teacher, has_two_gates
+from ..teacher import LayerInput, capture_teacher, teacher_probs
 
 logger = logging.getLogger(__name__)
 
@@ -308,7 +308,7 @@ def attention_mass_data(model, input_ids: Ids, *, layer: int | None = None, quer
     kind, mode = module.spec.attention, module.mode
     out: dict[str, Any] = {
         "layer": index, "kind": kind, "mode": mode, "tokens": t, "queries": queries, "distance": list(range(t)),
-        "teacher": _by_distance(_teacher_probs(module, q, k, None), queries).tolist(),
+        "teacher": _by_distance(teacher_probs(module, q, k, None), queries).tolist(),
     }
     if has_two_gates(module):
         log_h, log_r = module.log_gates(inp.hidden_states)

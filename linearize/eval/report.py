@@ -20,9 +20,9 @@ from typing import Any, Callable
 
 import torch
 
-from ..convert import running_layers, set_mode
+from ..convert import kept_modes, running_layers, set_mode
 from ..layers.registry import KINDS
-from ..train.data import DataConfig
+from ..data import DataConfig
 
 logger = logging.getLogger(__name__)
 
@@ -207,9 +207,8 @@ def ablate(
     for mode in modes:  # every mode must exist for every converted layer: fail before any evaluation
         for m in layers.values():
             m.check_mode(mode)
-    saved = {i: m.mode for i, m in layers.items()}
     results = {}
-    try:
+    with kept_modes(model):
         for mode in modes:
             set_mode(model, mode, layers=sorted(layers))
             logger.info("ablation: mode %s on layers %s", mode, sorted(layers))
@@ -218,9 +217,6 @@ def ablate(
                     on_update({**results, mode: partial})
 
             results[mode] = run_suite(model, tokenizer, suite, data_dir=data_dir, device=device, on_update=update)
-    finally:
-        for i, m in layers.items():
-            m.mode = saved[i]
     flat = {mode: headline(r) for mode, r in results.items()}
     delta = {}
     if "hybrid" in flat and "swa_only" in flat:

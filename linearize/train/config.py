@@ -16,7 +16,7 @@ import yaml
 
 from ..checks import check_choice
 from ..spec import ConversionSpec, SpecError
-from .data import DataConfig
+from ..data import DataConfig
 
 OBJECTIVES = ("weights", "la_weights", "la_mse", "hybrid_mse", "output_mse")
 """Attention-transfer objectives: soft cross-entropy on hybrid (weights) or linear-only (la_weights)

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from ..convert import converted_layers
 from ..layers.hybrid import HybridAttention, WindowedLinearAttention
 from .positions import offset_position_ids
-from .transfer import teacher_modes
+from ..teacher import teacher_modes
 
 SSD_SCHEDULES: dict[str, tuple[list[float], list[int]]] = {
     "a": ([0.9, 0.75, 0.5, 0.5], [32]),

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from .config import OptimConfig, StageConfig
-from .data import iterate_batches
+from ..data import iterate_batches
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from ..convert import convert, converted_layers, new_parameters, set_active, set
 from ..io import atomic_write_text
 from ..spec import ConversionSpec
 from .config import ConfigError, TrainConfig, apply_overrides, from_dict
-from .data import build_dataset
+from ..data import build_dataset
 from .finetune import FinetuneObjective, heldout_loss, unwrap
 from .loop import MetricsLog, World, init_world, run_stage
 from .transfer import TransferObjective

@@ -257,12 +257,10 @@ def loss_increase(
 def trained_loss_increase(model: PreTrainedModel, batches: Iterable[Batch]) -> dict[int, float]:
     """Per converted layer, with its CURRENT (e.g. distilled) parameters: held-out loss with only that
     layer running converted (all others in 'teacher' mode) minus the teacher's loss. Modes restored."""
-    from ..convert import converted_layers
+    from ..convert import kept_modes
 
     batches = list(batches)
-    modules = converted_layers(model)
-    saved = {i: m.mode for i, m in modules.items()}
-    try:
+    with kept_modes(model) as modules:
         for m in modules.values():
             m.mode = "teacher"
         teacher = next_token_loss(model, batches)
@@ -272,9 +270,6 @@ def trained_loss_increase(model: PreTrainedModel, batches: Iterable[Batch]) -> d
             out[i] = next_token_loss(model, batches) - teacher
             modules[i].mode = "teacher"
         return out
-    finally:
-        for i, m in modules.items():
-            m.mode = saved[i]
 
 
 def _average_ranks(values: Sequence[float]) -> list[float]:

@@ -24,7 +24,7 @@ from linearize.hub import build_tiny_llama
 from linearize.ops.common import repeat_kv
 from linearize.ops.lola import lola_attention_reference, self_recall_error
 from linearize.ops.states import LinearState
-from linearize.train.transfer import capture_teacher
+from linearize.teacher import capture_teacher
 from tests.train.conftest import tiny_tokenizer
 
 T, W, L = 24, 4, 3

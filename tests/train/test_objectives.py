@@ -9,7 +9,8 @@ import linearize
 from linearize.convert import converted_layers
 from linearize.hub import build_tiny_llama
 from linearize.train.finetune import FinetuneObjective, kl_to_teacher, ssd_schedule
-from linearize.train.transfer import OBJECTIVE_FUNCTIONS, TransferObjective, capture_teacher
+from linearize.teacher import capture_teacher
+from linearize.train.transfer import OBJECTIVE_FUNCTIONS, TransferObjective
 
 T = 12
 
@@ -43,9 +44,9 @@ def test_objectives_vanish_when_the_window_covers_everything():
     for i, module in converted_layers(model).items():
         assert float(OBJECTIVE_FUNCTIONS["hybrid_mse"](module, captured[i])) < 1e-14
         q, k, _ = module.project(captured[i].hidden_states, captured[i].position_embeddings)[:3]
-        from linearize.train.transfer import _teacher_probs
+        from linearize.teacher import teacher_probs
 
-        p = _teacher_probs(module, q, k, None)
+        p = teacher_probs(module, q, k, None)
         entropy = -(p * p.clamp_min(1e-12).log()).sum(-1).mean()
         torch.testing.assert_close(OBJECTIVE_FUNCTIONS["weights"](module, captured[i]), entropy, atol=1e-5, rtol=1e-5)
         assert float(OBJECTIVE_FUNCTIONS["la_mse"](module, captured[i])) > 1e-12  # LA alone differs from softmax

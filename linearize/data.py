@@ -51,8 +51,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..generate import left_pad
-from ..hub import cache_root
+from .generate import left_pad
+from .hub import cache_root
 
 logger = logging.getLogger(__name__)
 
