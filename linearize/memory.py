@@ -11,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .layers.base import STATE_BYTES  # noqa: F401  (re-exported: the bytes of a state element)
+from .convert import running_layers
 from .layers.registry import KINDS
+from .modeling import decoder_layers
 from .spec import LayerSpec
 
 
@@ -42,8 +44,19 @@ def request_memory(spec, model, tokens: int, dtype_bytes: int = 2) -> int:
     """
     n = model.config.num_hidden_layers
     inactive = set(spec.inactive_layers(n)) if spec is not None else set()
-    total = 0
-    for i in range(n):
-        layer_spec = spec.layer_spec(i, n) if spec is not None and i not in inactive else None
-        total += layer_memory(layer_spec, model.config, dtype_bytes).at(tokens)
-    return total
+    specs = [spec.layer_spec(i, n) if spec is not None and i not in inactive else None for i in range(n)]
+    return sum(layer_memory(s, model.config, dtype_bytes).at(tokens) for s in specs)
+
+
+def running_memory(model, dtype_bytes: int | None = None) -> list[LayerMemory]:
+    """Per layer, the memory of the attention it runs now (layers in 'teacher' mode or unconverted:
+    the teacher's KV cache). ``dtype_bytes`` None = the model's parameter size."""
+    running = running_layers(model)
+    dtype_bytes = dtype_bytes or next(model.parameters()).element_size()
+    return [layer_memory(running[i].spec if i in running else None, model.config, dtype_bytes)
+            for i in range(len(decoder_layers(model)))]
+
+
+def running_request_memory(model, tokens: int) -> int:
+    """Formula bytes one request holds at ``tokens`` of context, from each layer's current attention."""
+    return sum(m.at(tokens) for m in running_memory(model))

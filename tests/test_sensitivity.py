@@ -15,7 +15,7 @@ from linearize.train.sensitivity import (
     attention_entropy,
     load_order,
     loss_increase,
-    next_token_loss,
+    mean_next_token_loss,
     plot_sensitivity,
     save_order,
     sensitivity_report,
@@ -117,7 +117,7 @@ def test_loss_increase_softmax_is_zero():
 
 def test_loss_increase_small_window_hybrid_is_positive():
     model, batches = sharp_teacher()
-    assert next_token_loss(model, batches) < 0.2
+    assert mean_next_token_loss(model, batches) < 0.2
     increase = loss_increase(model, {"attention": "hybrid", "window": 2}, batches)
     assert len(increase) == N_LAYERS and all(d > 0.1 for d in increase)
     assert loss_increase(model, {"attention": "hybrid", "window": 2}, batches, layers=[-1, 1]) == pytest.approx(

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from ..checks import check_int
 from ..generate import left_pad
 from ..runtime import max_positions
 
@@ -481,11 +482,6 @@ def _measure(spec: Task, key: str, env: _Env, tokenizer, size: int) -> tuple[int
     return len(tokenizer(prompt.question + prompt.answer_prefix, verbose=False)["input_ids"]), prompt
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
 def generate_samples(task: str, tokenizer, length: int, n: int, seed: int = 0) -> list[Sample]:
     """``n`` samples of ``task`` whose prompt + tokens_to_generate fits ``length`` tokens of ``tokenizer``.
 
@@ -495,9 +491,9 @@ def generate_samples(task: str, tokenizer, length: int, n: int, seed: int = 0) -
     smallest prompt does not fit.
     """
     spec = get_task(task)
-    _check_int("length", length, 1)
-    _check_int("n", n, 1)
-    _check_int("seed", seed, 0)
+    check_int("length", length, 1)
+    check_int("n", n, 1)
+    check_int("seed", seed, 0)
     budget = length - spec.tokens_to_generate
     env = _Env(length, _essay_words() if spec.haystack == "essay words" else [])
     samples: list[Sample] = []
@@ -556,11 +552,11 @@ class SyntheticConfig:
         if not self.lengths:
             raise ValueError("lengths is empty; give target lengths in tokens, e.g. [4096]")
         for length in self.lengths:
-            _check_int("length", length, 1)
-        _check_int("n_samples", self.n_samples, 1)
-        _check_int("seed", self.seed, 0)
-        _check_int("batch_size", self.batch_size, 1)
-        _check_int("examples", self.examples, 0)
+            check_int("length", length, 1)
+        check_int("n_samples", self.n_samples, 1)
+        check_int("seed", self.seed, 0)
+        check_int("batch_size", self.batch_size, 1)
+        check_int("examples", self.examples, 0)
 
 
 def _eos_ids(model, tokenizer) -> list[int]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from ..checks import check_choice
+from ..checks import check_choice, check_int
 from ..spec import ConversionSpec, SpecError
 from ..data import DataConfig
 
@@ -102,8 +102,7 @@ class StageConfig:
 
     def __post_init__(self) -> None:
         _check_positive("epochs", self.epochs)
-        if not isinstance(self.position_offset, int) or isinstance(self.position_offset, bool) or self.position_offset < 0:
-            raise ConfigError(f"position_offset must be an integer >= 0, got {self.position_offset!r}")
+        check_int("position_offset", self.position_offset, 0, error=ConfigError)
         _check_positive("max_steps", self.max_steps, allow_none=True)
         _check_positive("max_minutes", self.max_minutes, allow_none=True)
         _check_positive("eval_every", self.eval_every)

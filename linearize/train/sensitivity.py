@@ -159,8 +159,9 @@ def attention_entropy(model: PreTrainedModel, batches: Iterable[Batch]) -> list[
 
 
 @torch.no_grad()
-def next_token_loss(model: PreTrainedModel, batches: Iterable[Batch]) -> float:
-    """Mean next-token cross-entropy (nats) over every real target token of ``batches``."""
+def mean_next_token_loss(model: PreTrainedModel, batches: Iterable[Batch]) -> float:
+    """Mean next-token cross-entropy (nats) over every real target token of ``batches`` whose input
+    token is real too (labels of -100 skipped); one number over all batches."""
     device = next(model.parameters()).device
     total, count = 0.0, 0
     for batch in batches:
@@ -172,7 +173,7 @@ def next_token_loss(model: PreTrainedModel, batches: Iterable[Batch]) -> float:
         total += F.cross_entropy(logits[keep], target[keep], reduction="sum").item()
         count += int(keep.sum())
     if count == 0:
-        raise ValueError("next_token_loss needs at least one real target token")
+        raise ValueError("mean_next_token_loss needs at least one real target token")
     return total / count
 
 
@@ -238,13 +239,13 @@ def loss_increase(
     try:
         model.eval()
         convert(model, _only_layer(spec, [], n))
-        teacher = next_token_loss(model, batches)
+        teacher = mean_next_token_loss(model, batches)
         logger.info("teacher next-token loss %.4f", teacher)
         out = []
         for i in tqdm(targets, desc=f"loss increase ({spec.attention})", leave=False):
             convert(model, _only_layer(spec, [], n))  # fresh: never carry parameters into layer i
             convert(model, _only_layer(spec, [i], n)).eval()
-            out.append(next_token_loss(model, batches) - teacher)
+            out.append(mean_next_token_loss(model, batches) - teacher)
             logger.info("layer %d: loss increase %.4f", i, out[-1])
     finally:
         snapshot.restore()
@@ -263,11 +264,11 @@ def trained_loss_increase(model: PreTrainedModel, batches: Iterable[Batch]) -> d
     with kept_modes(model) as modules:
         for m in modules.values():
             m.mode = "teacher"
-        teacher = next_token_loss(model, batches)
+        teacher = mean_next_token_loss(model, batches)
         out = {}
         for i in tqdm(sorted(modules), desc="layer sensitivity", leave=False):
             modules[i].mode = "hybrid"
-            out[i] = next_token_loss(model, batches) - teacher
+            out[i] = mean_next_token_loss(model, batches) - teacher
             modules[i].mode = "teacher"
         return out
 
@@ -355,7 +356,7 @@ __all__ = [
     "last_query_entropy",
     "load_order",
     "loss_increase",
-    "next_token_loss",
+    "mean_next_token_loss",
     "plot_sensitivity",
     "save_order",
     "sensitivity_report",
