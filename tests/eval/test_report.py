@@ -9,7 +9,10 @@ import torch
 
 import linearize
 from linearize.cli import main
-from linearize.eval.report import ablate, get_suite, headline, run_suite, table, to_markdown
+from linearize.eval.ablation import ablate
+from linearize.eval.markdown import table, to_markdown
+from linearize.eval.report import headline, run_suite
+from linearize.eval.suite import get_suite
 from linearize.hub import build_tiny_llama
 from linearize.layers.registry import KINDS
 
@@ -171,10 +174,10 @@ def test_cli_eval_spec_flags_convert_a_trained_model_keeping_its_spec(tmp_path, 
     report = json.loads((tmp_path / "ev" / "report.json").read_text())
     assert report["synthetic"]["passkey"]["128"]["n"] == 1
     model, _ = linearize.load_model(str(converted))
-    from linearize.cli import build_parser, _load_converted
+    from linearize.cli import build_parser, load_converted
 
     args = build_parser().parse_args(["eval", "--model", str(converted), "--attention", "lola", "--sparse-cache", "4"])
-    model, _ = _load_converted(args)
+    model, _ = load_converted(args)
     assert model.config.linearize["options"]["window"] == 8 and model.config.linearize["options"]["sparse_cache"] == 4
 
 
