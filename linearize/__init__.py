@@ -2,12 +2,14 @@
 
 from .api import load_model, save_adapter
 from .convert import MODES, convert, layer_modes, new_parameters, set_active, set_mode
+from .layers.registry import KINDS
 from .modeling import FAMILIES, UnsupportedModelError
 from .spec import ConversionSpec, LayerSpec, SpecError
 
 __all__ = [
     "ConversionSpec",
     "FAMILIES",
+    "KINDS",
     "LayerSpec",
     "MODES",
     "SpecError",

@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from transformers import PreTrainedModel
 
-from .layers.attention import GENERIC_MODES, ConvertedAttention
+from .layers.base import GENERIC_MODES, ConvertedAttention
+from .layers.registry import all_modes
 from .modeling import apply_spec, check_spec, decoder_layers
 from .spec import ConversionSpec, SpecError
 
 logger = logging.getLogger(__name__)
 
-MODES = ("hybrid", "swa_only", "la_only", "sinks_only", "none", "teacher", "no_state", "no_sparse", "window_only", "history_only", "recent_only")
-"""Component modes: hybrid (normal), swa_only (LA output zeroed), la_only (window removed, LA over all
-positions), sinks_only (softmax over the first 8 tokens), none (attention output zeroed), teacher (the
-original softmax attention with plain KV; the new parameters stay, inactive); LoLA read
-ablations: no_state, no_sparse, window_only; DSLA read ablations: history_only, recent_only. Each layer kind supports a subset (see set_mode)."""
+MODES = all_modes()
+"""Component modes of every registered kind (``AttentionKind.modes``: hybrid is the normal one;
+hybrid's swa_only, la_only; LoLA's no_state, no_sparse, window_only; DSLA's history_only,
+recent_only) and the generic ones every layer has: sinks_only (softmax over the first 8 tokens),
+none (attention output zeroed), teacher (the original softmax attention with plain KV; the new
+parameters stay, inactive). Each layer supports its kind's modes and the generic ones (see set_mode)."""
 
 
 def convert(model: PreTrainedModel, spec: ConversionSpec | dict[str, Any] | None = None) -> PreTrainedModel:
@@ -77,6 +80,18 @@ def set_active(model: PreTrainedModel, active: int) -> PreTrainedModel:
     return model
 
 
+@contextlib.contextmanager
+def kept_modes(model: PreTrainedModel) -> Iterator[dict[int, ConvertedAttention]]:
+    """Yields the converted layers {index: module}; their modes are put back after the block."""
+    layers = converted_layers(model)
+    saved = {i: m.mode for i, m in layers.items()}
+    try:
+        yield layers
+    finally:
+        for i, m in layers.items():
+            m.mode = saved[i]
+
+
 def layer_modes(model: PreTrainedModel) -> dict[int, str]:
     return {i: m.mode for i, m in converted_layers(model).items()}
 
@@ -96,4 +111,4 @@ def _teacher_params(attn) -> list[torch.nn.Parameter]:
     return list(teacher.parameters())
 
 
-__all__ = ["convert", "set_mode", "set_active", "layer_modes", "converted_layers", "running_layers", "new_parameters", "MODES", "GENERIC_MODES"]
+__all__ = ["convert", "set_mode", "set_active", "layer_modes", "kept_modes", "converted_layers", "running_layers", "new_parameters", "MODES", "GENERIC_MODES"]

@@ -41,13 +41,16 @@ def atomic_dir(target: str | Path) -> Iterator[Path]:
 
 
 def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
-    """Call ``write(file)`` on a temporary file beside ``path``, then rename it to ``path``."""
+    """Call ``write(file)`` on a temporary file beside ``path``, flush it to disk, then rename it to
+    ``path``: readers see the old file or the whole new one, never a part."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
+            f.flush()
+            os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0600: give it a normal file's mode
         os.replace(tmp, path)
     except BaseException:

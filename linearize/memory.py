@@ -1,17 +1,20 @@
 """What a request holds per layer: KV bytes per token (softmax) vs fixed state bytes (converted).
 
 ``formula`` numbers count the tensors that matter (keys/values, window, sparse cache, linear states)
-at the dtypes the implementation keeps (KV in the model dtype; recurrent states in float32).
-Measured numbers come from the cache itself (``linearize.cache.cache_nbytes``).
+at the dtypes the implementation keeps (KV in the model dtype; recurrent states in float32); each
+kind's formula is its ``AttentionKind.memory``. Measured numbers come from the cache itself
+(``linearize.cache.cache_nbytes``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .layers.base import STATE_BYTES  # noqa: F401  (re-exported: the bytes of a state element)
+from .convert import running_layers
+from .layers.registry import KINDS
+from .modeling import decoder_layers
 from .spec import LayerSpec
-
-STATE_BYTES = 4  # recurrent states are kept in float32
 
 
 @dataclass
@@ -26,20 +29,11 @@ class LayerMemory:
 
 def layer_memory(spec: LayerSpec | None, config, dtype_bytes: int = 2) -> LayerMemory:
     """Memory of one layer for one request. ``spec`` None = the teacher's softmax attention."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    h, hkv = config.num_attention_heads, config.num_key_value_heads
-    kv_token = 2 * hkv * head_dim * dtype_bytes
-    if spec is None or spec.attention == "softmax":
-        return LayerMemory("softmax" if spec else "teacher", kv_token, 0)
-    features = spec.features(head_dim)
-    if spec.attention == "dsla":  # two (features x head_dim [+ 1 normaliser column]) states per head
-        return LayerMemory("dsla", 0, 2 * h * features * (head_dim + spec.dsla_normalized) * STATE_BYTES)
-    linear = h * features * (head_dim + 1) * STATE_BYTES
-    window = spec.window * (2 + (not spec.linear_rope)) * hkv * head_dim * STATE_BYTES  # + keys before RoPE
-    if spec.attention == "lola":  # the sparse cache keeps keys before RoPE too (its entries' SRE and write)
-        sparse = spec.sparse_cache * (2 + (not spec.linear_rope)) * h * head_dim * STATE_BYTES
-        return LayerMemory("lola", 0, window + sparse + linear)
-    return LayerMemory("hybrid", 0, window + linear)
+    if spec is None:
+        per_token, fixed = KINDS["softmax"].memory(None, config, dtype_bytes)
+        return LayerMemory("teacher", per_token, fixed)
+    per_token, fixed = spec.kind.memory(spec.options, config, dtype_bytes)
+    return LayerMemory(spec.attention, per_token, fixed)
 
 
 def request_memory(spec, model, tokens: int, dtype_bytes: int = 2) -> int:
@@ -50,8 +44,19 @@ def request_memory(spec, model, tokens: int, dtype_bytes: int = 2) -> int:
     """
     n = model.config.num_hidden_layers
     inactive = set(spec.inactive_layers(n)) if spec is not None else set()
-    total = 0
-    for i in range(n):
-        layer_spec = spec.layer_spec(i, n) if spec is not None and i not in inactive else None
-        total += layer_memory(layer_spec, model.config, dtype_bytes).at(tokens)
-    return total
+    specs = [spec.layer_spec(i, n) if spec is not None and i not in inactive else None for i in range(n)]
+    return sum(layer_memory(s, model.config, dtype_bytes).at(tokens) for s in specs)
+
+
+def running_memory(model, dtype_bytes: int | None = None) -> list[LayerMemory]:
+    """Per layer, the memory of the attention it runs now (layers in 'teacher' mode or unconverted:
+    the teacher's KV cache). ``dtype_bytes`` None = the model's parameter size."""
+    running = running_layers(model)
+    dtype_bytes = dtype_bytes or next(model.parameters()).element_size()
+    return [layer_memory(running[i].spec if i in running else None, model.config, dtype_bytes)
+            for i in range(len(decoder_layers(model)))]
+
+
+def running_request_memory(model, tokens: int) -> int:
+    """Formula bytes one request holds at ``tokens`` of context, from each layer's current attention."""
+    return sum(m.at(tokens) for m in running_memory(model))

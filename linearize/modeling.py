@@ -24,7 +24,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from .layers.attention import ATTENTION_CLASSES, ConvertedAttention
+from .layers.base import ConvertedAttention
 from .spec import ConversionSpec, SpecError
 
 logger = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ def apply_spec(model: PreTrainedModel, spec: ConversionSpec) -> None:
         if layer_spec is None:
             layer.self_attn = teacher
             continue
-        new = ATTENTION_CLASSES[layer_spec.attention](teacher, layer_spec, i, model.config)
+        new = layer_spec.kind.layer(teacher, layer_spec, i, model.config)
         new.to(device=teacher.q_proj.weight.device)
         if isinstance(current, ConvertedAttention):
             _carry_parameters(current, new)
@@ -140,7 +140,7 @@ def check_spec(model: PreTrainedModel, spec: ConversionSpec) -> None:
     n = len(layers)
     chosen = spec.resolve_layers(n)
     for i in chosen:
-        spec.layer_spec(i, n).features(layers[i].self_attn.head_dim)
+        spec.layer_spec(i, n).check_head_dim(layers[i].self_attn.head_dim)
     spec.inactive_layers(n)
     extra = sorted({i % n for i in spec.overrides} - set(chosen))
     if extra:

@@ -1,145 +1,103 @@
-"""ConversionSpec: which layers get which attention, as one JSON-serialisable dataclass.
+"""ConversionSpec: which layers get which attention kind, as one JSON-serialisable dataclass.
 
 The spec is stored in the converted model's config (``config.linearize``), so save/load keeps it.
-It is also the single source of truth for the CLI (``linearize convert --window 64 ...``) and for
-YAML spec files: every field below is a flag and a YAML key.
+A layer's spec is its attention kind plus that kind's own options (``linearize.layers.registry``:
+each kind declares its fields, defaults and validation); a field the chosen kind does not have is an
+error. The same fields are the CLI flags (``linearize convert --attention lola --sparse-cache 64``),
+YAML spec keys and training's ``--spec.X`` overrides, given flat; the JSON form nests them under
+``options``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .ops.feature_maps import FEATURE_MAP_NAMES, LEARNED_FEATURE_MAPS
+from .checks import check_choice  # noqa: F401  (re-exported: the spec's choice check)
+from .layers.base import KindOptions, SpecError
+from .layers.registry import ATTENTION_KINDS, KINDS, get_kind, option_fields
 
-ATTENTION_KINDS = ("softmax", "hybrid", "lola", "dsla")
-MIXES = ("joint", "gate")
-KERNELS = ("auto", "torch", "fla")
+logger = logging.getLogger(__name__)
+
+SELECTION_FIELDS = ("layers", "overrides", "order", "active")
+"""ConversionSpec fields that choose layers (the rest describe a layer: attention + options)."""
+
+LEGACY_DEFAULTS: dict[str, Any] = {
+    "attention": "hybrid", "window": 64, "overlap": False, "mix": "joint", "feature_map": "hedgehog", "linear_rope": True,
+    "feature_dim": None, "sparse_cache": 0, "chunk": 16, "window_factor_init": -2.197, "gate_init": 0.5, "learn_gate": False,
+    "dsla_history_gate": 0.999, "dsla_recent_gate": 0.9, "dsla_gate_rank": 16, "kernel": "auto",
+    "sinks": 0, "linear_weight": 1.0,
+}
+"""The flat layer fields (and their defaults) that specs were saved with before each kind had its own
+options. A flat dict holding all of them (``linear_rope`` came later) is read in that format: the
+fields its kind ignored are dropped (``linear_rope``, ``sinks`` and ``linear_weight`` came later and may be absent)."""
+LEGACY_REQUIRED = frozenset(LEGACY_DEFAULTS) - {"attention", "linear_rope", "sinks", "linear_weight"}
 
 
-class SpecError(ValueError):
-    """A bad conversion spec value (message names the value and the valid choices)."""
-
-
-def check_choice(name: str, value: Any, choices: tuple[str, ...], error: type[ValueError] | None = None) -> None:
-    """Raise ``error`` (default SpecError) naming ``value`` and the valid ``choices`` unless it is one."""
-    if value not in choices:
-        raise (error or SpecError)(f"unknown {name} {value!r}; valid choices: {', '.join(choices)}")
+def _layer_changes(attention: str, options: KindOptions | None, changes: dict[str, Any]) -> tuple[str, KindOptions]:
+    """(attention, options) after flat ``changes`` (``attention`` and option fields). Switching kind
+    keeps the option values both kinds have; a changed field the new kind lacks is a SpecError."""
+    changes = dict(changes)
+    attention = changes.pop("attention", attention)
+    kind = get_kind(attention)
+    known = option_fields()
+    unknown = sorted(set(changes) - set(known))
+    if unknown:
+        raise SpecError(f"unknown spec field(s) {unknown}; valid fields: {', '.join(('attention', *known, *SELECTION_FIELDS))}")
+    fields = kind.options.field_names()
+    foreign = sorted(set(changes) - set(fields))
+    if foreign:
+        where = "; ".join(f"{name}: {', '.join(known[name])}" for name in foreign)
+        raise SpecError(f"field(s) {foreign} do not apply to attention {attention!r} (they belong to {where}); "
+                        f"{attention}'s fields: {', '.join(fields) or 'none'}")
+    carried = {k: v for k, v in options.to_dict().items() if k in fields} if options is not None else {}
+    return attention, kind.make_options({**carried, **changes})
 
 
 @dataclass
 class LayerSpec:
-    """How one layer's attention is converted."""
+    """How one layer's attention is converted: its kind and that kind's options."""
 
     attention: str = "hybrid"
-    """softmax (the teacher's attention, re-implemented) | hybrid (sliding window + linear attention
-    in one head, LoLCATs) | lola (hybrid + sparse cache chosen by self-recall error, LoLA) | dsla
-    (dual-state gated linear attention)."""
-    window: int = 64
-    """Sliding-window size w (hybrid) = LoLA's eta: the last w tokens up to and including t."""
-    overlap: bool = False
-    """False: linear attention covers only tokens older than the window; True: all tokens."""
-    mix: str = "joint"
-    """joint: one shared softmax denominator with a learned per-head window factor (LoLCATs);
-    gate: g * SWA + (1 - g) * LA, each branch normalised (HedgeCATs Eq. 3)."""
-    feature_map: str = "hedgehog"
-    """hedgehog (learned +-softmax) | exp | relu | elu (1 + elu) | identity. DSLA: identity is the
-    paper's raw form (q, k as they are, no normaliser); any other map is applied to q and k and each
-    state's read is normalised."""
-    linear_rope: bool = True
-    """True: the feature maps act on RoPE-rotated q/k (LoLCATs). False: on q/k before RoPE, so the
-    linear part depends on no absolute position (it cannot drift past the positions seen in
-    training) while the window softmax keeps RoPE; DSLA then runs without RoPE."""
-    feature_dim: int | None = None
-    """Number of features phi produces. hedgehog: 2 * head_dim (square W, default) or head_dim
-    (rectangular d x d/2 W). Fixed maps: head_dim (None means the default)."""
-    sparse_cache: int = 0
-    """LoLA's lambda: sparse global cache slots per head (attention 'lola' only)."""
-    sinks: int = 0
-    """LoLA: the first ``sinks`` tokens of a sequence never leave the sparse cache (attention sinks,
-    as in StreamingLLM); they take ``sinks`` of its ``sparse_cache`` slots."""
-    linear_weight: float = 1.0
-    """LoLA: weight of the linear state's term in the shared numerator and denominator (1 is the
-    trained hybrid's read; below 1 keeps the linear term from swamping the explicit entries)."""
-    chunk: int = 16
-    """LoLA's prefill chunk length C (queries of a chunk share the linear state); DSLA's block length
-    on the torch kernel (its memory grows with it)."""
-    window_factor_init: float = -2.197
-    """Initial logit theta of the joint mix's window factor f = sigmoid(theta) (~0.1, LoLCATs)."""
-    gate_init: float = 0.5
-    """Initial g of the gate mix."""
-    learn_gate: bool = False
-    """Learn g per head in the gate mix (else fixed at gate_init)."""
-    dsla_history_gate: float = 0.999
-    """DSLA: initial gate value of the slow (history) state."""
-    dsla_recent_gate: float = 0.9
-    """DSLA: initial gate value of the fast (recent) state."""
-    dsla_gate_rank: int = 16
-    """DSLA: rank of the low-rank gate projection (hidden -> rank -> heads * features)."""
-    kernel: str = "auto"
-    """auto (fla on CUDA when installed, else torch) | torch | fla."""
+    """The attention kind: softmax (the teacher's attention, re-implemented) | hybrid (sliding window
+    + linear attention in one head, LoLCATs) | lola (hybrid + sparse cache chosen by self-recall
+    error, LoLA) | dsla (dual-state gated linear attention)."""
+    options: Any = None
+    """The kind's own fields (a dict or the kind's options dataclass; None = its defaults)."""
 
     def __post_init__(self) -> None:
-        check_choice("attention", self.attention, ATTENTION_KINDS)
-        check_choice("mix", self.mix, MIXES)
-        check_choice("feature_map", self.feature_map, FEATURE_MAP_NAMES)
-        check_choice("kernel", self.kernel, KERNELS)
-        for name in ("window", "chunk", "dsla_gate_rank"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise SpecError(f"{name} must be an integer >= 1, got {value!r}")
-        if not isinstance(self.sparse_cache, int) or isinstance(self.sparse_cache, bool) or self.sparse_cache < 0:
-            raise SpecError(f"sparse_cache must be an integer >= 0, got {self.sparse_cache!r}")
-        if self.feature_dim is not None and (not isinstance(self.feature_dim, int) or self.feature_dim < 1):
-            raise SpecError(f"feature_dim must be a positive integer or None, got {self.feature_dim!r}")
-        if self.feature_dim is not None and self.feature_map in LEARNED_FEATURE_MAPS and self.feature_dim % 2:
-            raise SpecError(f"feature_dim of a hedgehog map must be even (2 x projection width), got {self.feature_dim}")
-        if not 0.0 <= self.gate_init <= 1.0:
-            raise SpecError(f"gate_init must lie in [0, 1], got {self.gate_init}")
-        for name in ("dsla_history_gate", "dsla_recent_gate"):
-            if not 0.0 < getattr(self, name) < 1.0:
-                raise SpecError(f"{name} must lie in (0, 1), got {getattr(self, name)}")
-        if not isinstance(self.linear_rope, bool):
-            raise SpecError(f"linear_rope must be true or false, got {self.linear_rope!r}")
-        if self.sparse_cache and self.attention != "lola":
-            raise SpecError(f"sparse_cache={self.sparse_cache} needs attention 'lola', got {self.attention!r}")
-        if not isinstance(self.sinks, int) or isinstance(self.sinks, bool) or not 0 <= self.sinks <= self.sparse_cache:
-            raise SpecError(f"sinks must be an integer in [0, sparse_cache={self.sparse_cache}], got {self.sinks!r}")
-        if isinstance(self.linear_weight, bool) or not isinstance(self.linear_weight, (int, float)) or self.linear_weight < 0:
-            raise SpecError(f"linear_weight must be a number >= 0, got {self.linear_weight!r}")
-        if self.linear_weight != 1.0 and self.attention != "lola":
-            raise SpecError(f"linear_weight={self.linear_weight} needs attention 'lola', got {self.attention!r}")
-        if self.attention == "lola" and (self.mix != "joint" or self.overlap):
-            raise SpecError("attention 'lola' builds on the joint, non-overlap hybrid: use mix 'joint' and overlap false")
+        kind = get_kind(self.attention)
+        if self.options is None or isinstance(self.options, dict):
+            self.options = kind.make_options(self.options)
+        elif type(self.options) is not kind.options:
+            raise SpecError(f"attention {self.attention!r} takes {kind.options.__name__}, got {type(self.options).__name__}")
 
     @property
-    def dsla_normalized(self) -> bool:
-        """DSLA: feature-mapped q/k with normalised state reads (every feature map but identity)."""
-        return self.feature_map != "identity"
+    def kind(self):
+        """This layer's AttentionKind record."""
+        return KINDS[self.attention]
 
-    def features(self, head_dim: int) -> int:
-        """Number of features phi produces for this head size."""
-        if self.feature_map in LEARNED_FEATURE_MAPS:
-            return self.feature_dim or 2 * head_dim
-        if self.feature_dim not in (None, head_dim):
-            raise SpecError(f"feature map {self.feature_map!r} keeps head_dim={head_dim} features; got feature_dim={self.feature_dim}")
-        return head_dim
+    def check_head_dim(self, head_dim: int) -> None:
+        """SpecError when the options cannot serve heads of ``head_dim`` (e.g. a feature_dim)."""
+        self.options.check_head_dim(head_dim)
 
-
-LAYER_FIELDS = tuple(f.name for f in dataclasses.fields(LayerSpec))
+    def layer_replace(self, **changes: Any) -> "LayerSpec":
+        """A LayerSpec with flat changes (attention and option fields) applied."""
+        attention, options = _layer_changes(self.attention, self.options, changes)
+        return LayerSpec(attention, options)
 
 
 @dataclass
 class ConversionSpec(LayerSpec):
-    """A LayerSpec for the chosen ``layers`` plus per-layer overrides of any LayerSpec field."""
+    """A LayerSpec for the chosen ``layers`` plus per-layer overrides of the attention and its options."""
 
     layers: str | list[int] = "all"
     """'all' or a list of layer indices to convert (negative indices count from the end)."""
     overrides: dict[int, dict[str, Any]] = field(default_factory=dict)
-    """Per-layer changes, e.g. {3: {"attention": "softmax"}, 7: {"window": 128}}."""
+    """Per-layer changes, flat, e.g. {3: {"attention": "softmax"}, 7: {"window": 128}}."""
     order: list[int] | None = None
     """A nested family (DSLA chained fine-tuning): the converted layers in conversion order."""
     active: int | None = None
@@ -162,10 +120,10 @@ class ConversionSpec(LayerSpec):
                 idx = int(key)
             except (TypeError, ValueError):
                 raise SpecError(f"override key must be a layer index, got {key!r}") from None
-            unknown = sorted(set(changes) - set(LAYER_FIELDS))
-            if unknown:
-                raise SpecError(f"unknown override field(s) {unknown} for layer {idx}; valid fields: {', '.join(LAYER_FIELDS)}")
-            LayerSpec(**{**self.layer_base().__dict__, **changes})  # validate the overridden layer now
+            try:
+                self.layer_base().layer_replace(**changes)  # validate the overridden layer now
+            except SpecError as err:
+                raise SpecError(f"override for layer {idx}: {err}") from None
             fixed[idx] = dict(changes)
         self.overrides = fixed
         if self.order is not None:
@@ -179,7 +137,15 @@ class ConversionSpec(LayerSpec):
                 raise SpecError(f"active must be an integer in 0..{len(self.order)} (the length of order), got {self.active!r}")
 
     def layer_base(self) -> LayerSpec:
-        return LayerSpec(**{name: getattr(self, name) for name in LAYER_FIELDS})
+        return LayerSpec(self.attention, self.options)
+
+    def replace(self, **changes: Any) -> "ConversionSpec":
+        """A new spec with flat changes: selection fields (layers, overrides, order, active), the
+        attention and option fields. Switching kind keeps the options both kinds have."""
+        selection = {k: changes.pop(k) for k in SELECTION_FIELDS if k in changes}
+        attention, options = _layer_changes(self.attention, self.options, changes)
+        current = {"layers": self.layers, "overrides": self.overrides, "order": self.order, "active": self.active}
+        return ConversionSpec(attention=attention, options=options, **{**current, **selection})
 
     def resolve_layers(self, num_layers: int) -> list[int]:
         """The sorted layer indices to convert, validated against the model's layer count."""
@@ -210,21 +176,38 @@ class ConversionSpec(LayerSpec):
         if idx not in self.resolve_layers(num_layers):
             return None
         changes = self.overrides.get(idx, self.overrides.get(idx - num_layers, {}))
-        return LayerSpec(**{**self.layer_base().__dict__, **changes})
+        return self.layer_base().layer_replace(**changes)
 
     # --- serialisation -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["overrides"] = {str(k): v for k, v in self.overrides.items()}
-        return d
+        return {
+            "attention": self.attention,
+            "options": self.options.to_dict(),
+            "layers": self.layers if isinstance(self.layers, str) else list(self.layers),
+            "overrides": {str(k): dict(v) for k, v in self.overrides.items()},
+            "order": None if self.order is None else list(self.order),
+            "active": self.active,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ConversionSpec":
-        valid = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - valid)
-        if unknown:
-            raise SpecError(f"unknown spec field(s) {unknown}; valid fields: {', '.join(sorted(valid))}")
-        return cls(**data)
+        """Read a spec: the JSON form (options nested under ``options``), flat fields (YAML, flags:
+        a field the kind lacks is an error) or the flat form saved before per-kind options (every
+        old field present: the fields its kind ignored are dropped, as they were ignored)."""
+        if not isinstance(data, dict):
+            raise SpecError(f"a spec must be a mapping of spec fields, got {type(data).__name__}")
+        data = dict(data)
+        selection = {k: data.pop(k) for k in SELECTION_FIELDS if k in data}
+        attention = data.pop("attention", "hybrid")
+        if "options" in data:
+            options = data.pop("options")
+            if options is not None and not isinstance(options, dict):
+                raise SpecError(f"options must be a mapping of {attention!r} fields, got {options!r}")
+            base = ConversionSpec(attention=attention, options=options)
+            return base.replace(**data, **selection)
+        if LEGACY_REQUIRED <= set(data):
+            data = _drop_legacy_unused(attention, data)
+        return ConversionSpec(attention=check_attention(attention)).replace(attention=attention, **data, **selection)
 
     @classmethod
     def coerce(cls, spec: "ConversionSpec | dict[str, Any] | None") -> "ConversionSpec":
@@ -251,3 +234,18 @@ class ConversionSpec(LayerSpec):
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
+
+
+def check_attention(attention: Any) -> str:
+    """``attention`` if it names a kind; SpecError naming the valid kinds otherwise."""
+    check_choice("attention", attention, ATTENTION_KINDS, SpecError)
+    return attention
+
+
+def _drop_legacy_unused(attention: str, data: dict[str, Any]) -> dict[str, Any]:
+    """The old flat format's fields that kind ``attention`` has (the others were ignored by it)."""
+    fields = get_kind(check_attention(attention)).options.field_names()
+    dropped = {k: v for k, v in data.items() if k in LEGACY_DEFAULTS and k not in fields and v != LEGACY_DEFAULTS[k]}
+    if dropped:
+        logger.info("spec in the old flat format: attention %r ignores %s (dropped)", attention, dropped)
+    return {k: v for k, v in data.items() if k in fields or k not in LEGACY_DEFAULTS}

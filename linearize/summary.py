@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from .convert import converted_layers, new_parameters, running_layers
-from .memory import layer_memory
+from .convert import converted_layers, new_parameters
+from .memory import running_memory
 from .modeling import decoder_layers
 
 
@@ -13,12 +13,10 @@ def model_info(model, *, as_json: bool = False, dtype_bytes: int | None = None) 
     config = model.config
     layers = decoder_layers(model)
     converted = converted_layers(model)
-    running = running_layers(model)
-    dtype_bytes = dtype_bytes or next(model.parameters()).element_size()
+    memories = running_memory(model, dtype_bytes)
     rows = []
-    for i in range(len(layers)):
+    for i, mem in enumerate(memories):
         spec = converted[i].spec if i in converted else None
-        mem = layer_memory(running[i].spec if i in running else None, config, dtype_bytes)
         rows.append({
             "layer": i,
             "attention": spec.attention if spec else "teacher",

@@ -141,7 +141,7 @@ log "study start on $DEVICE: ${VARIANTS}"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> "$WORK/logs/timeline.log" 2>&1
 step warm python -c "
 import linearize
-from linearize.train.data import DataConfig, build_dataset
+from linearize.data import DataConfig, build_dataset
 model, tok = linearize.load_model('smollm2-135m', device='cpu')
 for n in (1024, 4096):
     build_dataset(DataConfig(source='wiki', seq_len=n), tok)

@@ -160,7 +160,7 @@ log "start: $N_GPUS GPU(s) on $DEVICE; recipes: $RECIPES; models: ${MODELS:-none
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> "$WORK/logs/timeline.log" 2>&1
 step data python -c "
 import linearize
-from linearize.train.data import DataConfig, build_dataset
+from linearize.data import DataConfig, build_dataset
 model, tok = linearize.load_model('smollm2-135m', device='cpu')
 build_dataset(DataConfig(source='wiki', seq_len=1024), tok)
 "

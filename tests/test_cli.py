@@ -36,7 +36,7 @@ def test_convert_from_flags_and_yaml_spec_then_info(tiny_dir, tmp_path, capsys):
     out = tmp_path / "converted"
     assert main(["convert", "--model", tiny_dir, "--attention", "hybrid", "--layers", "0,2", "--window", "8", "--out", str(out)]) == 0
     model, _ = linearize.load_model(str(out))
-    assert model.config.linearize["layers"] == [0, 2] and model.config.linearize["window"] == 8
+    assert model.config.linearize["layers"] == [0, 2] and model.config.linearize["options"]["window"] == 8
     capsys.readouterr()
     assert main(["info", str(out), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
@@ -49,7 +49,7 @@ def test_convert_from_flags_and_yaml_spec_then_info(tiny_dir, tmp_path, capsys):
     adapter = tmp_path / "adapter"
     assert main(["convert", "--model", tiny_dir, "--spec", str(spec_file), "--window", "6", "--adapter", "--out", str(adapter)]) == 0
     meta = json.loads((adapter / "linearize_adapter.json").read_text())
-    assert meta["spec"]["attention"] == "lola" and meta["spec"]["window"] == 6 and meta["base_model"] == tiny_dir
+    assert meta["spec"]["attention"] == "lola" and meta["spec"]["options"]["window"] == 6 and meta["base_model"] == tiny_dir
 
 
 @pytest.mark.slow

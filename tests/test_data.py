@@ -18,8 +18,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from linearize.hub import build_tiny_llama
-from linearize.train import data as D
-from linearize.train.data import DataConfig, DataConfigError, build_dataset, iterate_batches, load_texts, num_batches
+from linearize.data import corpus as D
+from linearize.data import DataConfig, DataConfigError, build_dataset, iterate_batches, load_texts, num_batches
 
 N_DOCS = 40
 EOS = 2

@@ -63,7 +63,7 @@ def test_real_model_memory_per_layer(smollm2):
     model, _ = smollm2
     teacher = layer_memory(None, model.config, dtype_bytes=4)
     assert teacher.per_token == 2 * 3 * 64 * 4  # K and V, 3 KV heads, head dim 64, float32
-    hybrid = layer_memory(linearize.LayerSpec(window=64), model.config)
+    hybrid = layer_memory(linearize.LayerSpec("hybrid", {"window": 64}), model.config)
     assert hybrid.per_token == 0 and hybrid.fixed == 64 * 2 * 3 * 64 * 4 + 9 * 128 * 65 * 4
 
 
@@ -107,7 +107,7 @@ def test_shipped_conversions_load_offline_and_stay_close_to_the_teacher_on_short
     logits = model(ids).logits
     assert torch.isfinite(logits).all()
     spec = model.config.linearize
-    if spec["attention"] == "hybrid" and spec["mix"] == "joint":  # short text: inside the 64-token window
+    if spec["attention"] == "hybrid" and spec["options"]["mix"] == "joint":  # short text: inside the 64-token window
         # (not inference-hybrid: its gate mix always gives the linear branch half the weight)
         agree = (logits.argmax(-1) == teacher(ids).logits.argmax(-1)).float().mean()
         assert agree > 0.5, f"{name}: next-token argmax agrees with the teacher on only {agree:.0%} of positions"

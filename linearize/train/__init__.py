@@ -1,1 +1,1 @@
-"""Training: data sources and packing (``linearize.train.data``) and the training recipes."""
+"""Training: the conversion recipes (data sources and packing live in ``linearize.data``)."""

@@ -14,8 +14,9 @@ from typing import Any
 
 import yaml
 
-from ..spec import ConversionSpec, SpecError, check_choice
-from .data import DataConfig
+from ..checks import check_choice, check_int
+from ..spec import ConversionSpec, SpecError
+from ..data import DataConfig
 
 OBJECTIVES = ("weights", "la_weights", "la_mse", "hybrid_mse", "output_mse")
 """Attention-transfer objectives: soft cross-entropy on hybrid (weights) or linear-only (la_weights)
@@ -101,8 +102,7 @@ class StageConfig:
 
     def __post_init__(self) -> None:
         _check_positive("epochs", self.epochs)
-        if not isinstance(self.position_offset, int) or isinstance(self.position_offset, bool) or self.position_offset < 0:
-            raise ConfigError(f"position_offset must be an integer >= 0, got {self.position_offset!r}")
+        check_int("position_offset", self.position_offset, 0, error=ConfigError)
         _check_positive("max_steps", self.max_steps, allow_none=True)
         _check_positive("max_minutes", self.max_minutes, allow_none=True)
         _check_positive("eval_every", self.eval_every)
@@ -240,7 +240,7 @@ class TrainConfig:
         try:
             ConversionSpec.from_dict(self.spec)
             if self.inference_spec is not None:
-                ConversionSpec.from_dict({**self.spec, **self.inference_spec})
+                ConversionSpec.from_dict(self.spec).replace(**self.inference_spec)
         except SpecError as err:
             raise ConfigError(f"spec: {err}") from None
 

@@ -11,16 +11,15 @@ linear attention over all positions; no rescaling.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..convert import converted_layers
-from ..layers.attention import HybridAttention
+from ..layers.hybrid import HybridAttention, WindowedLinearAttention
 from .positions import offset_position_ids
-from .transfer import teacher_modes
+from ..teacher import teacher_modes
 
 SSD_SCHEDULES: dict[str, tuple[list[float], list[int]]] = {
     "a": ([0.9, 0.75, 0.5, 0.5], [32]),
@@ -39,10 +38,10 @@ def ssd_schedule(name: str, epoch: int) -> tuple[float, int]:
 
 
 def set_window(model: nn.Module, window: int) -> None:
-    """Change the window of every converted hybrid layer (SSD schedules vary it per epoch)."""
+    """Change the window of every converted layer with one (hybrid, lola; SSD schedules vary it per epoch)."""
     for module in converted_layers(model).values():
-        if isinstance(module, HybridAttention):
-            module.spec = dataclasses.replace(module.spec, window=window)
+        if isinstance(module, WindowedLinearAttention):
+            module.spec = module.spec.layer_replace(window=window)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -32,7 +32,8 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from .config import OptimConfig, StageConfig
-from .data import iterate_batches
+from ..data import iterate_batches
+from ..io import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +114,6 @@ class LoopState:
 
 def save_checkpoint(path: Path, params: dict[str, nn.Parameter], optimizer, scheduler, state: LoopState, best: dict | None) -> None:
     """Write everything --resume needs, atomically (temp file + rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "params": {name: p.detach().cpu().clone() for name, p in params.items()},
         "optimizer": optimizer.state_dict(),
@@ -121,9 +121,7 @@ def save_checkpoint(path: Path, params: dict[str, nn.Parameter], optimizer, sche
         "state": asdict(state),
         "best": best,
     }
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: torch.save(payload, f))
 
 
 def load_checkpoint(path: Path, params: dict[str, nn.Parameter], optimizer, scheduler) -> tuple[LoopState, dict | None]:

@@ -27,7 +27,7 @@ from ..convert import convert, converted_layers, new_parameters, set_active, set
 from ..io import atomic_write_text
 from ..spec import ConversionSpec
 from .config import ConfigError, TrainConfig, apply_overrides, from_dict
-from .data import build_dataset
+from ..data import build_dataset
 from .finetune import FinetuneObjective, heldout_loss, unwrap
 from .loop import MetricsLog, World, init_world, run_stage
 from .transfer import TransferObjective
@@ -142,7 +142,7 @@ def _run(config: TrainConfig, device: torch.device, dtype: torch.dtype, autocast
     if config.finetune.enabled:
         model = _run_finetune(config, model, data, evaluate, common, world, summary)
 
-    final_spec = {**unwrap(model).config.linearize, **(config.inference_spec or {})}
+    final_spec = ConversionSpec.from_dict(unwrap(model).config.linearize).replace(**(config.inference_spec or {})).to_dict()
     adapter_dir = run_dir / "adapter"
     if world.is_main:
         extra = {"training": {k: v for k, v in summary.items() if k != "data"}, "data": summary["data"]}
@@ -189,8 +189,9 @@ def _run_finetune(config: TrainConfig, model, data, evaluate, common, world: Wor
     summary["stages"]["finetune"] = _stage_summary(state)
     set_mode(unwrap(peft_model), "hybrid")
     if f.swa_dropout != "none":  # keep the window the schedule ended with
-        window = next(m.spec.window for m in converted_layers(unwrap(peft_model)).values())
-        unwrap(peft_model).config.linearize = {**unwrap(peft_model).config.linearize, "window": window}
+        window = next(m.options.window for m in converted_layers(unwrap(peft_model)).values())
+        spec = ConversionSpec.from_dict(unwrap(peft_model).config.linearize)
+        unwrap(peft_model).config.linearize = spec.replace(window=window).to_dict()
     return peft_model
 
 

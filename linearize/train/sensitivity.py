@@ -20,7 +20,6 @@ when absent: real tokens count from 0) and ``labels`` (-100 = ignored; default: 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import logging
 import math
@@ -37,10 +36,10 @@ from transformers.models.llama.modeling_llama import rotate_half
 
 from ..convert import convert, new_parameters
 from ..io import atomic_write_text, save_png
-from ..layers.attention import ConvertedAttention
+from ..layers.base import ConvertedAttention
 from ..modeling import decoder_layers
 from ..ops.common import gqa_groups, repeat_kv
-from ..spec import LAYER_FIELDS, ConversionSpec, SpecError
+from ..spec import ConversionSpec, SpecError
 
 logger = logging.getLogger(__name__)
 
@@ -160,8 +159,9 @@ def attention_entropy(model: PreTrainedModel, batches: Iterable[Batch]) -> list[
 
 
 @torch.no_grad()
-def next_token_loss(model: PreTrainedModel, batches: Iterable[Batch]) -> float:
-    """Mean next-token cross-entropy (nats) over every real target token of ``batches``."""
+def mean_next_token_loss(model: PreTrainedModel, batches: Iterable[Batch]) -> float:
+    """Mean next-token cross-entropy (nats) over every real target token of ``batches`` whose input
+    token is real too (labels of -100 skipped); one number over all batches."""
     device = next(model.parameters()).device
     total, count = 0.0, 0
     for batch in batches:
@@ -173,7 +173,7 @@ def next_token_loss(model: PreTrainedModel, batches: Iterable[Batch]) -> float:
         total += F.cross_entropy(logits[keep], target[keep], reduction="sum").item()
         count += int(keep.sum())
     if count == 0:
-        raise ValueError("next_token_loss needs at least one real target token")
+        raise ValueError("mean_next_token_loss needs at least one real target token")
     return total / count
 
 
@@ -181,12 +181,7 @@ def _only_layer(spec: ConversionSpec, layers: list[int], n: int) -> ConversionSp
     """``spec`` restricted to ``layers``: its per-layer fields and overrides for those layers kept, every
     other layer-selection field (e.g. a nested family's order) back to its default."""
     overrides = {i: spec.overrides[j] for i in layers for j in (i, i - n) if j in spec.overrides}
-    selection = {
-        f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-        for f in dataclasses.fields(ConversionSpec)
-        if f.name not in LAYER_FIELDS
-    }
-    return dataclasses.replace(spec, **{**selection, "layers": layers, "overrides": overrides})
+    return spec.replace(layers=layers, overrides=overrides, order=None, active=None)
 
 
 class _ConversionSnapshot:
@@ -244,13 +239,13 @@ def loss_increase(
     try:
         model.eval()
         convert(model, _only_layer(spec, [], n))
-        teacher = next_token_loss(model, batches)
+        teacher = mean_next_token_loss(model, batches)
         logger.info("teacher next-token loss %.4f", teacher)
         out = []
         for i in tqdm(targets, desc=f"loss increase ({spec.attention})", leave=False):
             convert(model, _only_layer(spec, [], n))  # fresh: never carry parameters into layer i
             convert(model, _only_layer(spec, [i], n)).eval()
-            out.append(next_token_loss(model, batches) - teacher)
+            out.append(mean_next_token_loss(model, batches) - teacher)
             logger.info("layer %d: loss increase %.4f", i, out[-1])
     finally:
         snapshot.restore()
@@ -263,24 +258,19 @@ def loss_increase(
 def trained_loss_increase(model: PreTrainedModel, batches: Iterable[Batch]) -> dict[int, float]:
     """Per converted layer, with its CURRENT (e.g. distilled) parameters: held-out loss with only that
     layer running converted (all others in 'teacher' mode) minus the teacher's loss. Modes restored."""
-    from ..convert import converted_layers
+    from ..convert import kept_modes
 
     batches = list(batches)
-    modules = converted_layers(model)
-    saved = {i: m.mode for i, m in modules.items()}
-    try:
+    with kept_modes(model) as modules:
         for m in modules.values():
             m.mode = "teacher"
-        teacher = next_token_loss(model, batches)
+        teacher = mean_next_token_loss(model, batches)
         out = {}
         for i in tqdm(sorted(modules), desc="layer sensitivity", leave=False):
             modules[i].mode = "hybrid"
-            out[i] = next_token_loss(model, batches) - teacher
+            out[i] = mean_next_token_loss(model, batches) - teacher
             modules[i].mode = "teacher"
         return out
-    finally:
-        for i, m in modules.items():
-            m.mode = saved[i]
 
 
 def _average_ranks(values: Sequence[float]) -> list[float]:
@@ -366,7 +356,7 @@ __all__ = [
     "last_query_entropy",
     "load_order",
     "loss_increase",
-    "next_token_loss",
+    "mean_next_token_loss",
     "plot_sensitivity",
     "save_order",
     "sensitivity_report",

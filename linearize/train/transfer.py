@@ -8,8 +8,6 @@ new parameters train (feature maps, window factors, gates, gamma); layers are in
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -18,55 +16,9 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ..convert import converted_layers
-from ..layers.attention import ConvertedAttention, DslaAttention, HybridAttention, key_padding_from_mask
-from ..ops.hybrid import hybrid_attention_weights
-from ..ops.softmax import softmax_attention
+from ..layers.base import ConvertedAttention, has_two_gates, key_padding_from_mask
+from ..teacher import LayerInput, capture_teacher, teacher_probs
 from .positions import offset_position_ids
-
-
-@dataclass
-class LayerInput:
-    """What the teacher fed one attention layer, and what that layer returned."""
-
-    hidden_states: Tensor  # (B, T, hidden)
-    position_embeddings: tuple[Tensor, Tensor]
-    attention_mask: Tensor | None
-    teacher_output: Tensor  # (B, T, hidden), after o_proj
-
-
-@contextlib.contextmanager
-def teacher_modes(model: nn.Module):
-    """Run every converted layer as the teacher inside the block; restore their modes after."""
-    layers = converted_layers(model)
-    saved = {i: m.mode for i, m in layers.items()}
-    for m in layers.values():
-        m.mode = "teacher"
-    try:
-        yield
-    finally:
-        for i, m in layers.items():
-            m.mode = saved[i]
-
-
-@torch.no_grad()
-def capture_teacher(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, layers: list[int],
-                    position_ids: Tensor | None = None) -> dict[int, LayerInput]:
-    """One teacher forward; returns the inputs and teacher outputs of the given converted layers."""
-    modules = converted_layers(model)
-    captured: dict[int, LayerInput] = {}
-    handles = []
-    for i in layers:
-        def hook(module, args, kwargs, output, i=i):
-            hidden = kwargs.get("hidden_states", args[0] if args else None)
-            captured[i] = LayerInput(hidden.detach(), kwargs["position_embeddings"], kwargs.get("attention_mask"), output[0].detach())
-        handles.append(modules[i].register_forward_hook(hook, with_kwargs=True))
-    try:
-        with teacher_modes(model):
-            model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    return captured
 
 
 # --- objectives: fn(module, layer input) -> loss -------------------------------------------------
@@ -83,33 +35,21 @@ def _mse(module, inp, mode):
     return F.mse_loss(layer_output(module, inp, mode).float(), inp.teacher_output.float())
 
 
-def _teacher_probs(module: ConvertedAttention, q: Tensor, k: Tensor, valid: Tensor | None) -> Tensor:
-    b, hkv, t, _ = k.shape
-    eye = torch.eye(t, device=q.device, dtype=torch.float32).expand(b, hkv, t, t)
-    probs, _ = softmax_attention(q.float(), k.float(), eye, valid=valid, scale=module.scaling)
-    return probs  # (B, Hq, T, T)
-
-
-def _weights_ce(module: HybridAttention, inp: LayerInput, branches: str) -> Tensor:
+def _weights_ce(module: ConvertedAttention, inp: LayerInput, branches: str) -> Tensor:
     """Soft cross-entropy -sum_t sum_{i<=t} A_teacher[t, i] log A_student[t, i], mean over queries and heads."""
     t = inp.hidden_states.shape[1]
     proj = module.project(inp.hidden_states, inp.position_embeddings)
-    q, k = proj.q, proj.k
     valid = key_padding_from_mask(inp.attention_mask, t)
     with torch.no_grad():
-        target = _teacher_probs(module, q, k, valid)
-    student = hybrid_attention_weights(
-        q, k, phi_q=module.feature_map_q, phi_k=module.feature_map_k, window=module.spec.window, mix=module.spec.mix,
-        overlap=module.spec.overlap, window_factor=module.window_factor(), gate=module.gate(), branches=branches,
-        valid=valid, scale=module.scaling, **module.linear_inputs(proj),
-    )
+        target = teacher_probs(module, proj.q, proj.k, valid)
+    student = module.attention_weights(proj, valid, branches)  # (B, Hq, T, T)
     ce = -(target * torch.log(student.float().clamp_min(1e-12))).sum(-1)  # (B, Hq, T)
     if valid is not None:
         return ce.masked_select(valid[:, None, :].expand_as(ce)).mean()
     return ce.mean()
 
 
-def _gate_similarity(module: DslaAttention, inp: LayerInput) -> Tensor:
+def _gate_similarity(module: ConvertedAttention, inp: LayerInput) -> Tensor:
     """Mean cosine similarity of the two gates' values per (token, head) (DSLA: pushed apart)."""
     log_h, log_r = module.log_gates(inp.hidden_states)  # (B, Hq, T, D) each
     return F.cosine_similarity(log_h.exp(), log_r.exp(), dim=-1).mean()
@@ -124,7 +64,10 @@ OBJECTIVE_FUNCTIONS: dict[str, Objective] = {
     "output_mse": lambda m, inp: _mse(m, inp, "hybrid"),
 }
 """Objective name -> loss of one layer (see TransferConfig.objectives)."""
-HYBRID_ONLY = ("weights", "la_weights", "la_mse")
+NEEDS_WEIGHTS = ("weights", "la_weights")
+"""Objectives that need the layer's normalised attention weights (``ConvertedAttention.has_weights``)."""
+NEEDS_MODE = {"la_mse": "la_only"}
+"""Objectives that run the layer in a mode of its own."""
 _LAYER_LOSSES: dict[str, Objective] = {**OBJECTIVE_FUNCTIONS, "gate_cosine": _gate_similarity}
 
 
@@ -152,9 +95,14 @@ class TransferObjective(nn.Module):
         self.gate_similarity_weight = gate_similarity_weight
         modules = converted_layers(model)
         for i in layers:
+            module = modules[i]
             for name in self.objectives:
-                if name in HYBRID_ONLY and not isinstance(modules[i], HybridAttention):
-                    raise ValueError(f"objective {name!r} needs hybrid layers; layer {i} is {modules[i].spec.attention!r}")
+                if name in NEEDS_WEIGHTS and not module.has_weights:
+                    raise ValueError(f"objective {name!r} needs layers with attention weights (hybrid, lola); "
+                                     f"layer {i} is {module.spec.attention!r}")
+                if name in NEEDS_MODE and NEEDS_MODE[name] not in module.modes():
+                    raise ValueError(f"objective {name!r} needs mode {NEEDS_MODE[name]!r}; layer {i} is "
+                                     f"{module.spec.attention!r} (modes: {', '.join(module.modes())})")
 
     def forward(self, input_ids: Tensor, *, attention_mask: Tensor | None = None, step: int = 0, epoch: int = 0):
         position_ids = offset_position_ids(*input_ids.shape, self.position_offset if self.training else 0,  # held-out: 0..T-1
@@ -178,7 +126,7 @@ class TransferObjective(nn.Module):
 
     def _weights(self, module: ConvertedAttention) -> dict[str, float]:
         """Loss name -> weight for one layer: the objectives, plus DSLA's gate similarity."""
-        if isinstance(module, DslaAttention) and self.gate_similarity_weight:
+        if self.gate_similarity_weight and has_two_gates(module):
             return {**self.objectives, "gate_cosine": self.gate_similarity_weight}
         return self.objectives
 

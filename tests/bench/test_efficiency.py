@@ -5,7 +5,8 @@ import json
 import pytest
 
 import linearize
-from linearize.bench.efficiency import benchmark, formula_bytes, plot_efficiency, run_efficiency, to_markdown
+from linearize.bench.efficiency import benchmark, plot_efficiency, run_efficiency, to_markdown
+from linearize.memory import running_request_memory
 from linearize.hub import build_tiny_llama
 
 LENGTHS, CONTEXTS, WINDOW = [16, 32, 64], [16, 32], 8
@@ -21,7 +22,7 @@ def result():
 def test_result_keys_and_shapes(result):
     json.dumps(result)  # JSON-able
     assert {"model", "device", "dtype", "spec", "settings", "teacher", "converted", "ratios"} <= set(result)
-    assert result["spec"]["window"] == WINDOW
+    assert result["spec"]["options"]["window"] == WINDOW
     for name in ("teacher", "converted"):
         assert [r["length"] for r in result[name]["prefill"]] == LENGTHS
         assert [r["context"] for r in result[name]["decode"]] == CONTEXTS
@@ -61,7 +62,7 @@ def test_run_efficiency_writes_reports_and_measures_a_converted_model(tmp_path):
     assert json.loads((tmp_path / "eff" / "efficiency.json").read_text())["ratios"] == out["ratios"]
     teacher, converted = out["teacher"]["memory"][0], out["converted"]["memory"][0]  # layer 0 KV, layer 1 DSLA states
     assert teacher["measured_bytes"] == teacher["formula_bytes"]
-    assert converted["formula_bytes"] == formula_bytes(model, 16) and converted["measured_bytes"] == converted["formula_bytes"]
+    assert converted["formula_bytes"] == running_request_memory(model, 16) and converted["measured_bytes"] == converted["formula_bytes"]
     assert linearize.layer_modes(model) == {1: "hybrid"}  # the teacher measurement left the modes as they were
 
 

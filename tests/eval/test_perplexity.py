@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import linearize
 from linearize.eval.perplexity import heldout_tokens, perplexity, perplexity_by_length, plot_perplexity_vs_length, sliding_windows
 from linearize.hub import build_tiny_llama
-from linearize.train.data import DataConfig, build_dataset
+from linearize.data import DataConfig, build_dataset
 from tests.train.conftest import tiny_tokenizer
 
 N = 276  # 4 full windows of 64 + a partial one

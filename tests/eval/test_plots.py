@@ -24,7 +24,7 @@ from linearize.hub import build_tiny_llama
 from linearize.ops.common import repeat_kv
 from linearize.ops.lola import lola_attention_reference, self_recall_error
 from linearize.ops.states import LinearState
-from linearize.train.transfer import capture_teacher
+from linearize.teacher import capture_teacher
 from tests.train.conftest import tiny_tokenizer
 
 T, W, L = 24, 4, 3
@@ -188,7 +188,7 @@ def test_dsla_mass_and_gates():
 
 
 def test_bad_layers_raise():
-    with pytest.raises(ValueError, match="HybridAttention"):
+    with pytest.raises(ValueError, match="self_recall diagnostic"):
         self_recall_data(converted("dsla"), IDS)
     with pytest.raises(ValueError, match="not a converted"):
         attention_mass_data(converted("hybrid", layers=[1]), IDS, layer=0)

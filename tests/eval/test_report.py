@@ -9,8 +9,12 @@ import torch
 
 import linearize
 from linearize.cli import main
-from linearize.eval.report import DSLA_ABLATIONS, HYBRID_ABLATIONS, LOLA_ABLATIONS, ablate, get_suite, headline, run_suite, table, to_markdown
+from linearize.eval.ablation import ablate
+from linearize.eval.markdown import table, to_markdown
+from linearize.eval.report import headline, run_suite
+from linearize.eval.suite import get_suite
 from linearize.hub import build_tiny_llama
+from linearize.layers.registry import KINDS
 
 from ..train.conftest import tiny_tokenizer
 
@@ -99,15 +103,15 @@ def test_ablation_reports_every_mode_and_delta_la(corpus):
     linearize.convert(model, {"attention": "hybrid", "window": 4})
     linearize.set_mode(model, "la_only", layers=[1])
     out = ablate(model, tok, tiny_suite(heldout_source=corpus, synthetic_tasks=[]))
-    assert out["modes"] == list(HYBRID_ABLATIONS)
-    assert set(out["table"]) == set(HYBRID_ABLATIONS)
+    assert out["modes"] == list(KINDS["hybrid"].ablation_modes)
+    assert set(out["table"]) == set(KINDS["hybrid"].ablation_modes)
     assert out["delta_la"]["ppl@32"] == pytest.approx(out["table"]["hybrid"]["ppl@32"] - out["table"]["swa_only"]["ppl@32"])
     assert out["table"]["none"]["ppl@32"] != out["table"]["hybrid"]["ppl@32"]
     assert linearize.layer_modes(model) == {0: "hybrid", 1: "la_only"}  # restored
     md = table(out["table"], extra={"Delta_LA": out["delta_la"]})
     assert md.splitlines()[0] == "| metric | hybrid | swa_only | la_only | sinks_only | none | Delta_LA |"
     linearize.convert(model, {"attention": "lola", "window": 4, "sparse_cache": 2})
-    assert ablate(model, tok, tiny_suite(heldout_source=corpus, synthetic_tasks=[]))["modes"] == list(LOLA_ABLATIONS)
+    assert ablate(model, tok, tiny_suite(heldout_source=corpus, synthetic_tasks=[]))["modes"] == list(KINDS["lola"].ablation_modes)
 
 
 @pytest.mark.slow
@@ -130,7 +134,7 @@ def test_dsla_ablation_reads_each_state_alone(corpus):
             layer.gamma_logit.fill_(0.3)
     assert not torch.allclose(outputs["history_only"], outputs["recent_only"])
     out = ablate(model, tok, tiny_suite(heldout_source=corpus, synthetic_tasks=[]))
-    assert out["modes"] == list(DSLA_ABLATIONS) and set(out["table"]) == set(DSLA_ABLATIONS)
+    assert out["modes"] == list(KINDS["dsla"].ablation_modes) and set(out["table"]) == set(KINDS["dsla"].ablation_modes)
     assert out["delta_la"] == {}  # no swa_only mode: Delta_LA is a hybrid-layer diagnostic
     with pytest.raises(ValueError, match="unknown mode 'swa_only' for layer 1 \\(dsla\\); valid modes: hybrid, history_only"):
         ablate(model, tok, tiny_suite(heldout_source=corpus, synthetic_tasks=[]), modes=["hybrid", "swa_only"])
@@ -176,11 +180,11 @@ def test_cli_eval_spec_flags_convert_a_trained_model_keeping_its_spec(tmp_path, 
     report = json.loads((tmp_path / "ev" / "report.json").read_text())
     assert report["synthetic"]["passkey"]["128"]["n"] == 1
     model, _ = linearize.load_model(str(converted))
-    from linearize.cli import build_parser, _load_converted
+    from linearize.cli import build_parser, load_converted
 
     args = build_parser().parse_args(["eval", "--model", str(converted), "--attention", "lola", "--sparse-cache", "4"])
-    model, _ = _load_converted(args)
-    assert model.config.linearize["window"] == 8 and model.config.linearize["sparse_cache"] == 4
+    model, _ = load_converted(args)
+    assert model.config.linearize["options"]["window"] == 8 and model.config.linearize["options"]["sparse_cache"] == 4
 
 
 @pytest.mark.slow

@@ -8,8 +8,9 @@ import torch
 import linearize
 from linearize.convert import converted_layers
 from linearize.hub import build_tiny_llama
+from linearize.teacher import capture_teacher
 from linearize.train.finetune import FinetuneObjective, as_teacher, kl_to_teacher, ssd_schedule
-from linearize.train.transfer import OBJECTIVE_FUNCTIONS, TransferObjective, capture_teacher
+from linearize.train.transfer import OBJECTIVE_FUNCTIONS, TransferObjective
 
 T = 12
 EPS = torch.finfo(torch.float32).eps
@@ -61,9 +62,9 @@ def test_objectives_vanish_when_the_window_covers_everything():
         teacher = captured[i].teacher_output
         assert float(OBJECTIVE_FUNCTIONS["hybrid_mse"](module, captured[i])) < mse_rounding(teacher)
         q, k, _ = module.project(captured[i].hidden_states, captured[i].position_embeddings)[:3]
-        from linearize.train.transfer import _teacher_probs
+        from linearize.teacher import teacher_probs
 
-        p = _teacher_probs(module, q, k, None)
+        p = teacher_probs(module, q, k, None)
         entropy = -(p * p.clamp_min(1e-12).log()).sum(-1).mean()
         torch.testing.assert_close(OBJECTIVE_FUNCTIONS["weights"](module, captured[i]), entropy, atol=1e-5, rtol=1e-5)
         assert float(OBJECTIVE_FUNCTIONS["la_mse"](module, captured[i])) > 1e6 * mse_rounding(teacher)  # LA alone differs from softmax
@@ -137,7 +138,7 @@ def test_finetune_draws_are_deterministic_and_follow_the_schedule():
     model, ids = model_and_batch({"attention": "hybrid", "window": 3})
     objective = FinetuneObjective(model, ce_weight=1.0, kl_weight=0.0, kl_temperature=1.0, swa_dropout="a", seed=3)
     objective.on_epoch(0)
-    assert objective.drop_probability == 0.9 and all(m.spec.window == 32 for m in converted_layers(model).values())
+    assert objective.drop_probability == 0.9 and all(m.options.window == 32 for m in converted_layers(model).values())
     objective._draw_window_dropout(64, step=5)
     first = [m.window_dropout.clone() for m in converted_layers(model).values()]
     objective._draw_window_dropout(64, step=5)

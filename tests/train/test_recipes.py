@@ -57,9 +57,9 @@ def test_recipe_runs_end_to_end_on_a_tiny_model(name, tiny_model_dir, tiny_corpu
             modes = linearize.layer_modes(model)
             assert sorted(i for i, m in modes.items() if m != "teacher") == sorted(order[:k])
     if name == "ssd":
-        assert summary["spec"]["window"] == ssd_schedule("b", 1)[1]
+        assert summary["spec"]["options"]["window"] == ssd_schedule("b", 1)[1]
     if name == "lola":  # trained through the sparse cache, and read back with it
-        assert summary["spec"]["attention"] == "lola" and summary["spec"]["sparse_cache"] == 4
+        assert summary["spec"]["attention"] == "lola" and summary["spec"]["options"]["sparse_cache"] == 4
     model, _ = linearize.load_model(summary["adapter"])
     assert model.config.linearize["attention"] == config.spec["attention"]
     if config.finetune.enabled:

@@ -39,7 +39,6 @@ import logging
 import os
 import platform
 import sysconfig
-import tempfile
 import time
 import tokenize
 from collections.abc import Callable, Iterator
@@ -51,8 +50,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ..checks import check_int
 from ..generate import left_pad
 from ..hub import cache_root
+from ..io import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -84,13 +85,6 @@ def _check_source(name: str, value: Any, *, allow_teacher: bool) -> None:
         raise DataConfigError(f"{name} {value!r}: unsupported file type {path.suffix!r}; valid: {', '.join(FILE_SUFFIXES)}")
     if not path.exists():
         raise DataConfigError(f"unknown {name} {value!r} (no such file or folder); valid choices: {choices}")
-
-
-def _check_int(name: str, value: Any, minimum: int, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise DataConfigError(f"{name} must be an integer >= {minimum}{' or None' if allow_none else ''}, got {value!r}")
 
 
 @dataclass
@@ -138,14 +132,14 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _check_source("source", self.source, allow_teacher=True)
-        _check_int("seq_len", self.seq_len, 2)
-        _check_int("heldout_sequences", self.heldout_sequences, 0, allow_none=True)
-        _check_int("max_train_sequences", self.max_train_sequences, 1, allow_none=True)
-        _check_int("max_documents", self.max_documents, 1, allow_none=True)
-        _check_int("seed", self.seed, 0)
-        _check_int("teacher_sequences", self.teacher_sequences, 1)
-        _check_int("teacher_batch_size", self.teacher_batch_size, 1)
-        _check_int("teacher_prompt_tokens", self.teacher_prompt_tokens, 1)
+        check_int("seq_len", self.seq_len, 2, error=DataConfigError)
+        check_int("heldout_sequences", self.heldout_sequences, 0, allow_none=True, error=DataConfigError)
+        check_int("max_train_sequences", self.max_train_sequences, 1, allow_none=True, error=DataConfigError)
+        check_int("max_documents", self.max_documents, 1, allow_none=True, error=DataConfigError)
+        check_int("seed", self.seed, 0, error=DataConfigError)
+        check_int("teacher_sequences", self.teacher_sequences, 1, error=DataConfigError)
+        check_int("teacher_batch_size", self.teacher_batch_size, 1, error=DataConfigError)
+        check_int("teacher_prompt_tokens", self.teacher_prompt_tokens, 1, error=DataConfigError)
         if self.source == "teacher":  # the prompt source and length matter (and are checked) only here
             _check_source("teacher_prompt_source", self.teacher_prompt_source, allow_teacher=False)
         if self.source == "teacher" and self.teacher_prompt_tokens >= self.seq_len:
@@ -483,20 +477,6 @@ def cache_path(config: DataConfig, tokenizer, model=None) -> Path:
     return root / f"{slug}-{config.seq_len}-{digest}.pt"
 
 
-def _atomic_save(obj: Any, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def build_dataset(config: DataConfig, tokenizer, *, model=None) -> PackedData:
     """Tokenise, split by document, pack: the train and held-out rows of ``config`` (cached, deterministic).
 
@@ -541,7 +521,8 @@ def build_dataset(config: DataConfig, tokenizer, *, model=None) -> PackedData:
         "build_seconds": round(time.perf_counter() - start, 3),
     }
     if path is not None:
-        _atomic_save({"train": train, "heldout": heldout, "info": info}, path)
+        payload = {"train": train, "heldout": heldout, "info": info}
+        atomic_write(path, lambda f: torch.save(payload, f))
     logger.info("Built %s data in %.1f s: %d train rows, %d held-out rows of %d tokens", config.source, info["build_seconds"], len(train), len(heldout), config.seq_len)
     return PackedData(train, heldout, {**info, "cache": str(path) if path else None, "from_cache": False})
 
@@ -574,8 +555,7 @@ def iterate_batches(
     fewer rows, or none: then it yields no last batch). start_batch skips the first batches (resume).
     """
     for name, value, minimum in (("batch_size", batch_size, 1), ("world_size", world_size, 1), ("seed", seed, 0), ("epoch", epoch, 0), ("start_batch", start_batch, 0)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-            raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        check_int(name, value, minimum)
     if not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
     order = np.random.default_rng([seed, epoch]).permutation(len(tensor))

@@ -1,0 +1,28 @@
+"""Validation helpers every layer of the package shares: one wording for bad values.
+
+Each raises the given error class (``ValueError`` by default) with a message naming the field, the bad
+value and what is valid.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...], error: type[ValueError] = ValueError) -> None:
+    """Raise ``error`` naming ``value`` and the valid ``choices`` unless it is one."""
+    if value not in choices:
+        raise error(f"unknown {name} {value!r}; valid choices: {', '.join(choices)}")
+
+
+def is_int(value: Any) -> bool:
+    """An int that is not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: Any, minimum: int, *, allow_none: bool = False, error: type[ValueError] = ValueError) -> None:
+    """Raise ``error`` unless ``value`` is an integer >= ``minimum`` (or None when ``allow_none``)."""
+    if value is None and allow_none:
+        return
+    if not is_int(value) or value < minimum:
+        raise error(f"{name} must be an integer >= {minimum}{' or None' if allow_none else ''}, got {value!r}")

@@ -1,0 +1,191 @@
+"""The ``linearize`` command line: info, convert, generate, train, sensitivity, eval, compare, ablate,
+bench, plots, demo.
+
+``parser``: this module (build_parser, main); ``spec_flags``: the spec flags generated from the spec
+and the attention kinds; ``commands`` and ``demo``: what each command does; ``output``: report
+writing and the demo's text layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from ..data import EVAL_DATA
+from ..layers.registry import KINDS, all_modes
+from .commands import (
+    DEFAULT_MODEL,
+    DEFAULT_PROMPT,
+    cmd_ablate,
+    cmd_bench,
+    cmd_compare,
+    cmd_convert,
+    cmd_eval,
+    cmd_generate,
+    cmd_info,
+    cmd_plots,
+    cmd_sensitivity,
+    cmd_train,
+    load_converted,
+    parse_overrides,
+)
+from .demo import DEFAULT_CONVERSION, DEMO_PROMPT, cmd_demo
+from .spec_flags import add_spec_flags, int_list, int_list_or_none, spec_from_args
+
+EXIT_USAGE = 2
+MODES = all_modes()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="linearize", description="Turn a Transformer LLM into a hybrid linear-attention model.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO level)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    _add_model_commands(sub)
+    _add_eval_commands(sub)
+    return parser
+
+
+def _add_model_commands(sub) -> None:
+    """info, convert, generate, train, sensitivity."""
+    p = sub.add_parser("info", help="layers, spec, parameter counts, memory per layer")
+    p.add_argument("model", help="alias (smollm2-135m), checkpoint dir, adapter dir or hub id")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("convert", help="convert a model (untrained new parameters) and save it")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"model to convert (default: {DEFAULT_MODEL})")
+    p.add_argument("--out", required=True, help="output directory (written atomically)")
+    p.add_argument("--adapter", action="store_true", help="write only the new parameters + the base model's name")
+    add_spec_flags(p)
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("generate", help="generate text; shows tokens/s and memory held per request")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--prompt", default=DEFAULT_PROMPT)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text (no chat template)")
+    p.add_argument("--mode", help=f"component mode of converted layers ({', '.join(MODES)}; each kind has a subset)")
+    p.add_argument("--json", action="store_true")
+    add_spec_flags(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("train", help="run a conversion recipe (any field overridable: --transfer.optim.lr 0.01)")
+    p.add_argument("--recipe", help="recipe name or path to a recipe YAML (see --list)")
+    p.add_argument("--resume", action="store_true", help="continue a killed run from its last checkpoints")
+    p.add_argument("--list", action="store_true", help="list the recipes and exit")
+    p.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
+    p.add_argument("--report", nargs="+", metavar="RUN_DIR", help="print the markdown results table of finished runs and exit")
+    p.add_argument("--compare-runs", nargs="+", metavar="RUN_DIR",
+                   help="held-out curves of finished runs against each other (data-parallel vs one process, seed noise), "
+                        "tokens/s and scaling efficiency; writes OUT/runs.{md,json} and OUT/runs.png with --out, and exits")
+    p.add_argument("--out", help="directory for --compare-runs output")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("sensitivity", help="per-layer attention entropy vs measured loss increase; saves the order")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="a teacher (layers converted one at a time per the spec flags) or a trained conversion")
+    p.add_argument("--source", default="wiki", help="held-out text source (as data.source of a recipe)")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batches", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--out", required=True, help="directory for sensitivity.json and sensitivity.png")
+    add_spec_flags(p)
+    p.set_defaults(func=cmd_sensitivity)
+
+
+def suite_flags(p) -> None:
+    """The evaluation suite's flags (eval, compare, ablate)."""
+
+    p.add_argument("--suite", default="quick", help="quick | full (default: quick)")
+    p.add_argument("--data-dir", default=str(EVAL_DATA), help="folder with the multiple-choice data files (default: the copy shipped in the package)")
+    p.add_argument("--samples", type=int, help="synthetic samples per task and length (overrides the suite)")
+    p.add_argument("--tasks", help="comma-separated synthetic tasks (overrides the suite)")
+    p.add_argument("--lengths", type=int_list, help="comma-separated synthetic lengths (overrides the suite)")
+    p.add_argument("--mc-limit", type=int, help="documents per multiple-choice task (overrides the suite)")
+    p.add_argument("--ppl-source", help="held-out text of the perplexity: a data source (wiki, essays, a local "
+                   ".txt/.jsonl/.parquet file or folder); its held-out documents (default: wiki)")
+    p.add_argument("--mc-tasks", help="comma-separated lm-eval tasks, or 'none' (overrides the suite)")
+    p.add_argument("--ppl-lengths", type=int_list_or_none,
+                   help="comma-separated perplexity context lengths, or 'none' (overrides the suite)")
+    p.add_argument("--batch-size", type=int, help="generation and scoring batch size (overrides the suite)")
+    p.add_argument("--device", help="cpu | cuda (default: cpu)")
+    p.add_argument("--out", help="directory for the markdown + JSON report")
+
+
+def _add_eval_commands(sub) -> None:
+    """eval, compare, ablate, bench, plots, demo."""
+    p = sub.add_parser("eval", help="evaluate a model: perplexity by length, synthetic long-context tasks, multiple choice")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    suite_flags(p)
+    add_spec_flags(p)
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("compare", help="evaluate several models side by side (or tabulate saved reports)")
+    p.add_argument("models", nargs="*")
+    p.add_argument("--reports", nargs="+", metavar="NAME=REPORT.json[,...]",
+                   help="no evaluation: merge each model's saved report JSONs (later files win) and tabulate them")
+    suite_flags(p)
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("ablate", help="a converted model under each component mode, with Delta_LA")
+    p.add_argument("--model", required=True)
+    defaults = "; ".join(f"{name}: {','.join(kind.ablation_modes)}" for name, kind in KINDS.items())
+    p.add_argument("--modes", help=f"comma-separated modes (default per kind: {defaults})")
+    suite_flags(p)
+    add_spec_flags(p)
+    p.set_defaults(func=cmd_ablate)
+
+    p = sub.add_parser("bench", help="prefill/decode latency and memory per request, teacher vs converted, as ratios")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--prefill-lengths", type=int_list, default=[256, 512, 1024])
+    p.add_argument("--decode-contexts", type=int_list, default=[512, 1024])
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", help="cpu | cuda (default: cpu)")
+    p.add_argument("--out", help="directory for efficiency.json, efficiency.md and efficiency.png")
+    add_spec_flags(p)
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("plots", help="diagnostic plots: self-recall error, attention mass by position, DSLA gates")
+    p.add_argument("--model", required=True, help="a converted model (or any model plus spec flags)")
+    p.add_argument("--source", default="wiki", help="held-out text source")
+    p.add_argument("--tokens", type=int, default=512, help="sequence length to analyse")
+    p.add_argument("--layer", type=int, help="converted layer to show (default: the middle one)")
+    p.add_argument("--out", required=True, help="directory for the PNG files")
+    add_spec_flags(p)
+    p.set_defaults(func=cmd_plots)
+    p = sub.add_parser("demo", help="main job: teacher vs a trained conversion side by side, with memory held")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"the teacher (default: {DEFAULT_MODEL})")
+    p.add_argument("--conversion", default=DEFAULT_CONVERSION,
+                   help=f"trained conversion to compare: shipped name or adapter dir (default: {DEFAULT_CONVERSION}); "
+                        "spec flags instead convert --model afresh, untrained")
+    p.add_argument("--prompt", default=DEMO_PROMPT)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    add_spec_flags(p)
+    p.set_defaults(func=cmd_demo)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "train":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if not args.verbose:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # weight-loading bars; our own long work keeps its progress bars
+    if getattr(args, "max_new_tokens", 1) < 1:
+        parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    try:
+        if args.command == "train":
+            args.overrides = parse_overrides(extra)
+        return args.func(args)
+    except (ValueError, FileNotFoundError, NotADirectoryError) as err:
+        print(f"linearize {args.command}: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+__all__ = ["EXIT_USAGE", "MODES", "build_parser", "load_converted", "main", "parse_overrides", "spec_from_args"]

@@ -1,0 +1,7 @@
+"""``python -m linearize.cli``."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

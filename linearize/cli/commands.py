@@ -1,0 +1,300 @@
+"""The commands of the command line (one function each, ``args`` from the parser)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..spec import ConversionSpec
+from .output import mib, partial_writer, write_report
+from .spec_flags import spec_from_args
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
+
+
+def cmd_info(args) -> int:
+    from ..summary import model_info
+
+    model, _ = load(args.model, args)
+    print(model_info(model, as_json=args.json))
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from ..api import save_adapter
+    from ..convert import convert
+    from ..io import atomic_dir
+
+    spec = spec_from_args(args) or ConversionSpec()
+    model, tokenizer = load(args.model, args)
+    convert(model, spec)
+    if args.adapter:
+        save_adapter(model, args.out, base_model=args.model)
+    else:
+        with atomic_dir(args.out) as tmp:
+            model.save_pretrained(tmp)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+    print(f"wrote {'adapter' if args.adapter else 'checkpoint'} to {args.out}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from ..convert import convert, set_mode
+    from ..generate import generate_text
+
+    model, tokenizer = load(args.model, args)
+    if tokenizer is None:
+        raise ValueError(f"model {args.model!r} has no tokenizer; generate needs one")
+    spec = spec_from_args(args)
+    if spec is not None:
+        convert(model, spec)
+    if args.mode:
+        set_mode(model, args.mode)
+    result = generate_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, chat=not args.no_chat)
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2))
+    else:
+        print(result.text)
+        print(f"\n[{result.new_tokens} tokens in {result.seconds:.2f} s = {result.tokens_per_second:.1f} tok/s; "
+              f"memory held for this request: {mib(result.memory_bytes)}]")
+    return 0
+
+
+def parse_overrides(extra: list[str]) -> dict[str, object]:
+    """``--transfer.optim.lr 0.01 --spec.window=32`` -> {"transfer.optim.lr": 0.01, "spec.window": 32} (YAML-typed)."""
+    import yaml
+
+    out: dict[str, object] = {}
+    i = 0
+    while i < len(extra):
+        item = extra[i]
+        if not item.startswith("--") or item == "--":
+            raise ValueError(f"expected an override like --transfer.optim.lr 0.01, got {item!r}")
+        key, eq, value = item[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(extra):
+                raise ValueError(f"override --{key} needs a value")
+            value, i = extra[i + 1], i + 1
+        out[key.replace("-", "_")] = yaml.safe_load(value)
+        i += 1
+    return out
+
+
+def cmd_train(args) -> int:
+    from ..train.recipes import load_recipe, recipe_names, run
+
+    if args.report:
+        from ..train.report import load_summaries, training_table
+
+        print(training_table(load_summaries(args.report)))
+        return 0
+    if args.compare_runs:
+        from ..train.report import plot_runs, runs_markdown, runs_report
+
+        report = runs_report(args.compare_runs)
+        markdown = runs_markdown(report)
+        print(markdown)
+        if args.out:
+            write_report(args.out, "runs", markdown, report)
+            plot_runs(report, Path(args.out) / "runs.png")
+        return 0
+    if args.list:
+        for name in recipe_names():
+            config = load_recipe(name)
+            print(f"{name:<18} {config.description}")
+        return 0
+    if not args.recipe:
+        raise ValueError(f"--recipe is required; valid recipes: {', '.join(recipe_names())}")
+    config = load_recipe(args.recipe, args.overrides)
+    if args.print_config:
+        print(config.to_yaml())
+        return 0
+    summary = run(config, resume=args.resume)
+    print(json.dumps({k: summary[k] for k in ("name", "teacher_heldout_loss", "heldout_loss", "heldout_ppl", "teacher_heldout_ppl", "adapter")}, indent=2))
+    return 0
+
+
+def cmd_sensitivity(args) -> int:
+    """Per layer: entropy of the last query's attention and the measured held-out loss increase."""
+    from ..data import DataConfig, build_dataset
+    from ..train.sensitivity import (
+        attention_entropy,
+        loss_increase,
+        plot_sensitivity,
+        save_order,
+        sensitivity_report,
+        trained_loss_increase,
+    )
+
+    model, tokenizer = load(args.model, args)
+    if tokenizer is None:
+        raise ValueError(f"model {args.model!r} has no tokenizer; sensitivity needs one to read its data")
+    data = build_dataset(DataConfig(source=args.source, seq_len=args.seq_len, heldout_sequences=args.batches * args.batch_size), tokenizer)
+    batches = [data.heldout[i * args.batch_size:(i + 1) * args.batch_size] for i in range(args.batches)]
+    entropy = attention_entropy(model, batches)
+    if getattr(model.config, "linearize", None) is not None:  # a trained conversion: measure its own layers
+        increase = trained_loss_increase(model, batches)
+        layers = sorted(increase)
+        report = sensitivity_report([entropy[i] for i in layers], [increase[i] for i in layers], layers)
+    else:
+        spec = spec_from_args(args) or ConversionSpec(attention="dsla")
+        report = sensitivity_report(entropy, loss_increase(model, spec, batches))
+    out = Path(args.out)
+    save_order(report, out / "sensitivity.json")
+    plot_sensitivity(report, out / "sensitivity.png")
+    print(f"{'layer':>5}  {'entropy':>8}  {'loss increase':>13}")
+    for row in report["layers"]:
+        print(f"{row['layer']:>5}  {row['entropy']:>8.3f}  {row['loss_increase']:>13.4f}")
+    print(f"Spearman(entropy, measured increase) = {report['spearman']}")
+    print(f"order (least sensitive first): {report['order']}")
+    print(f"wrote {out / 'sensitivity.json'} and {out / 'sensitivity.png'}")
+    return 0
+
+
+def suite_from_args(args):
+    from ..eval.suite import get_suite
+
+    changes = {}
+    if args.samples is not None:
+        changes["synthetic_samples"] = {"default": args.samples}
+    if args.mc_limit is not None:
+        changes["mc_limit"] = args.mc_limit
+    if args.tasks is not None:
+        changes["synthetic_tasks"] = [t for t in args.tasks.split(",") if t]
+    if args.lengths is not None:
+        changes["synthetic_lengths"] = args.lengths
+    if args.ppl_lengths is not None:
+        changes["perplexity_lengths"] = args.ppl_lengths
+    if args.mc_tasks is not None:
+        changes["mc_tasks"] = [] if args.mc_tasks == "none" else [t for t in args.mc_tasks.split(",") if t]
+    if args.batch_size is not None:
+        changes["batch_size"] = args.batch_size
+    if args.ppl_source is not None:
+        changes["heldout_source"] = args.ppl_source
+    return get_suite(args.suite, **changes)
+
+
+def load_converted(args):
+    """Load --model; spec flags (e.g. --attention lola --sparse-cache 64) convert it, keeping trained parameters."""
+    from ..convert import convert
+
+    model, tokenizer = load(args.model, args)
+    # flags change the model's own spec (e.g. --active 10 of a chained family's order); --spec replaces it
+    spec = spec_from_args(args, base=getattr(model.config, "linearize", None))
+    if spec is not None:
+        convert(model, spec)
+    return model, tokenizer
+
+
+def cmd_eval(args) -> int:
+    from ..eval.markdown import to_markdown
+    from ..eval.report import run_suite
+
+    suite = suite_from_args(args)
+    model, tokenizer = load_converted(args)
+    title = f"{args.model}: {suite.name} suite"
+    partial = partial_writer(args.out, "report", lambda r: to_markdown(title, r))
+    result = run_suite(model, tokenizer, suite, data_dir=args.data_dir, device=args.device, on_update=partial)
+    result["model"] = args.model
+    markdown = to_markdown(title, result)
+    print(markdown)
+    write_report(args.out, "report", markdown, result)
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from ..eval.markdown import table
+    from ..eval.perplexity import plot_perplexity_vs_length
+    from ..eval.report import headline, run_suite
+
+    if args.reports:
+        title, results = "Comparison (from saved reports)", _saved_reports(args.reports)
+    elif not args.models:
+        raise ValueError("name the models to compare (or give --reports NAME=REPORT.json[,REPORT.json ...])")
+    else:
+        suite = suite_from_args(args)
+        title, results = f"Comparison: {suite.name} suite", {}
+        for name in args.models:
+            model, tokenizer = load(name, args)
+            results[name] = run_suite(model, tokenizer, suite, data_dir=args.data_dir, device=args.device)
+            del model
+    markdown = f"# {title}\n\n" + table({n: headline(r) for n, r in results.items()}) + "\n"
+    print(markdown)
+    write_report(args.out, "compare", markdown, results)
+    with_ppl = {n: r["perplexity"] for n, r in results.items() if r.get("perplexity")}
+    if args.out and with_ppl:
+        plot_perplexity_vs_length(with_ppl, Path(args.out) / "perplexity_vs_length.png")
+    return 0
+
+
+def _saved_reports(items: list[str]) -> dict[str, dict]:
+    """--reports NAME=A.json,B.json ...: each model's saved report JSONs merged (later files win)."""
+    from ..eval.report import merge_results
+
+    results = {}
+    for item in items:
+        name, eq, files = item.partition("=")
+        if not eq or not name or not files:
+            raise ValueError(f"--reports expects NAME=REPORT.json[,REPORT.json ...], got {item!r}")
+        parts = []
+        for file in files.split(","):
+            path = Path(file)
+            if not path.is_file():
+                raise FileNotFoundError(f"report {file!r} (for {name!r}) does not exist")
+            parts.append(json.loads(path.read_text()))
+        results[name] = merge_results(parts)
+    return results
+
+
+def cmd_ablate(args) -> int:
+    from ..eval.ablation import ablate
+    from ..eval.markdown import table
+    from ..eval.report import headline
+
+    suite = suite_from_args(args)
+    model, tokenizer = load_converted(args)
+    title = f"# Component ablation: {args.model} ({suite.name} suite)\n\n"
+    partial = partial_writer(args.out, "ablation", lambda r: title + table({m: headline(x) for m, x in r.items()}) + "\n")
+    result = ablate(model, tokenizer, suite, modes=args.modes.split(",") if args.modes else None, data_dir=args.data_dir,
+                    device=args.device, on_update=partial)
+    extra = {"Delta_LA": result["delta_la"]} if result["delta_la"] else None
+    markdown = title + table(result["table"], extra=extra) + "\n"
+    print(markdown)
+    write_report(args.out, "ablation", markdown, result)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from ..bench.efficiency import run_efficiency, to_markdown
+
+    spec = spec_from_args(args)
+    result = run_efficiency(args.model, spec, prefill_lengths=args.prefill_lengths, decode_contexts=args.decode_contexts,
+                            batch_size=args.batch_size, decode_steps=args.decode_steps, repeats=args.repeats,
+                            device=args.device, out_dir=args.out)
+    print(to_markdown(result))
+    return 0
+
+
+def cmd_plots(args) -> int:
+    """Diagnostic plots of a converted model on held-out text (self-recall error, attention mass, DSLA gates)."""
+    from ..data import DataConfig
+    from ..eval.perplexity import heldout_tokens
+    from ..eval.plots import diagnostic_plots
+
+    model, tokenizer = load_converted(args)
+    if tokenizer is None:
+        raise ValueError(f"model {args.model!r} has no tokenizer; plots need one to read text")
+    ids = heldout_tokens(tokenizer, DataConfig(source=args.source, seq_len=64), max_tokens=args.tokens)
+    for path in diagnostic_plots(model, tokenizer, ids[None], args.out, layer=args.layer):
+        print(f"wrote {path}")
+    return 0
+
+
+def load(name: str, args):
+    from ..api import load_model
+
+    return load_model(name, device=getattr(args, "device", None))

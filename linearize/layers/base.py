@@ -1,0 +1,261 @@
+"""What every converted attention kind shares.
+
+Each converted module takes the place of a decoder layer's ``self_attn`` and reuses the teacher's
+q/k/v/o projections (the same nn.Linear objects, not copies). ``ConvertedAttention`` does what every
+kind shares: project, RoPE, padding mask, reading/writing this layer's state in the cache, the generic
+diagnostic modes. A kind's subclass (one file per kind: softmax.py, hybrid.py, lola.py, dsla.py) adds
+its parameters and maps each of its modes to an op call; ``KindOptions`` is the base of a kind's own
+spec fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+from typing import Any, Callable, NamedTuple
+
+import torch
+from torch import Tensor, nn
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from ..cache import cache_argument, state_layer
+from ..ops.softmax import sinks_attention, zero_attention
+from ..ops.states import BatchState, KVState
+
+logger = logging.getLogger(__name__)
+
+N_SINKS = 8
+GENERIC_MODES = ("sinks_only", "none", "teacher")
+"""Modes every converted layer supports: the HedgeCATs component diagnostics (sinks_only, none) and
+'teacher' (the layer runs the teacher's original attention with plain KV; its new parameters stay,
+inactive: nested conversions and run-time conversion switch layers this way)."""
+STATE_BYTES = 4
+"""Recurrent states are kept in float32 (the memory formulas count them at this size)."""
+
+
+class SpecError(ValueError):
+    """A bad conversion spec value (message names the value and the valid choices)."""
+
+
+class KindOptions:
+    """Base of a kind's own spec fields (a dataclass per kind, validated in ``__post_init__``)."""
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """Raise a ValueError when these options cannot serve heads of ``head_dim`` (default: any)."""
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionKind:
+    """Everything the package knows about one attention kind, in one record.
+
+    Registered once in ``linearize.layers.registry.KINDS``; the spec, conversion, mode lists, memory
+    formula, ablations and diagnostics all look it up there."""
+
+    name: str
+    """The spec's ``attention`` value."""
+    layer: type
+    """The ConvertedAttention subclass that runs it."""
+    options: type
+    """Its own spec fields: a KindOptions dataclass (fields a kind lacks are errors, not ignored)."""
+    state: type
+    """The BatchState its mode 'hybrid' keeps in the cache."""
+    modes: tuple[str, ...]
+    """Its own component modes ('hybrid' first); every layer also has GENERIC_MODES."""
+    ablation_modes: tuple[str, ...]
+    """The modes ``linearize ablate`` runs by default."""
+    memory: Callable[[Any, Any, int], tuple[int, int]]
+    """(options, model config, KV bytes per element) -> (bytes per token, fixed bytes) one request holds."""
+    diagnostics: tuple[str, ...] = ()
+    """Diagnostic plots that apply (names from ``linearize.eval.plots.DIAGNOSTICS``)."""
+    description: str = ""
+
+    def make_options(self, values: dict[str, Any] | None = None):
+        """The kind's options from field values (unknown fields raise SpecError naming the valid ones)."""
+        values = dict(values or {})
+        fields = self.options.field_names()
+        unknown = sorted(set(values) - set(fields))
+        if unknown:
+            raise SpecError(f"field(s) {unknown} do not apply to attention {self.name!r}; "
+                            f"its fields: {', '.join(fields) or 'none'}")
+        return self.options(**values)
+
+
+def has_two_gates(module: nn.Module) -> bool:
+    """Layers with a history and a recent gate (DSLA's ``log_gates``): gate similarity and gate plots apply."""
+    return callable(getattr(module, "log_gates", None))
+
+
+def head_sizes(config) -> tuple[int, int, int]:
+    """(query heads, key/value heads, head dim) of a model config."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_attention_heads, config.num_key_value_heads, head_dim
+
+
+
+class Projection(NamedTuple):
+    """A layer's projected inputs: q (B, Hq, T, D), k and v (B, Hkv, T, D), RoPE applied to q and k;
+    q_lin and k_lin are what the linear part's feature maps see: the same tensors as q and k, or
+    q and k before RoPE when the spec's ``linear_rope`` is false."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    q_lin: Tensor
+    k_lin: Tensor
+
+    @property
+    def separate(self) -> bool:
+        """Whether the feature maps see other tensors than the softmax (q_lin is not q)."""
+        return self.q_lin is not self.q
+
+    def map(self, fn: Callable[[Tensor], Tensor]) -> "Projection":
+        """``fn`` applied to every tensor; q_lin/k_lin stay the same objects as q/k when they were."""
+        q, k, v = fn(self.q), fn(self.k), fn(self.v)
+        if not self.separate:
+            return Projection(q, k, v, q, k)
+        return Projection(q, k, v, fn(self.q_lin), fn(self.k_lin))
+
+
+Attend = Callable[[Projection, Tensor, Tensor | None, BatchState | None], tuple[Tensor, BatchState | None]]
+
+
+def key_padding_from_mask(attention_mask: Tensor | None, query_length: int) -> Tensor | None:
+    """(B, T) bool of real tokens among the current ``query_length`` positions, from the mask the
+    model passes to its attention layers: None (no padding), a 2D (B, KV) padding mask, or a 4D
+    (B, 1, Q, KV) bool / additive float mask whose last query row is a real token or padding that
+    sees every earlier key: either way its row marks exactly the non-padding keys."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() == 2:
+        return attention_mask[:, -query_length:].bool()
+    if attention_mask.dim() == 4:
+        row = attention_mask[:, 0, -1, -query_length:]  # (B, T)
+        return row if row.dtype == torch.bool else row == 0
+    raise ValueError(f"unsupported attention mask of shape {tuple(attention_mask.shape)}; expected 2D or 4D")
+
+
+KERNELS = ("auto", "torch", "fla")
+
+
+def resolve_kernel(kernel: str, device: torch.device) -> str:
+    """'auto' -> 'fla' on CUDA when flash-linear-attention is installed, else 'torch'."""
+    if kernel != "auto":
+        return kernel
+    if device.type == "cuda" and importlib.util.find_spec("fla") is not None:
+        return "fla"
+    return "torch"
+
+
+class ConvertedAttention(nn.Module):
+    """Shared part of every converted attention kind; subclasses define ``attend_modes``.
+
+    ``spec`` is the layer's LayerSpec (``spec.attention`` names the kind, ``spec.options`` holds the
+    kind's own fields)."""
+
+    separate_linear_inputs = False
+    """Whether the linear part's feature maps see q/k before RoPE (kinds with a ``linear_rope`` option)."""
+
+    def __init__(self, teacher: nn.Module, spec, layer_idx: int, config) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = teacher.q_proj, teacher.k_proj, teacher.v_proj, teacher.o_proj
+        object.__setattr__(self, "teacher", teacher)  # kept outside the module tree: no duplicate weights
+        self.layer_idx = layer_idx
+        self.head_dim = teacher.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.scaling = teacher.scaling
+        self.spec = spec
+        self.mode = "hybrid"
+
+    @property
+    def options(self):
+        """This layer's kind-specific spec fields (``spec.options``)."""
+        return self.spec.options
+
+    # --- modes -------------------------------------------------------------------------------
+    def attend_modes(self) -> dict[str, Attend]:
+        """Kind-specific modes: name -> fn(projection, x, valid, state) -> (out, state)."""
+        raise NotImplementedError
+
+    def attention_weights(self, p: Projection, valid: Tensor | None, branches: str = "both") -> Tensor:
+        """(B, Hq, T, T) normalised attention weights, for kinds that have them (see ``has_weights``)."""
+        raise NotImplementedError(f"attention {self.spec.attention!r} has no normalised attention weights")
+
+    @property
+    def has_weights(self) -> bool:
+        """Whether ``attention_weights`` exists for this kind (weight-transfer objectives need it)."""
+        return type(self).attention_weights is not ConvertedAttention.attention_weights
+
+    def modes(self) -> tuple[str, ...]:
+        return tuple(self.attend_modes()) + GENERIC_MODES
+
+    def check_mode(self, mode: str) -> None:
+        """ValueError naming ``mode``, this layer and its valid modes, unless this layer has ``mode``."""
+        if mode not in self.modes():
+            raise ValueError(f"unknown mode {mode!r} for layer {self.layer_idx} ({self.spec.attention}); "
+                             f"valid modes: {', '.join(self.modes())}")
+
+    def set_mode(self, mode: str) -> None:
+        self.check_mode(mode)
+        self.mode = mode
+
+    def _attend(self, p: Projection, x, valid, state):
+        if self.mode == "sinks_only":
+            return sinks_attention(p.q, p.k, p.v, n_sinks=N_SINKS, valid=valid, state=expect_state(state, KVState, self), scale=self.scaling)
+        if self.mode == "none":
+            return zero_attention(p.q, p.v), None
+        return self.attend_modes()[self.mode](p, x, valid, state)
+
+    # --- forward -----------------------------------------------------------------------------
+    def forward(
+        self,
+        hidden_states: Tensor,
+        position_embeddings: tuple[Tensor, Tensor] | None = None,
+        attention_mask: Tensor | None = None,
+        **kwargs,
+    ) -> tuple[Tensor, None]:
+        if self.mode == "teacher":  # the cache reaches the teacher under the name the decoder layer gave it
+            return self.teacher(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs)
+        b, t, _ = hidden_states.shape
+        proj = self.project(hidden_states, position_embeddings)
+        valid = key_padding_from_mask(attention_mask, t)
+        cache = cache_argument(kwargs)
+        slot = state_layer(cache, self.layer_idx) if cache is not None else None
+        out, state = self._attend(proj, hidden_states, valid, slot.state if slot is not None else None)
+        if slot is not None:
+            slot.store(state, t)
+        out = out.transpose(1, 2).reshape(b, t, -1).to(hidden_states.dtype)  # (B, T, Hq * D)
+        return self.o_proj(out), None
+
+    def project(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor]) -> Projection:
+        """q (B, Hq, T, D), k and v (B, Hkv, T, D), RoPE applied to q and k; the feature maps'
+        inputs q_lin, k_lin (before RoPE when ``separate_linear_inputs``)."""
+        b, t, _ = hidden_states.shape
+        q_pre = self.q_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
+        k_pre = self.k_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.v_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q_pre, k_pre, cos, sin)
+        if self.separate_linear_inputs:
+            return Projection(q, k, v, q_pre, k_pre)
+        return Projection(q, k, v, q, k)
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer_idx}, attention={self.spec.attention}, mode={self.mode}"
+
+
+def expect_state(state: BatchState | None, kind: type, module: ConvertedAttention):
+    if state is not None and not isinstance(state, kind):
+        raise ValueError(
+            f"layer {module.layer_idx} in mode {module.mode!r} needs a {kind.__name__} but the cache holds a "
+            f"{type(state).__name__}: modes that keep different states cannot be switched mid-sequence; start a new cache"
+        )
+    return state

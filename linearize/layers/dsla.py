@@ -1,0 +1,147 @@
+"""dsla: dual-state gated linear attention (DSLA)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..checks import check_choice, check_int
+from ..ops.common import repeat_kv
+from ..ops.dsla import dsla_attention, init_gate_bias, log_gate
+from ..ops.states import DslaState
+from .base import KERNELS, STATE_BYTES, AttentionKind, Attend, ConvertedAttention, SpecError, expect_state, head_sizes, resolve_kernel
+from .feature_map import FeatureMapOptions, feature_map_pair
+
+
+@dataclass
+class DslaOptions(FeatureMapOptions):
+    """Spec fields of a DSLA layer."""
+
+    chunk: int = 16
+    """DSLA's block length on the torch kernel (its memory grows with it)."""
+    dsla_history_gate: float = 0.999
+    """DSLA: initial gate value of the slow (history) state."""
+    dsla_recent_gate: float = 0.9
+    """DSLA: initial gate value of the fast (recent) state."""
+    dsla_gate_rank: int = 16
+    """DSLA: rank of the low-rank gate projection (hidden -> rank -> heads * features)."""
+    kernel: str = "auto"
+    """auto (fla on CUDA when installed, else torch) | torch | fla."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_choice("kernel", self.kernel, KERNELS, SpecError)
+        check_int("chunk", self.chunk, 1, error=SpecError)
+        check_int("dsla_gate_rank", self.dsla_gate_rank, 1, error=SpecError)
+        for name in ("dsla_history_gate", "dsla_recent_gate"):
+            if not 0.0 < getattr(self, name) < 1.0:
+                raise SpecError(f"{name} must lie in (0, 1), got {getattr(self, name)}")
+
+    @property
+    def normalized(self) -> bool:
+        """Feature-mapped q/k with normalised state reads (every feature map but identity)."""
+        return self.feature_map != "identity"
+
+
+class LowRankGate(nn.Module):
+    """GLA-style data-dependent gate: log alpha = logsigmoid(x W1 W2 + b) / 16, per key dimension."""
+
+    def __init__(self, hidden: int, rank: int, out: int, init_value: float):
+        super().__init__()
+        self.down = nn.Linear(hidden, rank, bias=False)
+        self.up = nn.Linear(rank, out, bias=True)
+        nn.init.normal_(self.down.weight, std=hidden**-0.5)
+        nn.init.zeros_(self.up.weight)  # starts data independent, at init_value
+        nn.init.constant_(self.up.bias, init_gate_bias(init_value))
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, hidden) -> (B, T, out), in float32
+        x = x.to(self.down.weight.dtype)  # the new parameters stay float32 in a bf16 model
+        return log_gate(self.up(self.down(x)))
+
+
+class DslaAttention(ConvertedAttention):
+    """Dual-state gated linear attention (DSLA): a slow history state and a fast recent state that
+    share the write and differ in forgetting, mixed by a learned gamma = sigmoid(theta) in [0, 1].
+
+    q and k pass through the spec's feature map (learned Hedgehog by default, as in LoLCATs) and each
+    state's read is normalised (divided by q z), so the layer starts as a decayed normalised linear
+    attention of the teacher's q/k/v. With feature_map 'identity' it is the paper's raw form: q and
+    k as they are, no normaliser."""
+
+    def __init__(self, teacher, spec, layer_idx, config):
+        super().__init__(teacher, spec, layer_idx, config)
+        o = self.options
+        hidden = config.hidden_size
+        self.normalize = o.normalized
+        self.features = o.features(self.head_dim)
+        if self.normalize:
+            self.feature_map_q, self.feature_map_k = feature_map_pair(o, self.num_heads, self.head_dim, layer_idx)
+        width = self.num_heads * self.features
+        self.gate_history = LowRankGate(hidden, o.dsla_gate_rank, width, o.dsla_history_gate)
+        self.gate_recent = LowRankGate(hidden, o.dsla_gate_rank, width, o.dsla_recent_gate)
+        self.gamma_logit = nn.Parameter(torch.zeros(()))
+
+    @property
+    def separate_linear_inputs(self) -> bool:
+        return not self.options.linear_rope
+
+    def gamma(self) -> Tensor:
+        return torch.sigmoid(self.gamma_logit.float())
+
+    def log_gates(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(B, T, hidden) -> two (B, Hq, T, F) log-gates (F: features per head)."""
+        b, t, _ = x.shape
+
+        def heads(g: Tensor) -> Tensor:
+            return g.view(b, t, self.num_heads, self.features).transpose(1, 2)
+
+        return heads(self.gate_history(x)), heads(self.gate_recent(x))
+
+    def attend_modes(self):
+        """hybrid: both states mixed by gamma; history_only / recent_only: read one state alone
+        (gamma fixed to 1 / 0; both states are still written, so modes can switch at run time)."""
+        return {
+            "hybrid": self._dsla(None),
+            "history_only": self._dsla(1.0),
+            "recent_only": self._dsla(0.0),
+        }
+
+    def _dsla(self, fixed_gamma: float | None) -> Attend:
+        def dsla(p, x, valid, state):
+            q, k, v = p.q_lin, p.k_lin, p.v  # linear attention only: q/k before RoPE unless linear_rope
+            log_h, log_r = self.log_gates(x)
+            gamma = self.gamma() if fixed_gamma is None else torch.full((), fixed_gamma, device=q.device)
+            scale = self.scaling
+            if self.normalize:  # feature maps are per query head: repeat the kv heads first
+                n_rep = q.shape[1] // k.shape[1]
+                q, k = self.feature_map_q(q), self.feature_map_k(repeat_kv(k, n_rep))
+                v, scale = repeat_kv(v, n_rep), 1.0  # the normaliser cancels any scale
+            return dsla_attention(
+                q, k, v, log_h, log_r, gamma,
+                valid=valid, state=expect_state(state, DslaState, self), scale=scale,
+                backend=resolve_kernel(self.options.kernel, q.device), normalize=self.normalize, chunk=self.options.chunk,
+            )
+
+        return dsla
+
+
+def dsla_memory(options: DslaOptions, config, dtype_bytes: int) -> tuple[int, int]:
+    """Two (features x head_dim [+ 1 normaliser column]) states per query head, float32."""
+    h, _, head_dim = head_sizes(config)
+    return 0, 2 * h * options.features(head_dim) * (head_dim + options.normalized) * STATE_BYTES
+
+
+KIND = AttentionKind(
+    name="dsla",
+    layer=DslaAttention,
+    options=DslaOptions,
+    state=DslaState,
+    modes=("hybrid", "history_only", "recent_only"),
+    ablation_modes=("hybrid", "history_only", "recent_only", "sinks_only", "none"),
+    memory=dsla_memory,
+    diagnostics=("attention_mass", "gates"),
+    description="dual-state gated linear attention (DSLA)",
+)

@@ -1,0 +1,85 @@
+"""lola: the joint, non-overlapping hybrid plus a sparse cache kept by self-recall error (LoLA)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..checks import check_int
+from ..ops.lola import lola_attention
+from ..ops.states import LolaState
+from .base import STATE_BYTES, AttentionKind, Attend, SpecError, expect_state, head_sizes
+from .hybrid import WindowedLinearAttention, WindowOptions, linear_state_bytes, window_bytes
+
+
+@dataclass
+class LolaOptions(WindowOptions):
+    """Spec fields of a LoLA layer (its mix is always joint and non-overlapping)."""
+
+    sparse_cache: int = 0
+    """LoLA's lambda: sparse global cache slots per head."""
+    sinks: int = 0
+    """The first ``sinks`` tokens of a sequence never leave the sparse cache (attention sinks, as in
+    StreamingLLM); they take ``sinks`` of its ``sparse_cache`` slots."""
+    linear_weight: float = 1.0
+    """Weight of the linear state's term in the shared numerator and denominator (1 is the trained
+    hybrid's read; below 1 keeps the linear term from swamping the explicit entries)."""
+    chunk: int = 16
+    """LoLA's prefill chunk length C (queries of a chunk share the linear state)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int("sparse_cache", self.sparse_cache, 0, error=SpecError)
+        check_int("chunk", self.chunk, 1, error=SpecError)
+        if not isinstance(self.sinks, int) or isinstance(self.sinks, bool) or not 0 <= self.sinks <= self.sparse_cache:
+            raise SpecError(f"sinks must be an integer in [0, sparse_cache={self.sparse_cache}], got {self.sinks!r}")
+        if isinstance(self.linear_weight, bool) or not isinstance(self.linear_weight, (int, float)) or self.linear_weight < 0:
+            raise SpecError(f"linear_weight must be a number >= 0, got {self.linear_weight!r}")
+
+
+class LolaAttention(WindowedLinearAttention):
+    """Three memories per head: window, sparse cache (top lambda by self-recall error), linear state.
+    The same parameters as a joint hybrid layer, so a trained hybrid can be read with LoLA."""
+
+    def attend_modes(self):
+        return {
+            "hybrid": self._lola(read_state=True, read_sparse=True),
+            "no_state": self._lola(read_state=False, read_sparse=True),
+            "no_sparse": self._lola(read_state=True, read_sparse=False),
+            "window_only": self._lola(read_state=False, read_sparse=False),
+        }
+
+    def _lola(self, *, read_state: bool, read_sparse: bool) -> Attend:
+        def attend(p, x, valid, state):
+            o = self.options
+            return lola_attention(
+                p.q, p.k, p.v,
+                phi_q=self.feature_map_q, phi_k=self.feature_map_k,
+                window=o.window, sparse=o.sparse_cache, window_factor=self.window_factor(),
+                chunk=o.chunk, valid=valid, state=expect_state(state, LolaState, self), scale=self.scaling,
+                read_state=read_state, read_sparse=read_sparse,
+                sinks=o.sinks, linear_weight=float(o.linear_weight),
+                **self.linear_inputs(p),
+            )
+
+        return attend
+
+
+def lola_memory(options: LolaOptions, config, dtype_bytes: int) -> tuple[int, int]:
+    """Window + linear state as a hybrid, plus the sparse cache (which keeps keys before RoPE too:
+    its entries' self-recall error and write need them)."""
+    h, _, head_dim = head_sizes(config)
+    sparse = options.sparse_cache * (2 + (not options.linear_rope)) * h * head_dim * STATE_BYTES
+    return 0, window_bytes(options, config) + sparse + linear_state_bytes(options, config)
+
+
+KIND = AttentionKind(
+    name="lola",
+    layer=LolaAttention,
+    options=LolaOptions,
+    state=LolaState,
+    modes=("hybrid", "no_state", "no_sparse", "window_only"),
+    ablation_modes=("hybrid", "no_state", "no_sparse", "window_only"),
+    memory=lola_memory,
+    diagnostics=("self_recall", "attention_mass"),
+    description="hybrid + sparse cache chosen by self-recall error (LoLA)",
+)
