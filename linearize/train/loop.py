@@ -257,6 +257,7 @@ def run_stage(
             if state.step % cfg.save_every == 0 and world.is_main:
                 save_checkpoint(ckpt, params, optimizer, scheduler, state, best)
             state.overhead_seconds += time.perf_counter() - paused
+            state.seconds = time.perf_counter() - started  # wall time includes the evaluation and checkpoint
             if state.step >= total or stop:
                 break
         else:
