@@ -28,6 +28,8 @@ tokens' linear part on the fly).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -247,7 +249,61 @@ def hybrid_attention(
                          + " separate feature-map keys but this call " + ("gives" if separate else "does not give")
                          + " q_lin/k_lin: a sequence cannot switch between them")
 
-    # Extended sequence (L = window + T): the state's window slots, then the new tokens.
+    ext = _extend(ws, q, k, v, valid, window, q_lin, k_lin)
+    ext_valid, ext_pos, keys, values, lin_keys = ext.valid, ext.positions, ext.keys, ext.values, ext.lin_keys
+    queries, lin_queries, order, new_valid = ext.queries, ext.lin_queries, ext.order, ext.new_valid
+
+    kr, vr = repeat_kv(keys, n_rep), repeat_kv(values, n_rep).to(dt)  # (B, Hq, L, D|Dv)
+    k_feat = repeat_kv(lin_keys, n_rep) if separate else kr
+    kf = phi_k(k_feat).to(dt) * ext_valid[:, None, :, None]  # (B, Hq, L, F); padding/empty slots -> 0
+    qf = phi_q(lin_queries if separate else queries).to(dt)  # (B, Hq, T, F)
+
+    # Older than the window: query slot i (extended index window + i) has older keys 0..i, i.e.
+    # causal LA over the extended keys shifted right by `window`, continuing the lagged state.
+    # Its final state covers extended tokens 0..T-1 = everything before the new window.
+    old_num, old_den, new_linear = linear_attention_numden(
+        qf, kf[:, :, :t], vr[:, :, :t], lin_state, backend=backend, chunk=chunk
+    )
+
+    out = _window_and_mix(
+        queries, kr, vr, qf, kf, old_num, old_den, ext_valid, window=window, chunk=chunk, scale=scale, dt=dt,
+        overlap=overlap, branches=branches, mix=mix,
+        window_factor=_per_head(window_factor, hq, "window_factor", 1.0, vr), gate=_per_head(gate, hq, "gate", 0.5, vr),
+    )  # (B, Hq, T, Dv), by query slot
+    if valid is not None:  # back from query slots to the new tokens' order
+        slot = (order.argsort(dim=1)[:, window:] - window).clamp(min=0)  # (B, T)
+        out = _gather_tokens(out, slot)
+    out = torch.where(new_valid[:, None, :, None], out, torch.zeros_like(out))
+
+    new_window = WindowState(
+        keys=keys[:, :, t:].to(dt),  # (B, Hkv, window, D)
+        values=values[:, :, t:].to(dt),  # (B, Hkv, window, Dv)
+        valid=ext_valid[:, t:],
+        positions=ext_pos[:, t:],
+        linear_keys=lin_keys[:, :, t:].to(dt) if separate else None,  # (B, Hkv, window, D)
+    )
+    return out.to(v.dtype), HybridState(window=new_window, linear=new_linear)
+
+
+@dataclass(frozen=True)
+class _Extended:
+    """The state's window slots followed by the call's tokens (L = window + T), padding moved left."""
+
+    valid: Tensor  # (B, L)
+    positions: Tensor  # (B, L)
+    keys: Tensor  # (B, Hkv, L, D), zero at padding
+    values: Tensor  # (B, Hkv, L, Dv), zero at padding
+    lin_keys: Tensor | None  # (B, Hkv, L, D): the feature maps' keys, or None
+    queries: Tensor  # (B, Hq, T, D): query slot i holds extended token window + i
+    lin_queries: Tensor | None  # (B, Hq, T, D) or None
+    order: Tensor | None  # (B, L) the stable sort that moved padding left; None without a mask
+    new_valid: Tensor  # (B, T) the call's real tokens
+
+
+def _extend(ws: WindowState, q, k, v, valid, window: int, q_lin, k_lin) -> _Extended:
+    """The extended sequence a call works on: the state's window, then the new tokens."""
+    separate = k_lin is not None
+    order = None
     new_valid = default_valid(q, valid)  # (B, T)
     seen = ws.positions.amax(dim=1) + 1  # (B,) real tokens before this call
     new_pos = (seen[:, None] + new_valid.long().cumsum(dim=1) - 1).masked_fill(~new_valid, -1)  # (B, T)
@@ -274,19 +330,17 @@ def hybrid_attention(
     values = torch.where(ext_valid[:, None, :, None], values, torch.zeros_like(values))
     if separate:
         lin_keys = torch.where(ext_valid[:, None, :, None], lin_keys, torch.zeros_like(lin_keys))
+    return _Extended(ext_valid, ext_pos, keys, values, lin_keys, queries, lin_queries, order, new_valid)
 
-    kr, vr = repeat_kv(keys, n_rep), repeat_kv(values, n_rep).to(dt)  # (B, Hq, L, D|Dv)
-    k_feat = repeat_kv(lin_keys, n_rep) if separate else kr
-    kf = phi_k(k_feat).to(dt) * ext_valid[:, None, :, None]  # (B, Hq, L, F); padding/empty slots -> 0
-    qf = phi_q(lin_queries if separate else queries).to(dt)  # (B, Hq, T, F)
 
-    # Older than the window: query slot i (extended index window + i) has older keys 0..i, i.e.
-    # causal LA over the extended keys shifted right by `window`, continuing the lagged state.
-    # Its final state covers extended tokens 0..T-1 = everything before the new window.
-    old_num, old_den, new_linear = linear_attention_numden(
-        qf, kf[:, :, :t], vr[:, :, :t], lin_state, backend=backend, chunk=chunk
-    )
+def _window_and_mix(queries, kr, vr, qf, kf, old_num, old_den, ext_valid, *, window: int, chunk: int, scale: float, dt,
+                    overlap: bool, branches: str, mix: str, window_factor: Tensor, gate: Tensor) -> Tensor:
+    """The window softmax of every query slot, mixed with the linear part: (B, Hq, T, Dv) by slot.
 
+    queries (B, Hq, T, D); kr / vr (B, Hq, L, D|Dv) the extended keys and values; qf (B, Hq, T, F) and
+    kf (B, Hq, L, F) their feature maps; old_num / old_den the linear part over the older tokens.
+    """
+    b, hq, t, _ = queries.shape
     # Window: query slot i sees extended keys i+1 .. i+window. Chunks of c queries take blocks of
     # c + window - 1 keys; key u of the block is in query s's window iff 0 <= u - s < window.
     c = max(1, min(chunk, t))
@@ -300,7 +354,7 @@ def hybrid_attention(
     def query_blocks(x: Tensor) -> Tensor:  # (B, H, T, X) -> (B, H, N, c, X)
         return F.pad(x, (0, 0, 0, pad)).view(*x.shape[:2], n, c, x.shape[-1])
 
-    offset = torch.arange(span, device=q.device)[None, :] - torch.arange(c, device=q.device)[:, None]  # (c, span)
+    offset = torch.arange(span, device=queries.device)[None, :] - torch.arange(c, device=queries.device)[:, None]  # (c, span)
     key_ok = F.pad(ext_valid[:, 1:], (0, pad)).unfold(1, span, c)  # (B, N, span)
     in_window = ((offset >= 0) & (offset < window)) & key_ok[:, None, :, None, :]  # (B, 1, N, c, span)
     vb = key_blocks(vr)  # (B, Hq, N, span, Dv)
@@ -321,20 +375,7 @@ def hybrid_attention(
         lin_den,
         mix=mix,
         branches=branches,
-        window_factor=_per_head(window_factor, hq, "window_factor", 1.0, vr),
-        gate=_per_head(gate, hq, "gate", 0.5, vr),
+        window_factor=window_factor,
+        gate=gate,
     )
-    out = out.reshape(b, hq, n * c, -1)[:, :, :t]  # (B, Hq, T, Dv), by query slot
-    if valid is not None:  # back from query slots to the new tokens' order
-        slot = (order.argsort(dim=1)[:, window:] - window).clamp(min=0)  # (B, T)
-        out = _gather_tokens(out, slot)
-    out = torch.where(new_valid[:, None, :, None], out, torch.zeros_like(out))
-
-    new_window = WindowState(
-        keys=keys[:, :, t:].to(dt),  # (B, Hkv, window, D)
-        values=values[:, :, t:].to(dt),  # (B, Hkv, window, Dv)
-        valid=ext_valid[:, t:],
-        positions=ext_pos[:, t:],
-        linear_keys=lin_keys[:, :, t:].to(dt) if separate else None,  # (B, Hkv, window, D)
-    )
-    return out.to(v.dtype), HybridState(window=new_window, linear=new_linear)
+    return out.reshape(b, hq, n * c, -1)[:, :, :t]

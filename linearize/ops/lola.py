@@ -200,6 +200,10 @@ def _lola_chunk(
 ) -> tuple[Tensor, LolaState]:
     """One chunk: select the sparse cache, attend (true window per query), then write and slide.
 
+    Kept as one function on purpose: the three steps share a dozen per-chunk tensors (candidates,
+    their features, the kept / written masks, the base state), and read top to bottom as the three
+    steps of the module docstring.
+
     q (B, Hq, C, D), k (B, Hkv, C, D), v (B, Hkv, C, Dv) float32, zero at padding; cvalid (B, C)
     with the real tokens first; cpos (B, C) their positions (-1 for padding). ``lin``: the feature
     maps' inputs (q_lin (B, Hq, C, D), k_lin (B, Hkv, C, D), zero at padding), or None: q and k.

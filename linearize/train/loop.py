@@ -182,7 +182,9 @@ def run_stage(
     With early stopping the best held-out weights are restored at the end. ``on_epoch(epoch)`` runs
     before each epoch's first step (schedules that change per epoch). ``cfg.max_minutes`` bounds the
     wall time after this call's first step (``state.seconds - state.warmup_seconds``): the first step
-    pays for compiling and autotuning kernels, which would otherwise eat a short budget.
+    pays for compiling and autotuning kernels, which would otherwise eat a short budget. One function
+    on purpose: resume, warm-up, budget, evaluation and checkpoint are one control flow around the
+    step (the step itself is ``_apply_gradients``; its metrics line ``_step_record``).
     """
     if not params:
         raise ValueError(f"stage {stage!r} has no trainable parameters")
@@ -218,16 +220,7 @@ def run_stage(
             batch = batch.to(device)
             loss, values = model(batch, step=state.step, epoch=state.epoch)
             loss.backward()
-            trained = [params[n] for n in sorted(params)]
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(trained, optim.max_grad_norm or math.inf))
-            if math.isfinite(grad_norm):
-                optimizer.step()
-            else:  # skip the update rather than write NaN into the weights
-                state.skipped_steps += 1
-                logger.warning("%s: step %d has non-finite gradients (norm %s); update skipped (%d so far)",
-                               stage, state.step + 1, grad_norm, state.skipped_steps)
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            grad_norm = _apply_gradients(stage, params, optim, optimizer, scheduler, state)
             state.step += 1
             state.batch_in_epoch += 1
             state.tokens += batch.numel() * world.size
@@ -239,11 +232,7 @@ def run_stage(
                             "not counted against max_minutes", stage, state.step, state.seconds - entry_seconds)
             bar.update(1)
             if state.step % log_every == 0 or state.step == total:
-                record = {"stage": stage, "step": state.step, "epoch": state.epoch, "loss": float(loss.detach()),
-                          "lr": scheduler.get_last_lr()[0], "tokens": state.tokens, "seconds": round(state.seconds, 3),
-                          "train_seconds": round(state.seconds - state.overhead_seconds, 3),
-                          "warmup_seconds": round(state.warmup_seconds, 3),
-                          "grad_norm": grad_norm, "skipped_steps": state.skipped_steps, **values}
+                record = _step_record(stage, state, loss, scheduler.get_last_lr()[0], grad_norm, values)
                 metrics.write(record)
                 bar.set_postfix(loss=f"{record['loss']:.4g}")
             out_of_time = _out_of_time(state.seconds - state.warmup_seconds, cfg.max_minutes, world, device)
@@ -269,6 +258,32 @@ def run_stage(
         save_checkpoint(ckpt, params, optimizer, scheduler, state, best)
     _restore_best(params, best)
     return state
+
+
+def _apply_gradients(stage: str, params: dict[str, nn.Parameter], optim: OptimConfig, optimizer, scheduler,
+                     state: LoopState) -> float:
+    """Clip, then step the optimiser unless the gradients are not finite (counted and skipped, so no
+    NaN reaches the weights); the schedule advances either way. Returns the gradient norm."""
+    trained = [params[n] for n in sorted(params)]
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(trained, optim.max_grad_norm or math.inf))
+    if math.isfinite(grad_norm):
+        optimizer.step()
+    else:
+        state.skipped_steps += 1
+        logger.warning("%s: step %d has non-finite gradients (norm %s); update skipped (%d so far)",
+                       stage, state.step + 1, grad_norm, state.skipped_steps)
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def _step_record(stage: str, state: LoopState, loss: Tensor, lr: float, grad_norm: float, values: dict) -> dict:
+    """One line of metrics.jsonl for a training step."""
+    return {"stage": stage, "step": state.step, "epoch": state.epoch, "loss": float(loss.detach()),
+            "lr": lr, "tokens": state.tokens, "seconds": round(state.seconds, 3),
+            "train_seconds": round(state.seconds - state.overhead_seconds, 3),
+            "warmup_seconds": round(state.warmup_seconds, 3),
+            "grad_norm": grad_norm, "skipped_steps": state.skipped_steps, **values}
 
 
 def _out_of_time(seconds: float, max_minutes: float | None, world: World, device: torch.device) -> bool:

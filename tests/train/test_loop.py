@@ -78,7 +78,8 @@ def test_wall_time_budget_starts_after_the_first_step(tmp_path):
     assert 1.0 <= state.seconds - state.warmup_seconds < 1.5
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == state.step and all(r["warmup_seconds"] >= 1.5 for r in records)
-    assert records[0]["seconds"] >= 1.5 and records[-1]["seconds"] == round(state.seconds, 3)
+    # the stage's final wall time also counts its last evaluation and checkpoint, after the last record
+    assert records[0]["seconds"] >= 1.5 and records[-1]["seconds"] <= round(state.seconds, 3)
 
 
 def test_resumed_stage_excludes_its_own_first_step_from_the_budget(tmp_path):
