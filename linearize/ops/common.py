@@ -49,3 +49,13 @@ def safe_divide(num: Tensor, den: Tensor) -> Tensor:
     den = den.unsqueeze(-1)
     empty = den <= EMPTY_DENOMINATOR
     return torch.where(empty, torch.zeros_like(num), num / torch.where(empty, torch.ones_like(den), den))
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype to accumulate in: float32 for half/bfloat16/float32 inputs, float64 for float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def gather_tokens(x: Tensor, index: Tensor) -> Tensor:
+    """x (B, H, L, X), index (B, L') -> (B, H, L', X): the same token gather for every head of a row."""
+    return x.gather(2, index[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))

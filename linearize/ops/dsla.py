@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .common import default_valid, gqa_groups, repeat_kv, safe_divide
+from .common import accumulation_dtype, default_valid, gqa_groups, repeat_kv, safe_divide
 from .naive import dsla_attention_reference, gla_reference  # noqa: F401 (the specification)
 from .states import DslaState
 
@@ -121,11 +121,6 @@ def _with_ones(v: Tensor) -> Tensor:
     return torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
 
 
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    """float32 accumulation for half/float inputs; float64 stays float64."""
-    return torch.promote_types(x.dtype, torch.float32)
-
-
 def _mask_padding(
     q: Tensor, k: Tensor, v: Tensor, g1: Tensor, g2: Tensor, valid: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -165,7 +160,7 @@ def _gla_chunked(
     state carries everything: q_t reads it decayed from the chunk start, k_s writes into it decayed
     to the chunk end. Memory: the pairwise decays hold B H T chunk Dk values.
     """
-    dtype = _compute_dtype(q)
+    dtype = accumulation_dtype(q.dtype)
     b, h, t, dk = q.shape
     dv = v.shape[-1]
     n = -(-t // chunk)

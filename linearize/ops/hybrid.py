@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .common import FeatureFn, default_valid, gqa_groups, repeat_kv, safe_divide
-from .linear_attn import accumulation_dtype, linear_attention_numden
+from .common import FeatureFn, accumulation_dtype, default_valid, gather_tokens, gqa_groups, repeat_kv, safe_divide
+from .linear_attn import linear_attention_numden
 from .naive import hybrid_attention_reference  # noqa: F401 (the specification)
 from .states import HybridState, LinearState, WindowState
 
@@ -194,11 +194,6 @@ def hybrid_attention_weights(q: Tensor, k: Tensor, **kwargs) -> Tensor:
     return _hybrid_quadratic(q, k, eye, **kwargs)
 
 
-def _gather_tokens(x: Tensor, index: Tensor) -> Tensor:
-    """x (B, H, L, X), index (B, L') -> (B, H, L', X): per-row token gather."""
-    return x.gather(2, index[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
-
-
 def hybrid_attention(
     q: Tensor,
     k: Tensor,
@@ -272,7 +267,7 @@ def hybrid_attention(
     )  # (B, Hq, T, Dv), by query slot
     if valid is not None:  # back from query slots to the new tokens' order
         slot = (order.argsort(dim=1)[:, window:] - window).clamp(min=0)  # (B, T)
-        out = _gather_tokens(out, slot)
+        out = gather_tokens(out, slot)
     out = torch.where(new_valid[:, None, :, None], out, torch.zeros_like(out))
 
     new_window = WindowState(
@@ -321,11 +316,11 @@ def _extend(ws: WindowState, q, k, v, valid, window: int, q_lin, k_lin) -> _Exte
         # token or padding get a zero query; their outputs are dropped.
         order = torch.sort(ext_valid.to(torch.int8), dim=1, stable=True).indices  # (B, L)
         ext_valid, ext_pos = ext_valid.gather(1, order), ext_pos.gather(1, order)
-        keys, values = _gather_tokens(keys, order), _gather_tokens(values, order)
-        queries = _gather_tokens(F.pad(q, (0, 0, window, 0)), order[:, window:])  # (B, Hq, T, D)
+        keys, values = gather_tokens(keys, order), gather_tokens(values, order)
+        queries = gather_tokens(F.pad(q, (0, 0, window, 0)), order[:, window:])  # (B, Hq, T, D)
         if separate:
-            lin_keys = _gather_tokens(lin_keys, order)
-            lin_queries = _gather_tokens(F.pad(q_lin, (0, 0, window, 0)), order[:, window:])  # (B, Hq, T, D)
+            lin_keys = gather_tokens(lin_keys, order)
+            lin_queries = gather_tokens(F.pad(q_lin, (0, 0, window, 0)), order[:, window:])  # (B, Hq, T, D)
     keys = torch.where(ext_valid[:, None, :, None], keys, torch.zeros_like(keys))
     values = torch.where(ext_valid[:, None, :, None], values, torch.zeros_like(values))
     if separate:

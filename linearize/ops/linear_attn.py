@@ -16,16 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .common import safe_divide
+from .common import accumulation_dtype, safe_divide
 from .naive import linear_attention_reference  # noqa: F401 (the specification)
 from .states import LinearState
 
 BACKENDS = ("torch", "fla")
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for half/bfloat16/float32 inputs, float64 for float64 inputs."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 def _zero_state(q_phi: Tensor, v: Tensor, dtype: torch.dtype) -> LinearState:

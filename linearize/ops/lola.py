@@ -73,7 +73,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from linearize.ops.common import FeatureFn, default_valid, gqa_groups, repeat_kv, safe_divide
+from linearize.ops.common import FeatureFn, default_valid, gather_tokens, gqa_groups, repeat_kv, safe_divide
 from linearize.ops.naive import lola_attention_reference  # noqa: F401 (the specification)
 from linearize.ops.states import LinearState, LolaState, SparseCacheState, WindowState
 
@@ -158,20 +158,20 @@ def lola_attention(
         cvalid = c0 + offs < n_real[:, None]  # (B, C) real tokens are a prefix of the chunk
         cpos = torch.where(cvalid, next_pos[:, None] + offs, -1)  # (B, C)
         mask = cvalid[:, None, :, None]  # (B, 1, C, 1)
-        qc = torch.where(mask, _take(q, idx), 0).float()  # (B, Hq, C, D)
-        kc = torch.where(mask, _take(k, idx), 0).float()  # (B, Hkv, C, D)
-        vc = torch.where(mask, _take(v, idx), 0).float()  # (B, Hkv, C, Dv)
+        qc = torch.where(mask, gather_tokens(q, idx), 0).float()  # (B, Hq, C, D)
+        kc = torch.where(mask, gather_tokens(k, idx), 0).float()  # (B, Hkv, C, D)
+        vc = torch.where(mask, gather_tokens(v, idx), 0).float()  # (B, Hkv, C, Dv)
         lin = None
         if separate:
             lin = (
-                torch.where(mask, _take(q_lin, idx), 0).float(),  # (B, Hq, C, D)
-                torch.where(mask, _take(k_lin, idx), 0).float(),  # (B, Hkv, C, D)
+                torch.where(mask, gather_tokens(q_lin, idx), 0).float(),  # (B, Hq, C, D)
+                torch.where(mask, gather_tokens(k_lin, idx), 0).float(),  # (B, Hkv, C, D)
             )
         out_c, state = _lola_chunk(state, qc, kc, vc, cvalid, cpos, ctx, lin)
         outs.append(out_c)
         next_pos = next_pos + cvalid.sum(1)
     packed = torch.cat(outs, dim=2) if outs else q.new_zeros(batch, hq, 0, dv, dtype=torch.float32)  # (B, Hq, T, Dv)
-    return _take(packed, torch.argsort(order, dim=1)).to(q.dtype), state
+    return gather_tokens(packed, torch.argsort(order, dim=1)).to(q.dtype), state
 
 
 @dataclass(frozen=True)
@@ -306,11 +306,6 @@ def _lola_chunk(
         linear_keys=slide(torch.cat([win.linear_keys, lin[1]], dim=2)) if lin is not None else None,  # (B, Hkv, eta, D)
     )
     return out, LolaState(window=window, sparse=cache, linear=linear)
-
-
-def _take(x: Tensor, idx: Tensor) -> Tensor:
-    """x (B, H, T, D) gathered along T by idx (B, C) -> (B, H, C, D)."""
-    return x.gather(2, idx[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
 
 
 def _empty_state(batch, hq, hkv, window, sparse, d, dv, feats, device, linear_keys: bool = False) -> LolaState:
