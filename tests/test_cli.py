@@ -100,3 +100,17 @@ def test_eval_list_flags_parse_or_name_the_bad_value(capsys):
         build_parser().parse_args(["eval", "--ppl-lengths", "512,5x"])
     assert exit_info.value.code == 2
     assert "argument --ppl-lengths: expected comma-separated integers, got '512,5x'" in capsys.readouterr().err
+
+
+def test_generate_flags_change_the_models_own_spec(tiny_dir, tmp_path, capsys):
+    """--active picks a prefix of a saved nested family's order (the model's own spec), as in eval;
+    an out-of-range prefix names the valid range. (The tiny model has no tokenizer, so a valid
+    command stops at that, after the spec was applied.)"""
+    family = tmp_path / "family"
+    model, _ = linearize.load_model(tiny_dir)
+    linearize.convert(model, {"attention": "dsla", "order": [2, 0, 1]})
+    model.save_pretrained(family)
+    assert main(["generate", "--model", str(family), "--active", "1", "--prompt", "hi"]) == 2
+    assert "has no tokenizer" in capsys.readouterr().err
+    assert main(["generate", "--model", str(family), "--active", "9", "--prompt", "hi"]) == 2
+    assert "active must be an integer in 0..3" in capsys.readouterr().err

@@ -43,15 +43,13 @@ def cmd_convert(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from ..convert import convert, set_mode
+    from ..convert import set_mode
     from ..generate import generate_text
 
-    model, tokenizer = load(args.model, args)
+    # flags change the model's own spec, as in eval (e.g. --active 10 of a nested family)
+    model, tokenizer = load_converted(args)
     if tokenizer is None:
         raise ValueError(f"model {args.model!r} has no tokenizer; generate needs one")
-    spec = spec_from_args(args)
-    if spec is not None:
-        convert(model, spec)
     if args.mode:
         set_mode(model, args.mode)
     result = generate_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, chat=not args.no_chat)
