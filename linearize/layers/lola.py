@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..checks import check_int
+from ..checks import check_int, is_int
 from ..ops.lola import lola_attention
 from ..ops.states import LolaState
 from .base import STATE_BYTES, AttentionKind, Attend, SpecError, expect_state, head_sizes
@@ -30,7 +30,7 @@ class LolaOptions(WindowOptions):
         super().__post_init__()
         check_int("sparse_cache", self.sparse_cache, 0, error=SpecError)
         check_int("chunk", self.chunk, 1, error=SpecError)
-        if not isinstance(self.sinks, int) or isinstance(self.sinks, bool) or not 0 <= self.sinks <= self.sparse_cache:
+        if not is_int(self.sinks) or not 0 <= self.sinks <= self.sparse_cache:
             raise SpecError(f"sinks must be an integer in [0, sparse_cache={self.sparse_cache}], got {self.sinks!r}")
         if isinstance(self.linear_weight, bool) or not isinstance(self.linear_weight, (int, float)) or self.linear_weight < 0:
             raise SpecError(f"linear_weight must be a number >= 0, got {self.linear_weight!r}")

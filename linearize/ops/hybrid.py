@@ -244,14 +244,11 @@ def hybrid_attention(
                          + " separate feature-map keys but this call " + ("gives" if separate else "does not give")
                          + " q_lin/k_lin: a sequence cannot switch between them")
 
-    ext = _extend(ws, q, k, v, valid, window, q_lin, k_lin)
-    ext_valid, ext_pos, keys, values, lin_keys = ext.valid, ext.positions, ext.keys, ext.values, ext.lin_keys
-    queries, lin_queries, order, new_valid = ext.queries, ext.lin_queries, ext.order, ext.new_valid
-
-    kr, vr = repeat_kv(keys, n_rep), repeat_kv(values, n_rep).to(dt)  # (B, Hq, L, D|Dv)
-    k_feat = repeat_kv(lin_keys, n_rep) if separate else kr
-    kf = phi_k(k_feat).to(dt) * ext_valid[:, None, :, None]  # (B, Hq, L, F); padding/empty slots -> 0
-    qf = phi_q(lin_queries if separate else queries).to(dt)  # (B, Hq, T, F)
+    ext = _extend(ws, q, k, v, valid, window, q_lin, k_lin)  # the state's window, then the new tokens
+    kr, vr = repeat_kv(ext.keys, n_rep), repeat_kv(ext.values, n_rep).to(dt)  # (B, Hq, L, D|Dv)
+    k_feat = repeat_kv(ext.lin_keys, n_rep) if separate else kr
+    kf = phi_k(k_feat).to(dt) * ext.valid[:, None, :, None]  # (B, Hq, L, F); padding/empty slots -> 0
+    qf = phi_q(ext.lin_queries if separate else ext.queries).to(dt)  # (B, Hq, T, F)
 
     # Older than the window: query slot i (extended index window + i) has older keys 0..i, i.e.
     # causal LA over the extended keys shifted right by `window`, continuing the lagged state.
@@ -261,21 +258,21 @@ def hybrid_attention(
     )
 
     out = _window_and_mix(
-        queries, kr, vr, qf, kf, old_num, old_den, ext_valid, window=window, chunk=chunk, scale=scale, dt=dt,
+        ext.queries, kr, vr, qf, kf, old_num, old_den, ext.valid, window=window, chunk=chunk, scale=scale, dt=dt,
         overlap=overlap, branches=branches, mix=mix,
         window_factor=_per_head(window_factor, hq, "window_factor", 1.0, vr), gate=_per_head(gate, hq, "gate", 0.5, vr),
     )  # (B, Hq, T, Dv), by query slot
     if valid is not None:  # back from query slots to the new tokens' order
-        slot = (order.argsort(dim=1)[:, window:] - window).clamp(min=0)  # (B, T)
+        slot = (ext.order.argsort(dim=1)[:, window:] - window).clamp(min=0)  # (B, T)
         out = gather_tokens(out, slot)
-    out = torch.where(new_valid[:, None, :, None], out, torch.zeros_like(out))
+    out = torch.where(ext.new_valid[:, None, :, None], out, torch.zeros_like(out))
 
     new_window = WindowState(
-        keys=keys[:, :, t:].to(dt),  # (B, Hkv, window, D)
-        values=values[:, :, t:].to(dt),  # (B, Hkv, window, Dv)
-        valid=ext_valid[:, t:],
-        positions=ext_pos[:, t:],
-        linear_keys=lin_keys[:, :, t:].to(dt) if separate else None,  # (B, Hkv, window, D)
+        keys=ext.keys[:, :, t:].to(dt),  # (B, Hkv, window, D)
+        values=ext.values[:, :, t:].to(dt),  # (B, Hkv, window, Dv)
+        valid=ext.valid[:, t:],
+        positions=ext.positions[:, t:],
+        linear_keys=ext.lin_keys[:, :, t:].to(dt) if separate else None,  # (B, Hkv, window, D)
     )
     return out.to(v.dtype), HybridState(window=new_window, linear=new_linear)
 
