@@ -17,7 +17,7 @@ export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 OUTDIR="$WORK/ddp"
 mkdir -p "$OUTDIR" "$WORK/logs"
-log() { echo "[$(date +%T)] $*" | tee -a "$WORK/logs/timeline.log"; }
+source "$(dirname "$0")/timeline.sh"  # log
 COMMON=(train --recipe lolcats --output_dir="$OUTDIR"
   --transfer.max_steps="$STEPS" --finetune.max_steps="$STEPS" --transfer.epochs=4 --finetune.epochs=4
   --transfer.optim.batch_size="$BATCH" --finetune.optim.batch_size="$BATCH"

@@ -88,15 +88,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 L="python -m linearize.cli -v"
 mkdir -p "$WORK/logs" "$WORK/runs" "$WORK/eval"
-log() { echo "[$(date +%T)] $*" | tee -a "$WORK/logs/timeline.log"; }
-step() {  # step NAME COMMAND...: run, log its wall time and exit code
-  local name=$1 start rc; shift
-  start=$(date +%s)
-  "$@" > "$WORK/logs/$name.log" 2>&1
-  rc=$?
-  log "$name: exit $rc, $(( $(date +%s) - start )) s"
-  return $rc
-}
+source "$(dirname "$0")/timeline.sh"  # log, step
 
 variant_flags() {  # the recipe and overrides of one variant
   local long="--data.seq_len=4096 --transfer.optim.batch_size=2 --finetune.optim.batch_size=2"

@@ -76,15 +76,7 @@ export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:Tr
 L="python -m linearize.cli -v"
 mkdir -p "$WORK/logs" "$WORK/runs" "$WORK/eval" "$WORK/locks"
 rm -f "$WORK/DONE"
-log() { echo "[$(date +%T)] $*" | tee -a "$WORK/logs/timeline.log"; }
-step() {  # step NAME COMMAND...: run, log its wall time and exit code
-  local name=$1 start rc; shift
-  start=$(date +%s)
-  "$@" > "$WORK/logs/$name.log" 2>&1
-  rc=$?
-  log "$name: exit $rc, $(( $(date +%s) - start )) s"
-  return $rc
-}
+source "$(dirname "$0")/timeline.sh"  # log, step
 next=0
 pick() { G=$(( next % N_GPUS )); next=$(( next + 1 )); }  # G: the next GPU, round-robin
 on() {  # on GPU COMMAND...: run with only that GPU visible once one of its MAX_PER_GPU slots is free
@@ -103,17 +95,19 @@ on() {  # on GPU COMMAND...: run with only that GPU visible once one of its MAX_
   done
 }
 
+want() { case " $PARTS " in *" $1 "*) true ;; *) false ;; esac; }  # want PART: is PART in PARTS
+
 evaluate() {  # evaluate NAME MODEL GPU [flags...]: perplexity + needles, essays, multiple choice
   local name=$1 model=$2 g=$3; shift 3
   local E="--device $DEVICE --suite quick"
-  case " $PARTS " in *" wiki "*) ;; *) false ;; esac &&
+  want wiki &&
   step "eval-$name-wiki" on "$g" $L eval --model "$model" "$@" $E --ppl-lengths "$PPL_LENGTHS" \
     --tasks niah_single_1,passkey,needle_recall --lengths "$NEEDLE_LENGTHS" --samples "$SAMPLES" --batch-size "$SAMPLES" \
     --mc-tasks none --out "$WORK/eval/$name/wiki" &
-  case " $PARTS " in *" essays "*) ;; *) false ;; esac &&
+  want essays &&
   step "eval-$name-essays" on "$g" $L eval --model "$model" "$@" $E --ppl-source essays --ppl-lengths 1024,4096 \
     --tasks "" --mc-tasks none --batch-size 8 --out "$WORK/eval/$name/essays" &
-  if [ -n "$MC_DATA" ] && case " $PARTS " in *" mc "*) true ;; *) false ;; esac; then
+  if [ -n "$MC_DATA" ] && want mc; then
     step "eval-$name-mc" on "$g" $L eval --model "$model" "$@" $E --ppl-lengths none --tasks "" \
       --mc-tasks piqa,winogrande,copa,openbook_qa,lambada_openai --data-dir "$MC_DATA" --batch-size 64 --mc-limit "$MC_LIMIT" \
       --out "$WORK/eval/$name/mc" &
