@@ -31,7 +31,10 @@ from .commands import (
     parse_overrides,
 )
 from .demo import DEFAULT_CONVERSION, DEMO_PROMPT, cmd_demo
+from ..bench.shapes import SHAPES as _SHAPES
 from .spec_flags import add_spec_flags, int_list, int_list_or_none, spec_from_args
+
+LAYER_SHAPES = tuple(_SHAPES)
 
 EXIT_USAGE = 2
 MODES = all_modes()
@@ -136,15 +139,22 @@ def _add_eval_commands(sub) -> None:
     add_spec_flags(p)
     p.set_defaults(func=cmd_ablate)
 
-    p = sub.add_parser("bench", help="prefill/decode latency and memory per request, teacher vs converted, as ratios")
+    p = sub.add_parser("bench", help="prefill/decode latency and memory per request, teacher vs converted, as ratios; "
+                                      "with --layer: one attention layer against flash softmax and the roofline")
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--prefill-lengths", type=int_list, default=[256, 512, 1024])
-    p.add_argument("--decode-contexts", type=int_list, default=[512, 1024])
+    p.add_argument("--prefill-lengths", type=int_list_or_none,
+                   help="default: 256,512,1024 (model); 2048,8192,32768 (--layer; 'none' to skip prefill)")
+    p.add_argument("--decode-contexts", type=int_list_or_none,
+                   help="default: 512,1024 (model); 4096,32768 (--layer; 'none' to skip decode)")
     p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--layer", metavar="SHAPE", choices=LAYER_SHAPES,
+                   help=f"benchmark one attention layer of this shape ({', '.join(LAYER_SHAPES)}) with random weights "
+                        "instead of a model: the spec flags' kind, or hybrid, dsla and lola at their defaults")
+    p.add_argument("--batch-sizes", type=int_list, help="--layer: batch sizes to run (default: --batch-size)")
     p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", help="cpu | cuda (default: cpu)")
-    p.add_argument("--out", help="directory for efficiency.json, efficiency.md and efficiency.png")
+    p.add_argument("--out", help="directory for efficiency.{json,md,png} (--layer: layer.{json,md,png})")
     add_spec_flags(p)
     p.set_defaults(func=cmd_bench)
 

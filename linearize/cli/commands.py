@@ -266,14 +266,35 @@ def cmd_ablate(args) -> int:
     return 0
 
 
+LAYER_KINDS = ({"attention": "hybrid", "window": 64}, {"attention": "dsla"},
+               {"attention": "lola", "window": 64, "sparse_cache": 256, "chunk": 64})
+"""What ``bench --layer`` compares without spec flags: each kind at the settings the shipped models use."""
+
+
 def cmd_bench(args) -> int:
+    if args.layer:
+        return _bench_layer(args)
     from ..bench.efficiency import run_efficiency, to_markdown
 
     spec = spec_from_args(args)
-    result = run_efficiency(args.model, spec, prefill_lengths=args.prefill_lengths, decode_contexts=args.decode_contexts,
-                            batch_size=args.batch_size, decode_steps=args.decode_steps, repeats=args.repeats,
-                            device=args.device, out_dir=args.out)
+    result = run_efficiency(args.model, spec, prefill_lengths=args.prefill_lengths or [256, 512, 1024],
+                            decode_contexts=args.decode_contexts or [512, 1024], batch_size=args.batch_size,
+                            decode_steps=args.decode_steps, repeats=args.repeats, device=args.device, out_dir=args.out)
     print(to_markdown(result))
+    return 0
+
+
+def _bench_layer(args) -> int:
+    from ..bench.layer import layer_markdown, run_layer_bench
+
+    spec = spec_from_args(args)
+    results = run_layer_bench(
+        args.layer, [spec] if spec is not None else LAYER_KINDS, out_dir=args.out,
+        prefill_lengths=[2048, 8192, 32768] if args.prefill_lengths is None else args.prefill_lengths,
+        decode_contexts=[4096, 32768] if args.decode_contexts is None else args.decode_contexts,
+        batch_sizes=args.batch_sizes or [args.batch_size], decode_steps=args.decode_steps, repeats=args.repeats, device=args.device,
+    )  # fmt: skip
+    print(layer_markdown(results))
     return 0
 
 

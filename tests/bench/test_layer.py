@@ -1,0 +1,90 @@
+"""The layer benchmark: its softmax baseline is exact, its roofline counts what it says, and it runs."""
+
+import json
+
+import pytest
+import torch
+
+from linearize.bench.layer import SoftmaxLayer, _positions, bench_layer, build_layer, layer_markdown, layer_shape, roofline, run_layer_bench
+from linearize.bench.shapes import SHAPES, LayerShape
+
+TINY = LayerShape(hidden=64, heads=4, kv_heads=2, head_dim=16)
+
+
+def test_softmax_baseline_decode_matches_its_prefill():
+    """Static-cache steps after a prefill give the prefill's own outputs at those positions."""
+    model = build_layer(TINY, None, max_positions=64, device="cpu", dtype=torch.float32)
+    layer = SoftmaxLayer(model.model.layers[0].self_attn, TINY)
+    x = torch.randn(2, 12, TINY.hidden)
+    full = layer.prefill(x, *_positions(model, x, 0))  # (2, 12, hidden)
+    layer.fill(2, 8, 4, "cpu", torch.float32)
+    _, k, v = layer._qkv(x[:, :8], *_positions(model, x[:, :8], 0))
+    layer.k_cache[:, :, :8], layer.v_cache[:, :, :8] = k, v  # the cache of the first 8 tokens
+    steps = [layer.step(x[:, i : i + 1], *_positions(model, x[:, i : i + 1], i)) for i in range(8, 12)]
+    torch.testing.assert_close(torch.cat(steps, 1), full[:, 8:], rtol=1e-5, atol=1e-5)
+
+
+def test_softmax_baseline_is_the_teachers_attention():
+    model = build_layer(TINY, None, max_positions=64, device="cpu", dtype=torch.float32)
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(1, 10, TINY.hidden)
+    pe = _positions(model, x, 0)
+    mask = torch.full((10, 10), float("-inf")).triu(1)[None, None]  # (1, 1, T, T) causal
+    expected, _ = attn(x, position_embeddings=pe, attention_mask=mask)
+    torch.testing.assert_close(SoftmaxLayer(attn, TINY).prefill(x, *pe), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_roofline_counts():
+    model = build_layer(TINY, {"attention": "hybrid", "window": 8}, max_positions=64, device="cpu", dtype=torch.float32)
+    attn = model.model.layers[0].self_attn
+    args = dict(batch=2, elem=2)
+    soft = [roofline("softmax", None, model.config, TINY, phase="decode", length=n, **args)["bytes"] for n in (1000, 2000)]
+    conv = [roofline("hybrid", attn.options, model.config, TINY, phase="decode", length=n, **args)["bytes"] for n in (1000, 2000)]
+    assert soft[1] - soft[0] == 2 * 2 * 2 * TINY.kv_heads * 1000 * TINY.head_dim  # K and V, bf16, batch 2, 1000 more tokens
+    assert conv[0] == conv[1]  # a fixed state: the same bytes at every context
+    long = roofline("softmax", None, model.config, TINY, phase="prefill", length=1 << 16, **args)
+    assert long["bound"] == "compute"  # the causal square dominates at 64K
+
+
+def test_bench_layer_runs_and_reports(tmp_path):
+    specs = [{"attention": "hybrid", "window": 8}, {"attention": "lola", "window": 8, "sparse_cache": 8, "chunk": 8}]
+    results = run_layer_bench(TINY, specs, prefill_lengths=[16], decode_contexts=[24], batch_sizes=[1, 2], warmup=1, repeats=1,
+                              decode_steps=2, device="cpu", out_dir=tmp_path)  # fmt: skip
+    assert [r["spec"]["attention"] for r in results] == ["hybrid", "lola"]
+    for result in results:
+        assert [(r["phase"], r["batch_size"], r["length"]) for r in result["rows"]] == [
+            ("prefill", 1, 16), ("prefill", 2, 16), ("decode", 1, 24), ("decode", 2, 24)]
+        for row in result["rows"]:
+            assert row["softmax_backend"] in row["softmax_backends"] and row["ratio"] > 0
+            assert row["converted_roofline"]["roofline_s"] > 0
+    assert json.loads((tmp_path / "layer.json").read_text())[0]["rows"]
+    assert "| hybrid window 8 torch | 2 | 16 |" in (tmp_path / "layer.md").read_text()
+    assert (tmp_path / "layer.png").stat().st_size > 0
+    assert layer_markdown(results) == (tmp_path / "layer.md").read_text()
+
+
+def test_bad_layer_inputs_name_the_value():
+    with pytest.raises(ValueError, match="no-such-shape.*llama3-8b"):
+        layer_shape("no-such-shape")
+    with pytest.raises(ValueError, match=r"prefill lengths must be positive integers, got \[0\]"):
+        bench_layer(TINY, {"attention": "hybrid"}, prefill_lengths=[0], device="cpu")
+    assert set(SHAPES) == {"smollm2-135m", "llama3-8b"}
+
+
+def test_cli_layer_bench_runs_every_kind(tmp_path, capsys):
+    from linearize.cli import main
+
+    assert main(["bench", "--layer", "smollm2-135m", "--prefill-lengths", "64", "--decode-contexts", "none", "--repeats", "1",
+                 "--out", str(tmp_path)]) == 0  # fmt: skip
+    kinds = [r["spec"]["attention"] for r in json.loads((tmp_path / "layer.json").read_text())]
+    assert kinds == ["hybrid", "dsla", "lola"]
+    assert "| lola window 64 sparse_cache 256 | 1 | 64 |" in capsys.readouterr().out
+
+
+def test_cli_layer_bench_rejects_an_unknown_shape(capsys):
+    from linearize.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--layer", "gpt-9"])
+    assert exit_info.value.code == 2
+    assert "gpt-9" in capsys.readouterr().err
