@@ -1,0 +1,1 @@
+"""Serving: run-time layer conversion under memory pressure (levels, policies, sampling, engine)."""
