@@ -207,12 +207,20 @@ class ConvertedAttention(nn.Module):
         self.check_mode(mode)
         self.mode = mode
 
-    def _attend(self, p: Projection, x, valid, state):
-        if self.mode == "sinks_only":
+    def attend(self, p: Projection, x: Tensor, valid: Tensor | None, state: BatchState | None, mode: str | None = None):
+        """(output (B, Hq, T, Dv), new state) of ``mode`` (default: the layer's own) on projected inputs
+        ``p`` of hidden states ``x`` (B, T, hidden), continuing ``state``. Runners that drive layers
+        row by row (the serving engine) call this; ``forward`` calls it too. Not for mode 'teacher'
+        (the teacher's own module keeps its KV in a transformers cache)."""
+        mode = self.mode if mode is None else mode
+        if mode == "teacher":
+            raise ValueError(f"layer {self.layer_idx}: attend() runs a converted mode; mode 'teacher' runs the teacher's own module")
+        if mode == "sinks_only":
             return sinks_attention(p.q, p.k, p.v, n_sinks=N_SINKS, valid=valid, state=expect_state(state, KVState, self), scale=self.scaling)
-        if self.mode == "none":
+        if mode == "none":
             return zero_attention(p.q, p.v), None
-        return self.attend_modes()[self.mode](p, x, valid, state)
+        self.check_mode(mode)
+        return self.attend_modes()[mode](p, x, valid, state)
 
     # --- forward -----------------------------------------------------------------------------
     def forward(
@@ -229,7 +237,7 @@ class ConvertedAttention(nn.Module):
         valid = key_padding_from_mask(attention_mask, t)
         cache = cache_argument(kwargs)
         slot = state_layer(cache, self.layer_idx) if cache is not None else None
-        out, state = self._attend(proj, hidden_states, valid, slot.state if slot is not None else None)
+        out, state = self.attend(proj, hidden_states, valid, slot.state if slot is not None else None)
         if slot is not None:
             slot.store(state, t)
         out = out.transpose(1, 2).reshape(b, t, -1).to(hidden_states.dtype)  # (B, T, Hq * D)

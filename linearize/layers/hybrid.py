@@ -124,10 +124,10 @@ class HybridAttention(WindowedLinearAttention):
     def gate(self) -> Tensor:
         return torch.sigmoid(self.gate_logit.float())
 
-    def _attend(self, p, x, valid, state):
+    def attend(self, p, x, valid, state, mode=None):
         drop = self.window_dropout
-        if drop is None or self.mode != "hybrid" or not bool(drop.any()):
-            return super()._attend(p, x, valid, state)
+        if drop is None or (self.mode if mode is None else mode) != "hybrid" or not bool(drop.any()):
+            return super().attend(p, x, valid, state, mode)
         if state is not None:
             raise ValueError("window dropout is a training setting: it cannot run with a cache")
         modes = self.attend_modes()

@@ -1,0 +1,143 @@
+"""The model runner: one forward over rows that each carry their own memory and conversion level.
+
+A serving batch mixes requests at different conversion levels: at layer i, the rows whose level
+converts i run the layer's converted attention on their recurrent state, the others run softmax
+attention on their own keys and values. The runner drives the decoder layers itself (norm,
+attention split by rows, residual, MLP), so every row keeps its own per-layer state
+(``Sequence.states``) between calls, and requests join and leave the batch between steps.
+
+Rows of one call share their chunk length (all decodes: 1 token each; a prefill chunk: one row).
+States are merged into a batch for each layer and split back after it (copies; left padding of KV
+is trimmed again), which is exact and simple; slot-indexed pools are the faster layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from ..layers.base import ConvertedAttention
+from ..modeling import decoder_layers
+from ..ops.softmax import softmax_attention
+from ..ops.states import BatchState, KVState
+from .levels import LevelMemory
+
+
+@dataclass
+class Sequence:
+    """One request's memory: a state per decoder layer (KV or the converted layer's state), the
+    number of tokens it has consumed, and its conversion level."""
+
+    states: list[BatchState | None]
+    level: int = 0
+    position: int = 0
+
+    @classmethod
+    def empty(cls, num_layers: int, level: int = 0) -> "Sequence":
+        return cls([None] * num_layers, level, 0)
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor this request holds (what the memory formulas count)."""
+        total = 0
+        for state in self.states:
+            if isinstance(state, KVState):  # keys and values; the validity mask is bookkeeping
+                total += sum(t.numel() * t.element_size() for t in (state.keys, state.values))
+            elif state is not None:
+                total += state.nbytes()
+        return total
+
+
+def _trim(state: KVState) -> KVState:
+    """Drop the left padding a merge added (this row's real tokens are its last ``valid.sum()``)."""
+    n = int(state.valid.sum())
+    if n == state.keys.shape[2]:
+        return state
+    return KVState(keys=state.keys[:, :, -n:], values=state.values[:, :, -n:], valid=state.valid[:, -n:])
+
+
+@dataclass
+class Runner:
+    """Runs a nested family (its ``order`` in ``levels``) row by row at each row's level."""
+
+    model: torch.nn.Module
+    levels: LevelMemory
+    _layers: list = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._layers = list(decoder_layers(self.model))
+        for i in self.levels.order:
+            if not isinstance(self._layers[i].self_attn, ConvertedAttention):
+                raise ValueError(f"layer {i} is in the conversion order but is not converted")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._layers)
+
+    def new_sequence(self, level: int = 0) -> Sequence:
+        return Sequence.empty(self.num_layers, self.levels.check_level(level))
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[Sequence], ids: Tensor) -> Tensor:
+        """Feed ``ids`` (B, T) to the B sequences (row b continues ``seqs[b]``); returns the logits of
+        each row's last position (B, vocab), float32. Every sequence's states and position advance."""
+        if ids.dim() != 2 or ids.shape[0] != len(seqs):
+            raise ValueError(f"ids must be (rows, tokens) with one row per sequence; got {tuple(ids.shape)} for {len(seqs)} sequences")
+        model = self.model.model
+        b, t = ids.shape
+        x = model.embed_tokens(ids)  # (B, T, hidden)
+        positions = torch.tensor([s.position for s in seqs], device=ids.device)[:, None] + torch.arange(t, device=ids.device)  # (B, T)
+        cos, sin = model.rotary_emb(x, positions)
+        converted_rows = [self.levels.converted_layers(s.level) for s in seqs]
+        for i, layer in enumerate(self._layers):
+            h = layer.input_layernorm(x)
+            out = torch.empty_like(h)
+            groups = ([r for r in range(b) if i in converted_rows[r]], [r for r in range(b) if i not in converted_rows[r]])
+            for converted, rows in zip((True, False), groups):
+                for part in _by_state(rows, seqs, i):
+                    idx = torch.tensor(part, device=ids.device)
+                    o = self._attention(layer.self_attn, h[idx], (cos[idx], sin[idx]), [seqs[r] for r in part], i, converted)
+                    out.index_copy_(0, idx, o)
+            x = x + out
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        for s in seqs:
+            s.position += t
+        return self.model.lm_head(model.norm(x[:, -1])).float()  # (B, vocab)
+
+    def _attention(self, attn, h: Tensor, pe: tuple[Tensor, Tensor], seqs: list[Sequence], i: int, converted: bool) -> Tensor:
+        states = [s.states[i] for s in seqs]
+        state = None if states[0] is None else type(states[0]).merge(states)
+        b, t, _ = h.shape
+        if converted:
+            p = attn.project(h, pe)
+            o, new = attn.attend(p, h, None, state, mode="hybrid")
+        else:
+            q, k, v = _project(attn, h, pe)
+            o, new = softmax_attention(q, k, v, state=state, scale=attn.scaling)
+        parts = new.split([1] * b)
+        for s, part in zip(seqs, parts):
+            s.states[i] = _trim(part) if isinstance(part, KVState) else part
+        return attn.o_proj(o.transpose(1, 2).reshape(b, t, -1).to(h.dtype))
+
+
+def _by_state(rows: list[int], seqs: list[Sequence], i: int) -> list[list[int]]:
+    """Rows split into those with and without a state at layer i (a first chunk has none)."""
+    fresh = [r for r in rows if seqs[r].states[i] is None]
+    held = [r for r in rows if seqs[r].states[i] is not None]
+    return [part for part in (fresh, held) if part]
+
+
+def _project(attn, h: Tensor, pe: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """The teacher attention's q (B, Hq, T, D), k and v (B, Hkv, T, D), RoPE on q and k."""
+    if isinstance(attn, ConvertedAttention):
+        p = attn.project(h, pe)
+        return p.q, p.k, p.v
+    b, t, _ = h.shape
+    d = attn.head_dim
+    q = attn.q_proj(h).view(b, t, -1, d).transpose(1, 2)
+    k = attn.k_proj(h).view(b, t, -1, d).transpose(1, 2)
+    v = attn.v_proj(h).view(b, t, -1, d).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, *pe)
+    return q, k, v
