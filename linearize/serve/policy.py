@@ -60,6 +60,10 @@ class Policy:
         """New, higher levels for some live requests (request id -> level); empty: none."""
         return {}
 
+    def level_cap(self, levels: LevelMemory) -> int:
+        """The highest level this policy ever gives (a request that does not fit there is rejected)."""
+        return 0
+
     def __repr__(self) -> str:
         return self.name
 
@@ -76,6 +80,9 @@ class StaticPolicy(Policy):
     def admission_level(self, prompt_tokens, final_tokens, memory):
         return min(self.level, memory.levels.max_level)
 
+    def level_cap(self, levels):
+        return min(self.level, levels.max_level)
+
 
 class LengthCapsPolicy(Policy):
     name = "length-caps"
@@ -87,6 +94,9 @@ class LengthCapsPolicy(Policy):
         fraction = next(f for below, f in self.caps if prompt_tokens < below)
         return memory.levels.level_for(fraction)
 
+    def level_cap(self, levels):
+        return levels.level_for(max(f for _, f in self.caps))
+
 
 class MemoryPolicy(Policy):
     name = "memory"
@@ -96,9 +106,11 @@ class MemoryPolicy(Policy):
             raise ValueError(f"water marks must satisfy 0 < low <= high <= 1, got low={low}, high={high}")
         self.high, self.low, self.max_level = high, low, max_level
 
+    def level_cap(self, levels):
+        return levels.max_level if self.max_level is None else min(self.max_level, levels.max_level)
+
     def cap(self, memory: MemoryView) -> int:
-        top = memory.levels.max_level
-        return top if self.max_level is None else min(self.max_level, top)
+        return self.level_cap(memory.levels)
 
     def admission_level(self, prompt_tokens, final_tokens, memory):
         levels = memory.levels

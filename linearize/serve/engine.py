@@ -1,0 +1,350 @@
+"""The serving engine: continuous batching, chunked prefill, memory-bounded admission, run-time conversion.
+
+Each ``step()``:
+1. drops cancelled requests (their memory is free at once);
+2. asks the policy which live requests rise a level (memory policy: when use passes its high-water
+   mark); a rise is applied by recompute: the request's memory is rebuilt from its tokens at the new
+   level in later prefill chunks, so it continues exactly as if it had run at that level from its
+   first token;
+3. makes room for this step's decode tokens: if the softmax layers' growth would pass the budget,
+   the newest running request is preempted (its memory freed, the request put back at the head of
+   the queue with the tokens it has; it resumes by recompute), as vLLM does;
+4. decodes one token for every running request whose prompt is in (one batched forward);
+5. spends the rest of the step's token budget on prefill chunks: first requests already running,
+   then new ones in arrival order, each admitted only when the bytes of its prompt fit the budget
+   at the level the policy gives it. A request that cannot fit even alone at the highest level
+   allowed is rejected (finish_reason 'rejected'), never dropped silently.
+Bytes are counted by the level formula (``LevelMemory.bytes``: exactly what the states hold).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+from .levels import LevelMemory
+from .policy import MemoryView, Policy, RequestView, SoftmaxPolicy
+from .runner import Runner, Sequence
+from .sampling import SamplingParams, StopChecker, make_generator, sample
+
+logger = logging.getLogger(__name__)
+
+FINISH_REASONS = ("stop", "length", "abort", "rejected")
+
+
+@dataclass
+class Request:
+    """A request and everything the engine keeps about it."""
+
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.monotonic)
+    output: list[int] = field(default_factory=list)
+    level: int = 0
+    seq: Sequence | None = None
+    finish_reason: str | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    preemptions: int = 0
+    raises: int = 0
+    token_levels: list[int] = field(default_factory=list)
+    """The level each output token was generated at."""
+    text: str = ""
+    generator: torch.Generator | None = field(default=None, repr=False)
+    stop_checker: StopChecker | None = field(default=None, repr=False)
+    _decoded: str = field(default="", repr=False)
+
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt and output so far: what the request's memory must hold."""
+        return self.prompt + self.output
+
+    @property
+    def held(self) -> int:
+        """Tokens its memory holds now."""
+        return 0 if self.seq is None else self.seq.position
+
+    @property
+    def target(self) -> int:
+        """Tokens its memory must hold before it can decode: all but the last output token (which
+        the next decode step feeds), or the whole prompt before the first token."""
+        return len(self.prompt) + max(len(self.output) - 1, 0)
+
+    @property
+    def prefilled(self) -> bool:
+        """Whether its memory holds ``target`` tokens (it decodes next)."""
+        return self.seq is not None and self.seq.position == self.target
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request: new tokens (and text, with a tokenizer)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+
+
+@dataclass
+class EngineConfig:
+    """Engine limits (the ``linearize serve`` flags)."""
+
+    kv_budget: int
+    """Bytes all requests' memory (softmax KV and converted states) may hold."""
+    max_step_tokens: int = 512
+    """Tokens one step processes: decodes first, prefill chunks with the rest."""
+    max_running: int = 64
+    """Requests decoding together at most."""
+
+    def __post_init__(self) -> None:
+        for name in ("kv_budget", "max_step_tokens", "max_running"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+class Engine:
+    """Continuous batching over a nested family with per-request conversion levels."""
+
+    def __init__(self, model, levels: LevelMemory, config: EngineConfig, *, policy: Policy | None = None, tokenizer=None,
+                 eos_token_ids: Iterable[int] | None = None):
+        self.runner = Runner(model, levels)
+        self.levels, self.config = levels, config
+        self.policy = policy or SoftmaxPolicy()
+        self.tokenizer = tokenizer
+        if eos_token_ids is None:
+            eos = getattr(model.generation_config, "eos_token_id", None) or getattr(model.config, "eos_token_id", None)
+            eos_token_ids = [eos] if isinstance(eos, int) else (eos or [])
+        self.eos = frozenset(eos_token_ids)
+        self.device = next(model.parameters()).device
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished: dict[str, Request] = {}
+        self.counters: Counter = Counter()
+        self.peak_bytes = 0
+        self._ids = itertools.count()
+
+    # --- requests ---------------------------------------------------------------------------
+    def add_request(self, prompt: list[int], params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        if not prompt or not all(isinstance(t, int) and 0 <= t < self.runner.model.config.vocab_size for t in prompt):
+            raise ValueError(f"prompt must be a non-empty list of token ids in 0..{self.runner.model.config.vocab_size - 1}")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if self.get(request_id) is not None:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        request = Request(request_id, list(prompt), params)
+        request.generator = None if params.greedy else make_generator(params)
+        request.stop_checker = StopChecker(params.stop)
+        self.waiting.append(request)
+        self.counters["requests"] += 1
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request; its memory is freed at once. False if it is unknown or already finished."""
+        for queue in (self.waiting, self.running):
+            for r in list(queue):
+                if r.id == request_id:
+                    queue.remove(r)
+                    self._finish(r, "abort")
+                    return True
+        return False
+
+    def get(self, request_id: str) -> Request | None:
+        return next((r for r in itertools.chain(self.waiting, self.running) if r.id == request_id), None) or self.finished.get(request_id)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- memory -----------------------------------------------------------------------------
+    def _reserved(self, request: Request) -> int:
+        """Bytes a running request holds or will hold once its prompt (or recompute) is in."""
+        return self.levels.bytes(request.level, max(request.held, request.target))
+
+    def used_bytes(self) -> int:
+        """Bytes reserved by the running requests: what admission and preemption compare to the budget."""
+        return sum(self._reserved(r) for r in self.running)
+
+    def held_bytes(self) -> int:
+        """Bytes the running requests' memory holds now (their states' own sizes)."""
+        return sum(r.seq.nbytes() for r in self.running if r.seq is not None)
+
+    def _view(self, extra: int = 0) -> MemoryView:
+        return MemoryView(self.config.kv_budget, self.used_bytes() + extra, self.levels)
+
+    # --- the step ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        outputs: dict[str, StepOutput] = {}
+        self._apply_raises(self._view())
+        decoding = self._make_room(outputs)
+        if decoding:
+            self._decode(decoding, outputs)
+        self._prefill(self.config.max_step_tokens - len(decoding), outputs)
+        held = self.held_bytes()
+        self.peak_bytes = max(self.peak_bytes, held)
+        if held > self.config.kv_budget:  # admission and room-making keep this from happening
+            raise RuntimeError(f"memory accounting: {held} bytes held over the budget of {self.config.kv_budget}")
+        self.counters["steps"] += 1
+        return list(outputs.values())
+
+    def _apply_raises(self, view: MemoryView) -> None:
+        views = [RequestView(r.id, max(r.held, r.target), r.level) for r in self.running]
+        for rid, level in self.policy.raises(views, view).items():
+            request = next(r for r in self.running if r.id == rid)
+            if not request.level < level <= self.policy.level_cap(self.levels):
+                raise RuntimeError(f"policy {self.policy} moved request {rid} from level {request.level} to {level}")
+            logger.info("request %s: level %d -> %d at %d tokens (recompute)", rid, request.level, level, request.target)
+            self.counters["conversions"] += level - request.level
+            request.level, request.raises = level, request.raises + 1
+            request.seq = None  # rebuilt from its tokens at the new level by the next prefill chunks
+
+    def _decoding(self) -> list[Request]:
+        return [r for r in self.running if r.prefilled and r.output][: self.config.max_step_tokens]
+
+    def _growth(self, decoding: list[Request]) -> int:
+        return sum(self.levels.bytes(r.level, r.held + 1) - self.levels.bytes(r.level, r.held) for r in decoding)
+
+    def _make_room(self, outputs: dict[str, StepOutput]) -> list[Request]:
+        """The requests that decode this step, after converting (the policy's raises) and then
+        preempting the newest requests until their new tokens fit the budget."""
+        decoding = self._decoding()
+        if decoding and self.used_bytes() + self._growth(decoding) > self.config.kv_budget:
+            self._apply_raises(self._view(self._growth(decoding)))  # converting before preempting
+            decoding = self._decoding()
+        while decoding and self.used_bytes() + self._growth(decoding) > self.config.kv_budget:
+            if len(self.running) == 1:  # alone and its next token does not fit at any level it may take
+                request = self.running[0]
+                logger.warning("request %s stopped at %d tokens: its memory reaches the budget", request.id, len(request.tokens))
+                self._finish(request, "length")
+                outputs.setdefault(request.id, StepOutput(request.id, [], "", None)).finish_reason = "length"
+                self.running.remove(request)
+                return []
+            self._preempt(max(self.running, key=lambda r: r.arrival))
+            decoding = self._decoding()
+        return decoding
+
+    def _preempt(self, request: Request) -> None:
+        logger.info("preempting request %s (%d tokens held, level %d)", request.id, request.held, request.level)
+        self.running.remove(request)
+        request.seq = None
+        request.preemptions += 1
+        self.counters["preemptions"] += 1
+        self.waiting.appendleft(request)
+
+    def _decode(self, decoding: list[Request], outputs: dict[str, StepOutput]) -> None:
+        ids = torch.tensor([[r.output[-1]] for r in decoding], device=self.device)  # (B, 1)
+        logits = self.runner.forward([r.seq for r in decoding], ids).cpu()
+        for r, row in zip(decoding, logits):
+            self._append(r, row, outputs)
+
+    def _prefill(self, budget: int, outputs: dict[str, StepOutput]) -> None:
+        candidates = [r for r in self.running if not r.prefilled]
+        while budget > 0:
+            if not candidates:
+                admitted = self._admit(outputs)
+                if admitted is None:
+                    return
+                candidates = [admitted]
+            request = candidates.pop(0)
+            if request.seq is None:
+                request.seq = self.runner.new_sequence(request.level)
+            start = request.seq.position
+            chunk = request.tokens[start : min(request.target, start + budget)]
+            logits = self.runner.forward([request.seq], torch.tensor([chunk], device=self.device)).cpu()
+            budget -= len(chunk)
+            self.counters["prefill_tokens"] += len(chunk)
+            if request.prefilled and not request.output:
+                self._append(request, logits[0], outputs)  # the first token comes with the prompt's last chunk
+
+    def _admit(self, outputs: dict[str, StepOutput]) -> Request | None:
+        """The next waiting request, running, if its memory fits now; None if it must wait."""
+        cap = self.policy.level_cap(self.levels)
+        while self.waiting and len(self.running) < self.config.max_running:
+            request = self.waiting[0]
+            if not request.output and not request.preemptions:
+                final = len(request.prompt) + request.params.max_tokens
+                request.level = self.policy.admission_level(len(request.prompt), final, self._view())
+            allowed = range(request.level, max(request.level, cap) + 1)  # a state can outweigh a short KV: not monotonic
+            need = min(self.levels.bytes(k, request.target) for k in allowed)
+            if need > self.config.kv_budget:
+                self.waiting.popleft()
+                logger.warning("request %s rejected: %d tokens need %d bytes at best (levels %d..%d), over the budget of %d",
+                               request.id, request.target, need, allowed[0], allowed[-1], self.config.kv_budget)
+                self._finish(request, "rejected")
+                outputs[request.id] = StepOutput(request.id, [], "", "rejected")
+                continue
+            if self.used_bytes() + self.levels.bytes(request.level, request.target) > self.config.kv_budget:
+                if self.running:
+                    return None  # wait for memory to free up
+                request.level = next(k for k in allowed if self.levels.bytes(k, request.target) <= self.config.kv_budget)
+            self.waiting.popleft()
+            self.running.append(request)
+            self.counters["admitted"] += 1
+            return request
+        return None
+
+    def _append(self, request: Request, logits: torch.Tensor, outputs: dict[str, StepOutput]) -> None:
+        token = sample(logits, request.params, request.generator)
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+        request.output.append(token)
+        request.token_levels.append(request.level)
+        self.counters["generated_tokens"] += 1
+        out = outputs.setdefault(request.id, StepOutput(request.id, [], "", None))
+        out.token_ids.append(token)
+        stopped = False
+        if self.tokenizer is not None:
+            delta, stopped = self._text_delta(request)
+            out.text += delta
+        if stopped:
+            self._finish(request, "stop")
+        elif token in self.eos and not request.params.ignore_eos:
+            self._finish(request, "stop")
+        elif len(request.output) >= request.params.max_tokens:
+            self._finish(request, "length")
+        if request.finished:
+            if self.tokenizer is not None and request.finish_reason == "length":
+                tail = request.stop_checker.flush()
+                out.text += tail
+                request.text += tail
+            out.finish_reason = request.finish_reason
+            self.running.remove(request)
+
+    def _text_delta(self, request: Request) -> tuple[str, bool]:
+        """Text the new token adds (held back while it may be a stop string's start or half a character)."""
+        ids = [t for t in request.output if t not in self.eos]
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return "", False
+        new, request._decoded = text[len(request._decoded):], text
+        emit, stopped = request.stop_checker.feed(new)
+        request.text += emit
+        return emit, stopped
+
+    def _finish(self, request: Request, reason: str) -> None:
+        request.finish_reason = reason
+        request.finish_time = time.monotonic()
+        request.seq = None
+        self.finished[request.id] = request
+        self.counters[f"finished_{reason}"] += 1
+
+    # --- convenience ------------------------------------------------------------------------
+    def run(self, max_steps: int | None = None) -> dict[str, Request]:
+        """Step until every request has finished (or ``max_steps``); the finished requests by id."""
+        for _ in itertools.count() if max_steps is None else range(max_steps):
+            if not self.has_work():
+                break
+            self.step()
+        return self.finished

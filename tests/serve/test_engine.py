@@ -1,0 +1,146 @@
+"""The engine: batched requests give the tokens each gives alone, under every policy; memory stays in
+the budget at every step; preemption, raises and cancellation lose no request."""
+
+import random
+
+import pytest
+import torch
+
+from linearize.convert import convert, set_active
+from linearize.hub import build_tiny_llama
+from linearize.serve.engine import Engine, EngineConfig
+from linearize.serve.levels import LevelMemory
+from linearize.serve.policy import MemoryPolicy, parse_policy
+from linearize.serve.sampling import SamplingParams
+
+ORDER = [2, 0, 3, 1]
+
+
+@pytest.fixture(scope="module")
+def family():
+    model = build_tiny_llama(0, num_hidden_layers=4, max_position_embeddings=2048)
+    from linearize.spec import ConversionSpec
+
+    spec = ConversionSpec.from_dict({"attention": "dsla", "order": ORDER})
+    convert(model, spec)
+    return model, LevelMemory.from_spec(spec, model.config, dtype_bytes=4)
+
+
+def check_alone(model, request):
+    """Every output token is the argmax of the model run alone over the request's tokens before it,
+    at the level the engine generated that token at (greedy: the same tokens as running alone)."""
+    for i, (token, level) in enumerate(zip(request.output, request.token_levels)):
+        set_active(model, level)
+        ids = torch.tensor([request.prompt + request.output[:i]])
+        with torch.inference_mode():
+            assert int(model(input_ids=ids).logits[0, -1].argmax()) == token, (request.id, i, level)
+
+
+def workload(engine, n, seed, *, max_tokens=(3, 9), prompt=(2, 40)):
+    rng = random.Random(seed)
+    pending = [([rng.randrange(3, 128) for _ in range(rng.randrange(*prompt))], SamplingParams(max_tokens=rng.randrange(*max_tokens), temperature=0.0, ignore_eos=True))
+               for _ in range(n)]  # fmt: skip
+    return pending
+
+
+def drive(engine, pending, *, arrivals_per_step=2):
+    """Add requests a few per step (continuous batching), step until all finish; check memory each step."""
+    steps = 0
+    while pending or engine.has_work():
+        for _ in range(min(arrivals_per_step, len(pending))):
+            engine.add_request(*pending.pop(0))
+        engine.step()
+        assert engine.held_bytes() <= engine.config.kv_budget
+        assert engine.used_bytes() <= engine.config.kv_budget
+        steps += 1
+        assert steps < 2000
+    return engine.finished
+
+
+@pytest.mark.parametrize("policy", ["softmax", "static:2", "static:4", "length-caps"])
+def test_batched_equals_alone_for_static_policies(family, policy):
+    model, levels = family
+    engine = Engine(model, levels, EngineConfig(kv_budget=10**9, max_step_tokens=24), policy=parse_policy(policy, levels))
+    finished = drive(engine, workload(engine, 6, seed=1))
+    assert len(finished) == 6 and all(r.finish_reason == "length" and len(r.output) == r.params.max_tokens for r in finished.values())
+    for request in finished.values():
+        check_alone(model, request)
+    if policy == "static:2":
+        assert {lv for r in finished.values() for lv in r.token_levels} == {2}
+
+
+@pytest.mark.slow
+def test_memory_policy_converts_before_preempting_and_stays_exact(family):
+    model, levels = family
+    per_request = levels.bytes(0, 200)  # a DSLA state weighs as much as 68 tokens of KV here: long requests gain
+    engine = Engine(model, levels, EngineConfig(kv_budget=int(2.5 * per_request), max_step_tokens=128),
+                    policy=MemoryPolicy(high=0.8, low=0.5, max_level=4))
+    finished = drive(engine, workload(engine, 8, seed=2, max_tokens=(10, 20), prompt=(150, 250)))
+    assert len(finished) == 8 and all(r.finish_reason == "length" for r in finished.values())
+    assert engine.counters["conversions"] > 0
+    assert any(len(set(r.token_levels)) > 1 for r in finished.values())  # a level rose mid-generation
+    for request in finished.values():
+        check_alone(model, request)
+        assert request.token_levels == sorted(request.token_levels)  # levels only rise
+
+
+def test_preemption_by_recompute_loses_nothing(family):
+    model, levels = family
+    engine = Engine(model, levels, EngineConfig(kv_budget=int(2.2 * levels.bytes(0, 30)), max_step_tokens=64), policy=parse_policy("softmax", levels))
+    finished = drive(engine, workload(engine, 6, seed=3, max_tokens=(8, 16), prompt=(20, 28)), arrivals_per_step=6)
+    assert engine.counters["preemptions"] > 0
+    assert len(finished) == 6 and all(r.finish_reason == "length" and len(r.output) == r.params.max_tokens for r in finished.values())
+    for request in finished.values():
+        check_alone(model, request)
+
+
+def test_cancellation_frees_memory_at_once(family):
+    model, levels = family
+    engine = Engine(model, levels, EngineConfig(kv_budget=10**9, max_step_tokens=64))
+    a = engine.add_request(list(range(3, 30)), SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    b = engine.add_request(list(range(3, 20)), SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    engine.step()
+    engine.step()
+    before = engine.held_bytes()
+    assert engine.abort(a)
+    assert 0 < engine.held_bytes() < before
+    assert engine.get(a).finish_reason == "abort" and not engine.abort(a) and not engine.abort("nope")
+    engine.run()
+    assert engine.get(b).finish_reason == "length" and engine.held_bytes() == 0
+
+
+def test_too_long_is_rejected_not_lost(family):
+    model, levels = family
+    engine = Engine(model, levels, EngineConfig(kv_budget=levels.bytes(0, 50), max_step_tokens=64), policy=parse_policy("softmax", levels))
+    big = engine.add_request(list(range(3, 103)), SamplingParams(max_tokens=4))
+    ok = engine.add_request(list(range(3, 13)), SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.run()
+    assert engine.get(big).finish_reason == "rejected" and engine.get(ok).finish_reason == "length"
+
+
+def test_sampled_requests_do_not_depend_on_their_batch(family):
+    model, levels = family
+    params = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True)
+    alone = Engine(model, levels, EngineConfig(kv_budget=10**9))
+    rid = alone.add_request(list(range(5, 25)), params)
+    alone.run()
+    busy = Engine(model, levels, EngineConfig(kv_budget=10**9, max_step_tokens=16))
+    for k in range(4):
+        busy.add_request(list(range(7, 30 + k)), SamplingParams(max_tokens=6, temperature=1.0, seed=k))
+    rid2 = busy.add_request(list(range(5, 25)), params)
+    busy.run()
+    assert busy.get(rid2).output == alone.get(rid).output
+
+
+def test_bad_requests_name_the_problem(family):
+    model, levels = family
+    engine = Engine(model, levels, EngineConfig(kv_budget=10**9))
+    with pytest.raises(ValueError, match="token ids in 0..127"):
+        engine.add_request([5, 500])
+    with pytest.raises(ValueError, match="non-empty"):
+        engine.add_request([])
+    engine.add_request([5], request_id="x")
+    with pytest.raises(ValueError, match="'x' is already in use"):
+        engine.add_request([6], request_id="x")
+    with pytest.raises(ValueError, match="kv_budget must be a positive integer, got 0"):
+        EngineConfig(kv_budget=0)
