@@ -283,3 +283,24 @@ def build_tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
     return model.eval()
+
+
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<s> w{{ 3 + loop.index0 % 2 }} {{ m['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}<s> w5 {% endif %}"
+)
+"""A chat template for the tiny tokenizer: role markers w3/w4, the assistant prompt w5."""
+
+
+def build_tiny_tokenizer():
+    """A word-level tokenizer over the tiny Llama's 128 ids ('<unk>', '<s>', '</s>', then 'w3'..'w127'),
+    eos '</s>', with a small chat template (tests of generation and serving; no download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, 128)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    return tokenizer

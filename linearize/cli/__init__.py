@@ -1,5 +1,5 @@
 """The ``linearize`` command line: info, convert, generate, train, sensitivity, eval, compare, ablate,
-bench, plots, demo.
+bench, plots, demo, serve.
 
 ``parser``: this module (build_parser, main); ``spec_flags``: the spec flags generated from the spec
 and the attention kinds; ``commands`` and ``demo``: what each command does; ``output``: report
@@ -31,6 +31,7 @@ from .commands import (
     parse_overrides,
 )
 from .demo import DEFAULT_CONVERSION, DEMO_PROMPT, cmd_demo
+from .serve import add_serve_parser
 from ..bench.shapes import SHAPES as _SHAPES
 from .spec_flags import add_spec_flags, int_list, int_list_or_none, spec_from_args
 
@@ -175,6 +176,8 @@ def _add_eval_commands(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=48)
     add_spec_flags(p)
     p.set_defaults(func=cmd_demo)
+
+    add_serve_parser(sub)
 
 
 def main(argv: list[str] | None = None) -> int:
