@@ -66,7 +66,7 @@ class _Sampling(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=-1, ge=-1)
-    seed: int | None = Field(default=None, ge=0)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=1)
     stream: bool = False
@@ -100,6 +100,9 @@ class Limits:
 
     max_prompt_tokens: int = 8192
     max_tokens_default: int = 256
+    """max_tokens when a request gives none (lowered to what the model's length leaves)."""
+    max_model_len: int | None = None
+    """Prompt + max_tokens at most (default: the model's max_position_embeddings)."""
     max_waiting: int = 256
     max_body_bytes: int = 1 << 20
 
@@ -247,6 +250,8 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | Non
     """The FastAPI app serving ``engine`` as ``model_name``. ``app.state.loop`` is its EngineLoop
     (stopped when the app shuts down)."""
     limits = limits or Limits()
+    if limits.max_model_len is None:
+        limits.max_model_len = getattr(engine.runner.model.config, "max_position_embeddings", None) or 1 << 30
     if engine.tokenizer is None:
         engine.tokenizer = tokenizer  # text deltas and stop strings
     metrics = Metrics(model_name)
@@ -308,9 +313,13 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | Non
         if name not in (None, model_name):
             raise APIError(404, f"model {name!r} does not exist; this server serves {model_name!r}", code="model_not_found", param="model")
 
-    def sampling(body: _Sampling, max_tokens: int | None) -> SamplingParams:
+    def sampling(body: _Sampling, max_tokens: int | None, n_prompt: int) -> SamplingParams:
+        room = limits.max_model_len - n_prompt
+        if max_tokens is not None and max_tokens > room:
+            raise APIError(400, f"max_tokens={max_tokens} with a prompt of {n_prompt} tokens exceeds the model's length of "
+                                f"{limits.max_model_len} tokens; at most {room} here", param="max_tokens", code="context_length_exceeded")
         try:
-            return SamplingParams(max_tokens=max_tokens or limits.max_tokens_default, temperature=body.temperature, top_p=body.top_p,
+            return SamplingParams(max_tokens=max_tokens or min(limits.max_tokens_default, room), temperature=body.temperature, top_p=body.top_p,
                                   top_k=body.top_k, seed=body.seed, stop=body.stop or (), ignore_eos=body.ignore_eos)  # fmt: skip
         except ValueError as err:
             raise APIError(400, str(err)) from None
@@ -318,8 +327,9 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | Non
     def check_prompt(ids: list[int]) -> None:
         if not ids:
             raise APIError(400, "the prompt is empty", param="prompt")
-        if len(ids) > limits.max_prompt_tokens:
-            raise APIError(400, f"the prompt has {len(ids)} tokens; this server takes at most {limits.max_prompt_tokens}", param="prompt",
+        if len(ids) >= min(limits.max_prompt_tokens + 1, limits.max_model_len):
+            most = min(limits.max_prompt_tokens, limits.max_model_len - 1)
+            raise APIError(400, f"the prompt has {len(ids)} tokens; this server takes at most {most}", param="prompt",
                            code="context_length_exceeded")
         vocab = engine.runner.model.config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
@@ -337,7 +347,7 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | Non
             prompt = prompt[0]
         ids = tokenizer(prompt, add_special_tokens=True)["input_ids"] if isinstance(prompt, str) else list(prompt)
         check_prompt(ids)
-        params = sampling(body, body.max_tokens)
+        params = sampling(body, body.max_tokens, len(ids))
         return await respond(request, ids, params, body, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -352,7 +362,7 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | Non
             raise APIError(400, f"messages do not fit the chat template: {err}", param="messages") from None
         ids = list(out["input_ids"] if isinstance(out, Mapping) else out)
         check_prompt(ids)
-        params = sampling(body, body.max_completion_tokens or body.max_tokens)
+        params = sampling(body, body.max_completion_tokens or body.max_tokens, len(ids))
         return await respond(request, ids, params, body, chat=True)
 
     async def respond(request: Request, ids: list[int], params: SamplingParams, body: _Sampling, *, chat: bool):

@@ -15,6 +15,8 @@ from torch import Tensor
 
 MAX_STOPS = 4
 """OpenAI's limit on stop strings per request."""
+GREEDY_BELOW = 1e-5
+"""Temperatures below this decode greedily (dividing logits by less would overflow float32)."""
 
 
 @dataclass(frozen=True)
@@ -24,7 +26,7 @@ class SamplingParams:
     max_tokens: int = 16
     """Tokens to generate at most (finish_reason 'length' when reached)."""
     temperature: float = 1.0
-    """0: greedy; else logits / temperature before sampling (0..2)."""
+    """0 (or below 1e-5): greedy; else logits / temperature before sampling (0..2)."""
     top_p: float = 1.0
     """Nucleus sampling: keep the fewest tokens whose probability sums to top_p (0 < top_p <= 1)."""
     top_k: int = -1
@@ -54,7 +56,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 def _number(x) -> bool:
@@ -79,6 +81,7 @@ def filter_logits(logits: Tensor, params: SamplingParams) -> Tensor:
         probs = torch.softmax(sorted_logits, -1)
         # drop a token when the tokens before it already reach top_p (the first one always stays)
         drop = (probs.cumsum(-1) - probs) >= params.top_p
+        drop[0] = False  # the most likely token stays whatever top_p (a top_p below float32's range would drop it)
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, index, drop), -math.inf)
     return logits
 

@@ -32,6 +32,8 @@ def test_seeded_sampling_is_reproducible_and_greedy_is_argmax():
     b = [sample(logits, params, g) for g in [make_generator(params)] for _ in range(20)]
     assert a == b and len(set(a)) > 1
     assert sample(logits, SamplingParams(temperature=0.0), None) == int(logits.argmax())
+    assert sample(logits, SamplingParams(temperature=1e-300, top_p=1e-300), make_generator(params)) == int(logits.argmax())
+    assert sample(logits * 1e30, SamplingParams(temperature=1e-5, top_p=1e-300), make_generator(params)) == int(logits.argmax())
 
 
 def test_stop_checker_holds_back_possible_prefixes():
