@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -299,7 +300,7 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | Non
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "running": len(engine.running), "waiting": len(engine.waiting)}
+        return {"status": "ok", "running": len(engine.running), "waiting": len(engine.waiting), "pid": os.getpid()}
 
     @app.get("/metrics")
     async def prometheus():

@@ -1,0 +1,85 @@
+"""Server settings: one dataclass feeds the ``linearize serve`` flags, the app builder and Ray Serve."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+DEFAULT_SERVE_MODEL = "smollm2-135m-dsla-chained"
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+@dataclass
+class ServeSettings:
+    """What ``linearize serve`` runs (each field is the flag of the same name, dashes for underscores)."""
+
+    model: str = DEFAULT_SERVE_MODEL
+    """A nested family (shipped name or directory): its conversion order gives the levels."""
+    served_model_name: str | None = None
+    """The name clients use (default: model)."""
+    host: str = "127.0.0.1"
+    """Address to bind (127.0.0.1: this machine only; 0.0.0.0: every interface)."""
+    port: int = 8000
+    """TCP port."""
+    policy: str = "memory"
+    """softmax | static:K | static:P% | length-caps | memory: how many layers each request runs converted."""
+    kv_budget: str = "1GiB"
+    """Bytes all requests' KV and states may hold: 8GiB, 512MiB, ... or a fraction of free GPU memory (0.5, 50%)."""
+    max_level: int | None = None
+    """Memory policy: convert at most this many layers per request (a quality cap)."""
+    high_water: float = 0.9
+    """Memory policy: raise levels of the longest requests above this fraction of the budget."""
+    low_water: float = 0.6
+    """Memory policy: new requests start unconverted while memory stays below this fraction."""
+    max_step_tokens: int = 512
+    """Tokens per engine step: decodes first, then prefill chunks."""
+    max_running: int = 64
+    """Requests decoding together at most."""
+    max_prompt_tokens: int = 8192
+    """Longer prompts get 400."""
+    max_waiting: int = 256
+    """Queued requests beyond this get 503."""
+    api_key: str | None = field(default_factory=lambda: os.environ.get("LINEARIZE_API_KEY"))
+    """Require 'Authorization: Bearer KEY' on /v1 routes (default: $LINEARIZE_API_KEY, else none)."""
+    device: str | None = None
+    """cpu | cuda (default: cuda when available)."""
+    replicas: int = 1
+    """Engines behind one endpoint: more than 1 runs them as Ray Serve replicas (one GPU each on CUDA)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port!r}")
+        for name in ("max_step_tokens", "max_running", "max_prompt_tokens", "max_waiting", "replicas"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        parse_bytes(self.kv_budget)
+
+
+def parse_bytes(text: str) -> int | float:
+    """'8GiB', '512MiB', '1.5GB', '123456' -> bytes (int); '0.5' or '50%' -> a fraction (float) of the
+    device memory free at start. ValueError naming the value and the forms."""
+    t = str(text).strip().lower()
+    if t.endswith("%"):
+        try:
+            fraction = float(t[:-1]) / 100
+        except ValueError:
+            fraction = -1.0
+        if not 0 < fraction <= 1:
+            raise ValueError(f"kv-budget {text!r}: a percentage must lie in (0%, 100%]")
+        return fraction
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([kmg]i?b|b)?", t)
+    if m is None:
+        raise ValueError(f"kv-budget {text!r}: expected bytes ('8GiB', '512MiB', '2GB', '1000000') or a fraction of free GPU memory ('0.5', '50%')")
+    value, unit = float(m.group(1)), m.group(2) or ""
+    if unit == "" and "." in m.group(1) and value <= 1:
+        if value <= 0:
+            raise ValueError(f"kv-budget {text!r}: a fraction must lie in (0, 1]")
+        return value
+    n = int(value * UNITS[unit])
+    if n < 1:
+        raise ValueError(f"kv-budget {text!r} is not a positive number of bytes")
+    return n
