@@ -10,7 +10,7 @@ from linearize.convert import convert, set_active
 from linearize.hub import build_tiny_llama
 from linearize.serve.engine import Engine, EngineConfig
 from linearize.serve.levels import LevelMemory
-from linearize.serve.policy import MemoryPolicy, parse_policy
+from linearize.serve.policy import MemoryPolicy, Policy, parse_policy
 from linearize.serve.sampling import SamplingParams
 
 ORDER = [2, 0, 3, 1]
@@ -144,3 +144,44 @@ def test_bad_requests_name_the_problem(family):
         engine.add_request([6], request_id="x")
     with pytest.raises(ValueError, match="kv_budget must be a positive integer, got 0"):
         EngineConfig(kv_budget=0)
+
+
+class RaiseOnce(Policy):
+    """Starts every request at level 1 and raises request 'r' to level 3 once it holds ``at`` tokens."""
+
+    name = "raise-once"
+
+    def __init__(self, at):
+        self.at, self.done = at, False
+
+    def admission_level(self, prompt_tokens, final_tokens, memory):
+        return 1
+
+    def raises(self, running, memory):
+        for r in running:
+            if r.id == "r" and not self.done and r.tokens >= self.at:
+                self.done = True
+                return {"r": 3}
+        return {}
+
+    def level_cap(self, levels):
+        return levels.max_level
+
+
+def test_a_level_raised_mid_generation_continues_as_if_converted_from_the_first_token(family):
+    """After the raise, the request's memory is what it would be had layers order[1:3] run converted
+    from its first token: its next tokens and logits equal that run's on the same tokens."""
+    model, levels = family
+    engine = Engine(model, levels, EngineConfig(kv_budget=10**9, max_step_tokens=64), policy=RaiseOnce(at=30))
+    prompt = list(range(5, 30))
+    engine.add_request(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), request_id="r")
+    engine.add_request(list(range(40, 52)), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), request_id="other")
+    engine.run()
+    r = engine.get("r")
+    assert r.token_levels[0] == 1 and r.token_levels[-1] == 3 and r.raises == 1 and engine.counters["conversions"] == 2
+    switch = r.token_levels.index(3)
+    set_active(model, 3)
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([prompt + r.output[:-1]])).logits[0]
+    assert r.output[switch:] == logits[len(prompt) - 1 + switch :].argmax(-1).tolist()
+    check_alone(model, engine.get("other"))

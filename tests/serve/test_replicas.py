@@ -6,7 +6,6 @@ import time
 import httpx
 import openai
 import pytest
-import torch
 
 from linearize.convert import convert
 from linearize.hub import build_tiny_llama, build_tiny_tokenizer
