@@ -1,5 +1,5 @@
 """The ``linearize`` command line: info, convert, generate, train, sensitivity, eval, compare, ablate,
-bench, plots, demo, serve.
+bench, plots, demo, serve, replay.
 
 ``parser``: this module (build_parser, main); ``spec_flags``: the spec flags generated from the spec
 and the attention kinds; ``commands`` and ``demo``: what each command does; ``output``: report

@@ -23,16 +23,13 @@ def budget_bytes(text: str, device) -> int:
     return int(free * value)
 
 
-def build_app(settings: ServeSettings):
-    """(FastAPI app, engine) for ``settings``; every bad value is a ValueError naming it."""
+def load_family(settings: ServeSettings):
+    """(model, tokenizer, LevelMemory, device) of ``settings.model``; ValueError unless it is a nested family."""
     import torch
 
     from ..api import load_model
     from ..spec import ConversionSpec
-    from .api import Limits, create_app
-    from .engine import Engine, EngineConfig
     from .levels import LevelMemory
-    from .policy import parse_policy
 
     device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -46,13 +43,29 @@ def build_app(settings: ServeSettings):
     levels = LevelMemory.from_spec(ConversionSpec.from_dict(spec), model.config, dtype_bytes=next(model.parameters()).element_size())
     if settings.max_level is not None and not 0 <= settings.max_level <= levels.max_level:
         raise ValueError(f"max-level must be in 0..{levels.max_level}, got {settings.max_level}")
-    policy = parse_policy(settings.policy, levels, max_level=settings.max_level, high=settings.high_water, low=settings.low_water)
+    return model, tokenizer, levels, device
+
+
+def make_engine(model, tokenizer, levels, device, settings: ServeSettings, policy: str | None = None):
+    """An Engine over a loaded family with ``settings``' limits and ``policy`` (default: settings.policy)."""
+    from .engine import Engine, EngineConfig
+    from .policy import parse_policy
+
+    policy = parse_policy(policy or settings.policy, levels, max_level=settings.max_level, high=settings.high_water, low=settings.low_water)
     config = EngineConfig(kv_budget=budget_bytes(settings.kv_budget, device), max_step_tokens=settings.max_step_tokens,
                           max_running=settings.max_running)  # fmt: skip
-    engine = Engine(model, levels, config, policy=policy, tokenizer=tokenizer)
+    return Engine(model, levels, config, policy=policy, tokenizer=tokenizer)
+
+
+def build_app(settings: ServeSettings):
+    """(FastAPI app, engine) for ``settings``; every bad value is a ValueError naming it."""
+    from .api import Limits, create_app
+
+    model, tokenizer, levels, device = load_family(settings)
+    engine = make_engine(model, tokenizer, levels, device, settings)
     name = settings.served_model_name or settings.model
     limits = Limits(max_prompt_tokens=settings.max_prompt_tokens, max_waiting=settings.max_waiting)
-    logger.info("serving %s on %s: policy %s, budget %d bytes, %d levels", name, device, policy, config.kv_budget, levels.max_level)
+    logger.info("serving %s on %s: policy %s, budget %d bytes, %d levels", name, device, engine.policy, engine.config.kv_budget, levels.max_level)
     return create_app(engine, tokenizer, model_name=name, api_key=settings.api_key, limits=limits), engine
 
 

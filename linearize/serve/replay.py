@@ -1,0 +1,432 @@
+"""Trace replay: request traces, DSLA-Serve's session augmentation, an open-loop replay against the
+engine, and the serving metrics of ``vllm bench serve`` plus the paper's normalised latency.
+
+- Traces: the Azure LLM inference trace 2023 CSVs (TIMESTAMP, ContextTokens, GeneratedTokens; shipped,
+  ``linearize.data.TRACES``) and Mooncake's JSONL (timestamp in ms, input_length, output_length).
+- Augmentation (seeded): consecutive requests form sessions of Poisson(3) turns (at least 1); a
+  turn's prompt is the session's history (every earlier turn's message and answer) followed by a new
+  message of the trace's ContextTokens tokens; its output is forced to GeneratedTokens (ignore_eos).
+  Prompts longer than ``max_prompt`` keep their most recent tokens. Arrival times stay the trace's.
+- Prompt text: token ids cut from a real corpus stream, so prompts have exactly the counts asked.
+- Replay: open loop on the wall clock, arrival times divided by ``rate_scale``; every request either
+  completes or is rejected with a status, and each is counted.
+- Metrics (``vllm bench serve``'s definitions): TTFT; TPOT = (E2E - TTFT) / (output tokens - 1);
+  ITL between consecutive tokens; E2E; the paper's normalised latency E2E / output tokens; mean,
+  p50, p90, p99; throughput; goodput under SLOs.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from .engine import Engine
+from .sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+TRACE_NAMES = {"azure-conv": "azure_llm_2023_conv.csv", "azure-code": "azure_llm_2023_code.csv"}
+"""Shipped traces by name."""
+
+
+@dataclass
+class ReplaySettings:
+    """What ``linearize replay`` replays (each field is the flag of the same name, dashes for underscores)."""
+
+    trace: str = "azure-conv"
+    """A shipped trace (azure-conv, azure-code) or a path (.csv Azure 2023, .jsonl Mooncake)."""
+    policies: str = "softmax,static:25%,length-caps,memory"
+    """Comma-separated policies, each replayed on the same requests in one run."""
+    rate_scale: float = 1.0
+    """Arrival times are divided by this (2 = twice the trace's rate)."""
+    start: int = 0
+    """First trace request to replay."""
+    requests: int = 200
+    """Trace requests to replay (a window of the trace, so the run ends by itself)."""
+    turns_mean: float = 3.0
+    """Mean turns per session (Poisson; at least 1)."""
+    max_prompt: int = 8192
+    """Prompts longer than this keep their most recent tokens (the model's position limit)."""
+    seed: int = 0
+    """Seed of the session augmentation."""
+    corpus: str = "wiki"
+    """Text source of the prompts (a data source of linearize.data)."""
+    slo: str | None = None
+    """Service-level objectives for goodput, e.g. ttft=2s,tpot=100ms."""
+    timeout: float | None = None
+    """Stop a policy's replay after this many seconds (its unfinished requests count as lost)."""
+    out: str | None = None
+    """Directory for report.json, report.md and the plots."""
+
+    def __post_init__(self) -> None:
+        if not self.rate_scale > 0:
+            raise ValueError(f"rate-scale must be > 0, got {self.rate_scale}")
+        for name in ("requests", "max_prompt"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.start < 0:
+            raise ValueError(f"start must be >= 0, got {self.start}")
+        if not self.turns_mean > 0:
+            raise ValueError(f"turns-mean must be > 0, got {self.turns_mean}")
+        parse_slo(self.slo)
+
+    def trace_path(self) -> Path:
+        from ..data import TRACES
+
+        return TRACES / TRACE_NAMES[self.trace] if self.trace in TRACE_NAMES else Path(self.trace)
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One request of a trace: when it arrives (seconds from the trace's start) and its lengths."""
+
+    arrival: float
+    input_tokens: int
+    output_tokens: int
+
+
+def load_trace(path: str | Path) -> list[TraceRequest]:
+    """An Azure 2023 CSV or a Mooncake JSONL trace, in arrival order (ValueError naming a bad row)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"trace {str(path)!r} does not exist")
+    rows: list[TraceRequest] = []
+    if path.suffix == ".csv":
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            need = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"}
+            if not need <= set(reader.fieldnames or ()):
+                raise ValueError(f"trace {path.name}: expected the columns {sorted(need)}, found {reader.fieldnames}")
+            start = None
+            for i, row in enumerate(reader, 2):
+                try:
+                    t = datetime.fromisoformat(row["TIMESTAMP"][:26]).timestamp()
+                    start = t if start is None else start
+                    rows.append(TraceRequest(t - start, int(row["ContextTokens"]), int(row["GeneratedTokens"])))
+                except (ValueError, TypeError) as err:
+                    raise ValueError(f"trace {path.name}, line {i}: {err}") from None
+    elif path.suffix in (".jsonl", ".json"):
+        with path.open() as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    rows.append(TraceRequest(float(row["timestamp"]) / 1000, int(row["input_length"]), int(row["output_length"])))
+                except (ValueError, KeyError, TypeError) as err:
+                    raise ValueError(f"trace {path.name}, line {i}: expected timestamp (ms), input_length, output_length: {err}") from None
+        if rows:
+            first = rows[0].arrival
+            rows = [TraceRequest(r.arrival - first, r.input_tokens, r.output_tokens) for r in rows]
+    else:
+        raise ValueError(f"trace {path.name}: unknown format {path.suffix!r}; expected .csv (Azure 2023) or .jsonl (Mooncake)")
+    bad = next((r for r in rows if r.input_tokens < 1 or r.output_tokens < 1), None)
+    if bad is not None:
+        raise ValueError(f"trace {path.name}: a request with {bad.input_tokens} input / {bad.output_tokens} output tokens; both must be >= 1")
+    return sorted(rows, key=lambda r: r.arrival)
+
+
+@dataclass
+class ReplayRequest:
+    """A request to replay: its arrival, prompt token ids and forced output length."""
+
+    arrival: float
+    prompt: list[int]
+    output_tokens: int
+    session: int
+    turn: int
+
+
+def augment(trace: Sequence[TraceRequest], tokens: torch.Tensor, *, turns_mean: float = 3.0, max_prompt: int = 8192,
+            seed: int = 0) -> list[ReplayRequest]:
+    """Sessions of Poisson(``turns_mean``) turns (>= 1) over consecutive trace requests; each turn's
+    prompt = the session's history + a new message of the trace's input length, cut from ``tokens``
+    (a corpus stream, reused cyclically); answers are stand-in tokens of the trace's output length."""
+    if tokens.numel() < 2:
+        raise ValueError("the corpus stream for prompts is empty")
+    rng = random.Random(seed)
+    stream = tokens.tolist()
+    cursor = 0
+
+    def take(n: int) -> list[int]:
+        nonlocal cursor
+        out = []
+        while len(out) < n:
+            piece = stream[cursor : cursor + n - len(out)]
+            out.extend(piece)
+            cursor = (cursor + len(piece)) % len(stream)
+        return out
+
+    out: list[ReplayRequest] = []
+    i, session = 0, 0
+    while i < len(trace):
+        turns = max(1, _poisson(rng, turns_mean))
+        history: list[int] = []
+        for turn, r in enumerate(trace[i : i + turns]):
+            prompt = (history + take(r.input_tokens))[-max_prompt:]
+            out.append(ReplayRequest(r.arrival, prompt, r.output_tokens, session, turn))
+            history = prompt + take(r.output_tokens)
+        i += turns
+        session += 1
+    return out
+
+
+def _poisson(rng: random.Random, lam: float) -> int:
+    limit, k, p = math.exp(-lam), 0, 1.0
+    while True:
+        p *= rng.random()
+        if p <= limit:
+            return k
+        k += 1
+
+
+# ----------------------------------------------------------------------------- replay
+
+
+@dataclass
+class RequestRecord:
+    """What the client saw of one request."""
+
+    arrival: float
+    prompt_tokens: int
+    output_tokens: int
+    status: str = "ok"
+    token_times: list[float] = field(default_factory=list)
+    finish: float | None = None
+    level: int = 0
+    preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.arrival if self.token_times else None
+
+    @property
+    def e2e(self) -> float | None:
+        return self.finish - self.arrival if self.finish is not None else None
+
+    @property
+    def tpot(self) -> float | None:
+        n = len(self.token_times)
+        return (self.e2e - self.ttft) / (n - 1) if n > 1 and self.e2e is not None else None
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+    @property
+    def normalized(self) -> float | None:
+        return self.e2e / len(self.token_times) if self.token_times and self.e2e is not None else None
+
+
+def replay_engine(engine: Engine, requests: Sequence[ReplayRequest], *, rate_scale: float = 1.0, timeout: float | None = None,
+                  progress: bool = True) -> tuple[list[RequestRecord], list[dict[str, Any]]]:
+    """Replay ``requests`` open loop against ``engine`` in this process; (records, timeline samples of
+    memory and levels). Arrivals at ``arrival / rate_scale`` seconds after the start."""
+    if rate_scale <= 0:
+        raise ValueError(f"rate_scale must be > 0, got {rate_scale}")
+    records = [RequestRecord(r.arrival / rate_scale, len(r.prompt), r.output_tokens) for r in requests]
+    ids: dict[str, int] = {}
+    timeline: list[dict[str, Any]] = []
+    start = time.monotonic()
+    nxt = 0
+    bar = tqdm(total=len(requests), desc=f"replay {engine.policy}", unit="req", disable=not progress)
+    while nxt < len(requests) or engine.has_work():
+        now = time.monotonic() - start
+        if timeout is not None and now > timeout:
+            break
+        while nxt < len(requests) and records[nxt].arrival <= now:
+            r = requests[nxt]
+            rid = engine.add_request(r.prompt, SamplingParams(max_tokens=r.output_tokens, temperature=0.0, ignore_eos=True))
+            ids[rid] = nxt
+            nxt += 1
+        if not engine.has_work():
+            time.sleep(min(0.01, max(0.0, records[nxt].arrival - now)))
+            continue
+        outputs = engine.step()
+        stamp = time.monotonic() - start
+        for out in outputs:
+            rec = records[ids[out.request_id]]
+            rec.token_times.extend([stamp] * len(out.token_ids))
+            if out.finish_reason is not None:
+                rec.finish = stamp
+                request = engine.get(out.request_id)
+                rec.level, rec.preemptions = request.level, request.preemptions
+                if out.finish_reason not in ("stop", "length"):
+                    rec.status = out.finish_reason
+                bar.update(1)
+        timeline.append({"t": stamp, "bytes": engine.held_bytes(), "running": len(engine.running), "waiting": len(engine.waiting),
+                         "mean_level": statistics.fmean([r.level for r in engine.running]) if engine.running else 0.0})
+    bar.close()
+    for rec in records:
+        if rec.finish is None:
+            rec.status = "unfinished"
+    return records, timeline
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def _stats(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    v = sorted(values)
+
+    def pct(q: float) -> float:
+        return v[min(len(v) - 1, max(0, math.ceil(q * len(v)) - 1))]
+
+    return {"mean": statistics.fmean(v), "p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99)}
+
+
+def parse_slo(text: str | None) -> dict[str, float]:
+    """'ttft=2s,tpot=100ms' -> {'ttft': 2.0, 'tpot': 0.1} (seconds); ValueError naming bad parts."""
+    slo: dict[str, float] = {}
+    for part in filter(None, (text or "").split(",")):
+        key, _, value = part.partition("=")
+        key, value = key.strip().lower(), value.strip().lower()
+        if key not in ("ttft", "tpot", "e2e"):
+            raise ValueError(f"SLO {part!r}: the keys are ttft, tpot and e2e")
+        try:
+            seconds = float(value[:-2]) / 1000 if value.endswith("ms") else float(value.removesuffix("s"))
+        except ValueError:
+            raise ValueError(f"SLO {part!r}: expected a time like 2s or 100ms") from None
+        slo[key] = seconds
+    return slo
+
+
+def summarize(records: Sequence[RequestRecord], *, slo: dict[str, float] | None = None) -> dict[str, Any]:
+    """Aggregate metrics of one replay."""
+    done = [r for r in records if r.status == "ok"]
+    span = max((r.finish for r in done), default=0.0) - min((r.arrival for r in records), default=0.0)
+    out_tokens = sum(len(r.token_times) for r in done)
+    slo = slo or {}
+
+    def meets(r: RequestRecord) -> bool:
+        checks = {"ttft": r.ttft, "tpot": r.tpot if r.tpot is not None else 0.0, "e2e": r.e2e}
+        return all(checks[k] is not None and checks[k] <= v for k, v in slo.items())
+
+    return {
+        "requests": len(records),
+        "completed": len(done),
+        "rejected": sum(r.status == "rejected" for r in records),
+        "lost": sum(r.status not in ("ok", "rejected") for r in records),
+        "duration_s": span,
+        "request_throughput": len(done) / span if span > 0 else None,
+        "output_throughput": out_tokens / span if span > 0 else None,
+        "ttft_s": _stats([r.ttft for r in done if r.ttft is not None]),
+        "tpot_s": _stats([r.tpot for r in done if r.tpot is not None]),
+        "itl_s": _stats([x for r in done for x in r.itls]),
+        "e2e_s": _stats([r.e2e for r in done if r.e2e is not None]),
+        "normalized_latency_s": _stats([r.normalized for r in done if r.normalized is not None]),
+        "goodput": (sum(meets(r) for r in done) / span if span > 0 else None) if slo else None,
+        "slo": slo,
+        "preemptions": sum(r.preemptions for r in done),
+        "mean_level": statistics.fmean([r.level for r in done]) if done else None,
+    }
+
+
+def run_replay(engine_factory, requests: Sequence[ReplayRequest], policies: Sequence[str], *, rate_scale: float = 1.0,
+               slo: dict[str, float] | None = None, timeout: float | None = None, out_dir: str | Path | None = None,
+               settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Replay the same requests once per policy (``engine_factory(policy) -> Engine``); the report
+    (JSON-able; with ``out_dir``: report.json, report.md and plots, written atomically)."""
+    from ..io import atomic_write_text
+
+    result: dict[str, Any] = {"settings": {**(settings or {}), "rate_scale": rate_scale, "requests": len(requests)}, "policies": {}}
+    raw: dict[str, Any] = {}
+    for policy in policies:
+        engine = engine_factory(policy)
+        records, timeline = replay_engine(engine, requests, rate_scale=rate_scale, timeout=timeout)
+        summary = summarize(records, slo=slo)
+        summary.update(peak_bytes=engine.peak_bytes, budget_bytes=engine.config.kv_budget, conversions=engine.counters["conversions"])
+        result["policies"][policy] = summary
+        raw[policy] = {"records": [asdict(r) for r in records], "timeline": timeline}
+        logger.info("%s: mean normalised latency %s", policy, summary["normalized_latency_s"]["mean"])
+    base = result["policies"].get("softmax")
+    if base and base["normalized_latency_s"]["mean"]:
+        for summary in result["policies"].values():
+            mean = summary["normalized_latency_s"]["mean"]
+            summary["speedup_vs_softmax"] = base["normalized_latency_s"]["mean"] / mean if mean else None
+    if out_dir is not None:
+        out = Path(out_dir)
+        atomic_write_text(out / "report.json", json.dumps({**result, "raw": raw}, indent=1) + "\n")
+        atomic_write_text(out / "report.md", replay_markdown(result))
+        plot_replay(raw, out)
+    return result
+
+
+def replay_markdown(result: dict[str, Any]) -> str:
+    s = result["settings"]
+    lines = [f"# Trace replay\n\n{s['requests']} requests, arrival times / {s['rate_scale']}; "
+             + ", ".join(f"{k} {v}" for k, v in s.items() if k not in ("requests", "rate_scale")) + "\n",
+             "| policy | completed | rejected | lost | mean normalised latency (ms/token) | p99 | vs softmax | TTFT mean (s) | TTFT p99 "
+             "| TPOT mean (ms) | E2E mean (s) | out tok/s | goodput (req/s) | preemptions | conversions | mean level | peak / budget |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def f(x, scale=1.0, digits=2):
+        return "" if x is None else f"{x * scale:.{digits}f}"
+
+    for policy, m in result["policies"].items():
+        lines.append(
+            f"| {policy} | {m['completed']} | {m['rejected']} | {m['lost']} | {f(m['normalized_latency_s']['mean'], 1e3)} "
+            f"| {f(m['normalized_latency_s']['p99'], 1e3)} | {f(m.get('speedup_vs_softmax'))}x | {f(m['ttft_s']['mean'])} | {f(m['ttft_s']['p99'])} "
+            f"| {f(m['tpot_s']['mean'], 1e3)} | {f(m['e2e_s']['mean'])} | {f(m['output_throughput'], 1, 1)} | {f(m['goodput'])} "
+            f"| {m['preemptions']} | {m['conversions']} | {f(m['mean_level'], 1, 1)} | {f(m['peak_bytes'] / m['budget_bytes'], 100, 0)}% |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot_replay(raw: dict[str, Any], out: Path) -> None:
+    """latency_cdf.png (normalised latency per policy), latency_vs_length.png, memory_levels.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..io import save_png
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for policy, data in raw.items():
+        values = sorted(r["finish"] - r["arrival"] for r in data["records"] if r["status"] == "ok" and r["finish"] is not None)
+        norm = sorted(((r["finish"] - r["arrival"]) / max(len(r["token_times"]), 1)) * 1e3
+                      for r in data["records"] if r["status"] == "ok" and r["finish"] is not None)  # fmt: skip
+        if values:
+            ax.plot(norm, [(i + 1) / len(norm) for i in range(len(norm))], label=policy)
+    ax.set(xlabel="normalised latency (ms per output token)", ylabel="fraction of requests", xscale="log")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    save_png(fig, out / "latency_cdf.png")
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for policy, data in raw.items():
+        done = [r for r in data["records"] if r["status"] == "ok" and r["finish"] is not None]
+        ax.scatter([r["prompt_tokens"] for r in done], [(r["finish"] - r["arrival"]) / max(len(r["token_times"]), 1) * 1e3 for r in done],
+                   s=6, alpha=0.6, label=policy)  # fmt: skip
+    ax.set(xlabel="prompt tokens", ylabel="normalised latency (ms per output token)", yscale="log")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    save_png(fig, out / "latency_vs_length.png")
+
+    fig, axes = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
+    for policy, data in raw.items():
+        t = [p["t"] for p in data["timeline"]]
+        axes[0].plot(t, [p["bytes"] / 2**20 for p in data["timeline"]], label=policy)
+        axes[1].plot(t, [p["mean_level"] for p in data["timeline"]], label=policy)
+    axes[0].set(ylabel="memory held (MiB)")
+    axes[1].set(ylabel="mean level of running", xlabel="seconds")
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    save_png(fig, out / "memory_levels.png")

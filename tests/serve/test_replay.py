@@ -1,0 +1,114 @@
+"""Trace replay: traces parse, sessions augment with exact lengths, replays lose nothing, metrics follow
+vllm bench serve's definitions."""
+
+import json
+
+import pytest
+import torch
+
+from linearize.data import TRACES
+from linearize.serve.replay import RequestRecord, TraceRequest, augment, load_trace, parse_slo, run_replay, summarize
+
+from .test_api import tiny_engine
+
+
+def test_the_shipped_azure_traces_parse():
+    conv = load_trace(TRACES / "azure_llm_2023_conv.csv")
+    assert len(conv) == 19366 and conv[0].arrival == 0.0
+    assert all(a.arrival <= b.arrival for a, b in zip(conv, conv[1:]))
+    assert 1100 < sum(r.input_tokens for r in conv) / len(conv) < 1200  # mean 1155
+    assert 3000 < conv[-1].arrival < 3600  # about 58 minutes
+    assert len(load_trace(TRACES / "azure_llm_2023_code.csv")) == 8819
+
+
+def test_mooncake_jsonl_and_bad_traces(tmp_path):
+    p = tmp_path / "t.jsonl"
+    p.write_text("\n".join(json.dumps({"timestamp": t, "input_length": i, "output_length": o, "hash_ids": []})
+                           for t, i, o in [(5000, 10, 3), (5500, 20, 4)]) + "\n")  # fmt: skip
+    assert load_trace(p) == [TraceRequest(0.0, 10, 3), TraceRequest(0.5, 20, 4)]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 1}\n')
+    with pytest.raises(ValueError, match="bad.jsonl, line 1"):
+        load_trace(bad)
+    with pytest.raises(ValueError, match="unknown format '.txt'"):
+        (tmp_path / "x.txt").write_text("")
+        load_trace(tmp_path / "x.txt")
+    with pytest.raises(FileNotFoundError, match="nope.csv"):
+        load_trace(tmp_path / "nope.csv")
+
+
+def test_sessions_carry_their_history_with_exact_lengths():
+    trace = [TraceRequest(float(i), 5 + i, 3) for i in range(30)]
+    stream = torch.arange(3, 120)
+    requests = augment(trace, stream, seed=1, max_prompt=10**6)
+    assert len(requests) == 30 and [r.arrival for r in requests] == [float(i) for i in range(30)]
+    sessions = {}
+    for r, t in zip(requests, trace):
+        sessions.setdefault(r.session, []).append((r, t))
+    assert 3 < len(sessions) < 30  # Poisson(3) turns
+    for turns in sessions.values():
+        expected = 0
+        for k, (r, t) in enumerate(turns):
+            assert r.turn == k and r.output_tokens == t.output_tokens
+            expected += t.input_tokens
+            assert len(r.prompt) == expected  # history + the new message
+            if k:
+                assert r.prompt[: len(turns[k - 1][0].prompt)] == turns[k - 1][0].prompt
+            expected += t.output_tokens
+    capped = augment(trace, stream, seed=1, max_prompt=12)
+    assert max(len(r.prompt) for r in capped) == 12
+
+
+def test_metrics_follow_vllm_definitions():
+    r = RequestRecord(arrival=1.0, prompt_tokens=10, output_tokens=3, token_times=[1.5, 1.7, 2.0], finish=2.0)
+    assert r.ttft == 0.5 and r.e2e == 1.0 and r.tpot == pytest.approx(0.25) and r.itls == pytest.approx([0.2, 0.3])
+    assert r.normalized == pytest.approx(1.0 / 3)
+    lost = RequestRecord(arrival=1.2, prompt_tokens=5, output_tokens=2, status="unfinished")
+    m = summarize([r, lost], slo=parse_slo("ttft=1s,tpot=300ms"))
+    assert (m["completed"], m["lost"], m["goodput"]) == (1, 1, pytest.approx(1.0))
+    assert parse_slo("ttft=2s,tpot=100ms") == {"ttft": 2.0, "tpot": 0.1}
+    with pytest.raises(ValueError, match="keys are ttft, tpot and e2e"):
+        parse_slo("latency=1s")
+
+
+def test_replay_every_policy_loses_nothing(tmp_path):
+    trace = [TraceRequest(i * 0.05, 20 + 7 * (i % 5), 4 + i % 3) for i in range(10)]
+    requests = augment(trace, torch.arange(3, 128), seed=0, max_prompt=300)
+
+    def factory(policy):
+        _, engine = tiny_engine(policy)
+        engine.config.kv_budget = 300_000
+        return engine
+
+    result = run_replay(factory, requests, ["softmax", "static:2", "length-caps", "memory"], rate_scale=2.0,
+                        slo=parse_slo("ttft=5s"), out_dir=tmp_path)  # fmt: skip
+    for policy, m in result["policies"].items():
+        assert m["lost"] == 0 and m["completed"] + m["rejected"] == 10, policy
+        assert m["peak_bytes"] <= m["budget_bytes"]
+        assert m["normalized_latency_s"]["mean"] > 0
+    assert result["policies"]["softmax"]["speedup_vs_softmax"] == pytest.approx(1.0)
+    for name in ("report.json", "report.md", "latency_cdf.png", "latency_vs_length.png", "memory_levels.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert "| memory |" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_replay_command_writes_a_report(tmp_path):
+    """`linearize replay` on a saved tiny family and a Mooncake trace: report and plots, nothing lost."""
+    from linearize.cli import main
+    from linearize.convert import convert
+    from linearize.hub import build_tiny_llama, build_tiny_tokenizer
+    from linearize.spec import ConversionSpec
+
+    model = build_tiny_llama(0, num_hidden_layers=4)
+    convert(model, ConversionSpec.from_dict({"attention": "dsla", "order": [2, 0, 3, 1]}))
+    model.save_pretrained(tmp_path / "tiny")
+    build_tiny_tokenizer().save_pretrained(tmp_path / "tiny")
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps({"timestamp": i * 100, "input_length": 20 + i, "output_length": 3}) for i in range(6)) + "\n")
+    assert main(["replay", "--model", str(tmp_path / "tiny"), "--trace", str(trace), "--policies", "softmax,memory",
+                 "--kv-budget", "300000", "--device", "cpu", "--out", str(tmp_path / "out")]) == 0  # fmt: skip
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert set(report["policies"]) == {"softmax", "memory"}
+    assert all(m["lost"] == 0 and m["completed"] == 6 for m in report["policies"].values())
+    assert (tmp_path / "out" / "latency_cdf.png").exists()
