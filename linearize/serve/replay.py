@@ -231,6 +231,25 @@ class RequestRecord:
         return self.e2e / len(self.token_times) if self.token_times and self.e2e is not None else None
 
 
+def warm_up(engine: Engine, tokens: Sequence[int], lengths: Sequence[int] = (64, 700, 2000)) -> None:
+    """Run a few short requests at level 0 and at the policy's highest level through ``engine`` before
+    anything is timed (kernel compilation and autotuning, e.g. fla's Triton kernels on a fresh GPU),
+    then clear its records and counters."""
+    from .policy import StaticPolicy
+
+    policy = engine.policy
+    for level in sorted({0, policy.level_cap(engine.levels)}):
+        engine.policy = StaticPolicy(level)
+        for n in lengths:
+            prompt = list(tokens[:n]) if len(tokens) >= n else (list(tokens) * (n // max(len(tokens), 1) + 1))[:n]
+            engine.add_request(prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+            engine.run()
+    engine.policy = policy
+    engine.finished.clear()
+    engine.counters.clear()
+    engine.peak_bytes = 0
+
+
 def replay_engine(engine: Engine, requests: Sequence[ReplayRequest], *, rate_scale: float = 1.0, timeout: float | None = None,
                   progress: bool = True) -> tuple[list[RequestRecord], list[dict[str, Any]]]:
     """Replay ``requests`` open loop against ``engine`` in this process; (records, timeline samples of
@@ -348,6 +367,7 @@ def run_replay(engine_factory, requests: Sequence[ReplayRequest], policies: Sequ
     raw: dict[str, Any] = {}
     for policy in policies:
         engine = engine_factory(policy)
+        warm_up(engine, requests[0].prompt if requests else [1])
         records, timeline = replay_engine(engine, requests, rate_scale=rate_scale, timeout=timeout)
         summary = summarize(records, slo=slo)
         summary.update(peak_bytes=engine.peak_bytes, budget_bytes=engine.config.kv_budget, conversions=engine.counters["conversions"])
