@@ -361,8 +361,6 @@ def run_replay(engine_factory, requests: Sequence[ReplayRequest], policies: Sequ
                settings: dict[str, Any] | None = None) -> dict[str, Any]:
     """Replay the same requests once per policy (``engine_factory(policy) -> Engine``); the report
     (JSON-able; with ``out_dir``: report.json, report.md and plots, written atomically)."""
-    from ..io import atomic_write_text
-
     result: dict[str, Any] = {"settings": {**(settings or {}), "rate_scale": rate_scale, "requests": len(requests)}, "policies": {}}
     raw: dict[str, Any] = {}
     for policy in policies:
@@ -374,17 +372,25 @@ def run_replay(engine_factory, requests: Sequence[ReplayRequest], policies: Sequ
         result["policies"][policy] = summary
         raw[policy] = {"records": [asdict(r) for r in records], "timeline": timeline}
         logger.info("%s: mean normalised latency %s", policy, summary["normalized_latency_s"]["mean"])
+        if out_dir is not None:  # after every policy: a run cut short keeps the policies it finished
+            _write(result, raw, Path(out_dir), plots=False)
     base = result["policies"].get("softmax")
     if base and base["normalized_latency_s"]["mean"]:
         for summary in result["policies"].values():
             mean = summary["normalized_latency_s"]["mean"]
             summary["speedup_vs_softmax"] = base["normalized_latency_s"]["mean"] / mean if mean else None
     if out_dir is not None:
-        out = Path(out_dir)
-        atomic_write_text(out / "report.json", json.dumps({**result, "raw": raw}, indent=1) + "\n")
-        atomic_write_text(out / "report.md", replay_markdown(result))
-        plot_replay(raw, out)
+        _write(result, raw, Path(out_dir), plots=True)
     return result
+
+
+def _write(result: dict[str, Any], raw: dict[str, Any], out: Path, *, plots: bool) -> None:
+    from ..io import atomic_write_text
+
+    atomic_write_text(out / "report.json", json.dumps({**result, "raw": raw}, indent=1) + "\n")
+    atomic_write_text(out / "report.md", replay_markdown(result))
+    if plots:
+        plot_replay(raw, out)
 
 
 def replay_markdown(result: dict[str, Any]) -> str:
