@@ -26,3 +26,17 @@ def check_int(name: str, value: Any, minimum: int, *, allow_none: bool = False, 
         return
     if not is_int(value) or value < minimum:
         raise error(f"{name} must be an integer >= {minimum}{' or None' if allow_none else ''}, got {value!r}")
+
+
+def check_text(name: str, value: str, error: type[ValueError] = ValueError) -> None:
+    """Raise ``error`` unless ``value`` is text that UTF-8 can encode (command-line arguments holding
+    bytes that are not UTF-8 arrive as lone surrogates); the message names the bad bytes."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        bad = value[err.start:err.end]
+        try:
+            shown = repr(bad.encode("utf-8", "surrogateescape"))
+        except UnicodeEncodeError:
+            shown = ascii(bad)
+        raise error(f"{name} is not valid UTF-8 text: it holds {shown} at character {err.start}") from None

@@ -9,18 +9,22 @@ later loads read that cache (< 1 s). The cache round-trips the dequantised weigh
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 from huggingface_hub import constants, snapshot_download
+from safetensors import SafetensorError
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -30,6 +34,8 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+
+from .runtime import check_device
 
 logger = logging.getLogger(__name__)
 
@@ -175,29 +181,62 @@ def _default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
-def _resolve_hub_id(repo_id: str) -> str:
-    """The hub id itself when online; offline (HF_HUB_OFFLINE), its snapshot in the local HF cache.
+_PROXY_ENV = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+
+
+@functools.cache
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the hub's host answers a TCP connection (through a proxy: assumed so). Without a
+    network transformers retries a hub lookup for a minute or more; this answers in at most ``timeout``."""
+    if any(os.environ.get(name) for name in _PROXY_ENV):
+        return True
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=timeout).close()
+    except OSError:
+        logger.info("%s cannot be reached: hub ids resolve from the local Hugging Face cache only", url.hostname)
+        return False
+    return True
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE is set, or the hub cannot be reached."""
+    offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
+    return offline or not _hub_reachable()
+
+
+def resolve_hub_id(repo_id: str, shipped: Iterable[str] = ()) -> str:
+    """The hub id itself when online; offline (HF_HUB_OFFLINE, or no network), its snapshot in the
+    local HF cache, and a ValueError naming the valid choices (``shipped``: more names that exist)
+    at once when it has none.
 
     huggingface_hub reads HF_HUB_OFFLINE once, at import, and transformers 5.17 still looks up an
     adapter config online when given local_files_only=True (retrying for ~70 s without a network);
     a local snapshot directory avoids both.
     """
-    offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
-    if not offline:
+    if not hub_offline():
         return repo_id
     try:
         return snapshot_download(repo_id, local_files_only=True)
     except (OSError, ValueError) as err:  # not in the local cache / not a valid repo id
-        raise ValueError(_choices_message(repo_id)) from err
+        raise ValueError(_choices_message(repo_id, shipped, offline=True)) from err
 
 
-def _choices_message(name_or_path: str) -> str:
+def _choices_message(name_or_path: str, shipped: Iterable[str] = (), *, offline: bool = False) -> str:
     aliases = ", ".join(f"{alias!r} ({desc})" for alias, desc in MODEL_ALIASES.items())
+    shipped = ", ".join(shipped)
+    hub = ("a Hugging Face hub id already in the local HF cache (the hub cannot be reached: no network or HF_HUB_OFFLINE)"
+           if offline else "a Hugging Face hub id such as 'HuggingFaceTB/SmolLM2-135M-Instruct' (needs a network or the local HF cache)")
     return (
-        f"Cannot load model {name_or_path!r}. Valid choices: an alias [{aliases}]; a local directory "
-        "holding a Hugging Face checkpoint (config.json + weights); or a Hugging Face hub id such as "
-        "'HuggingFaceTB/SmolLM2-135M-Instruct' (needs a network or the local HF cache; HF_HUB_OFFLINE respected)."
+        f"Cannot load model {name_or_path!r}. Valid choices: an alias [{aliases}]; "
+        + (f"a shipped conversion [{shipped}]; " if shipped else "")
+        + f"a local directory holding a Hugging Face checkpoint (config.json + weights); or {hub}."
     )
+
+
+def looks_like_path(name: str) -> bool:
+    """A name that can only be a path (hub ids are NAME or OWNER/NAME)."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name or name.endswith("/")
 
 
 def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
@@ -225,7 +264,7 @@ def load_base_model(
     holding a Hugging Face checkpoint, or a hub id. dtype defaults to float32 on CPU and bfloat16
     on other devices; device defaults to "cpu". Unknown names raise ValueError listing the choices.
     """
-    device = torch.device(device or "cpu")
+    device = check_device(device or "cpu")
     dtype = getattr(torch, dtype, dtype) if isinstance(dtype, str) else dtype or _default_dtype(device)
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or its name, got {dtype!r}")
@@ -237,13 +276,17 @@ def load_base_model(
         if not (directory / "config.json").is_file():
             raise ValueError(f"{directory} has no config.json. " + _choices_message(name_or_path))
         source = str(directory)
+    elif looks_like_path(name_or_path):
+        raise FileNotFoundError(f"model directory {name_or_path!r} does not exist. " + _choices_message(name_or_path))
     else:
-        source = _resolve_hub_id(name_or_path)
+        source = resolve_hub_id(name_or_path)
 
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
-    except OSError as err:  # missing repo, no network, invalid id (HFValidationError surfaces as OSError)
-        raise ValueError(_choices_message(name_or_path)) from err
+    except (OSError, ValueError, SafetensorError) as err:
+        if Path(source).is_dir():  # a truncated or corrupt weights file, a config that is not JSON, ...
+            raise ValueError(f"cannot load the checkpoint in {source!r}: {err}") from err
+        raise ValueError(_choices_message(name_or_path)) from err  # missing repo, no network, invalid id
 
     tokenizer = None
     if not Path(source).is_dir() or _has_tokenizer(Path(source)):

@@ -149,6 +149,9 @@ class ConversionSpec(LayerSpec):
 
     def resolve_layers(self, num_layers: int) -> list[int]:
         """The sorted layer indices to convert, validated against the model's layer count."""
+        for i in self.overrides:
+            if not -num_layers <= i < num_layers:
+                raise SpecError(f"override for layer {i} out of range: the model has {num_layers} layers (valid: 0..{num_layers - 1} or negative from the end)")
         if self.layers == "all":
             return list(range(num_layers))
         out = set()
@@ -156,9 +159,6 @@ class ConversionSpec(LayerSpec):
             if not -num_layers <= i < num_layers:
                 raise SpecError(f"layer index {i} out of range: the model has {num_layers} layers (valid: 0..{num_layers - 1} or negative from the end)")
             out.add(i % num_layers)
-        for i in self.overrides:
-            if not -num_layers <= i < num_layers:
-                raise SpecError(f"override for layer {i} out of range: the model has {num_layers} layers")
         return sorted(out)
 
     def inactive_layers(self, num_layers: int) -> list[int]:
@@ -227,7 +227,13 @@ class ConversionSpec(LayerSpec):
         path = Path(path)
         if not path.is_file():
             raise SpecError(f"spec file {str(path)!r} does not exist")
-        data = yaml.safe_load(path.read_text()) or {}
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as err:
+            where = getattr(err, "problem_mark", None)
+            at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+            problem = getattr(err, "problem", None) or str(err)
+            raise SpecError(f"spec file {str(path)!r} is not valid YAML{at}: {' '.join(str(problem).split())}") from None
         if not isinstance(data, dict):
             raise SpecError(f"spec file {str(path)!r} must hold a mapping of spec fields")
         return cls.from_dict(data)
