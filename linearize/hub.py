@@ -143,7 +143,7 @@ def cached_gguf_checkpoint(alias: str, gguf: Path) -> Path:
         if time.time() - stale.stat().st_mtime > _STALE_TMP_S:
             shutil.rmtree(stale, ignore_errors=True)
 
-    logger.info("Dequantising %s (%s) into cache %s; later loads reuse it", alias, gguf, final)
+    logger.info("Dequantising %s (%s) into cache %s: once, about half a minute; later loads take about a second", alias, gguf, final)
     start = time.perf_counter()
     model = load_gguf_model(gguf)
     tokenizer = load_gguf_tokenizer(gguf, model.config)
@@ -194,7 +194,7 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
     try:
         socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=timeout).close()
     except OSError:
-        logger.info("%s cannot be reached: hub ids resolve from the local Hugging Face cache only", url.hostname)
+        logger.debug("%s cannot be reached: hub ids resolve from the local Hugging Face cache only", url.hostname)
         return False
     return True
 

@@ -198,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra and args.command != "train":
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("linearize.hub").setLevel(logging.INFO)  # model loading and the one-time dequantisation: the long waits
     try:
         if args.command == "train":
             args.overrides = parse_overrides(extra)

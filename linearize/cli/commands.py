@@ -245,7 +245,10 @@ def _saved_reports(items: list[str]) -> dict[str, dict]:
             path = Path(file)
             if not path.is_file():
                 raise FileNotFoundError(f"report {file!r} (for {name!r}) does not exist")
-            parts.append(json.loads(path.read_text()))
+            try:
+                parts.append(json.loads(path.read_text()))
+            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                raise ValueError(f"report {file!r} (for {name!r}) is not JSON: {err}") from None
         results[name] = merge_results(parts)
     return results
 
