@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-from importlib import resources
 from pathlib import Path
 
 import torch
@@ -13,52 +12,16 @@ from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 from .convert import convert, new_parameters, set_active
-from .hub import MODEL_ALIASES, _choices_message, load_base_model, looks_like_path, resolve_hub_id
+from .hub import load_base_model
 from .io import atomic_dir
+from .names import ADAPTER_CONFIG, SHIPPED, check_model_name, shipped_path  # noqa: F401 (SHIPPED: re-exported)
 from .spec import ConversionSpec
 
 logger = logging.getLogger(__name__)
 
-ADAPTER_CONFIG = "linearize_adapter.json"
 ADAPTER_WEIGHTS = "adapter.safetensors"
 LORA_WEIGHTS = "lora.safetensors"
 ADAPTER_FORMAT = 1
-
-SHIPPED = ("smollm2-135m-lolcats", "smollm2-135m-hedgecats", "smollm2-135m-ssd", "smollm2-135m-inference-hybrid", "smollm2-135m-dsla-chained")
-"""Trained conversions that ship inside the package (linearize/checkpoints/NAME), by name."""
-
-
-def _checkpoint_dir(name: str) -> Path:
-    return Path(str(resources.files("linearize") / "checkpoints" / name))
-
-
-def shipped_path(name: str) -> Path | None:
-    """The adapter directory of a shipped conversion, or None when ``name`` is none."""
-    if name not in SHIPPED:
-        return None
-    path = _checkpoint_dir(name)
-    if not (path / ADAPTER_CONFIG).is_file():
-        available = [n for n in SHIPPED if (_checkpoint_dir(n) / ADAPTER_CONFIG).is_file()]
-        raise ValueError(f"conversion {name!r} has not been trained and shipped yet; shipped now: {', '.join(available) or 'none'}")
-    return path
-
-
-def check_model_name(name_or_path: str) -> None:
-    """Raise at once, loading nothing, unless ``name_or_path`` can name a model: a shipped conversion,
-    an alias, a local directory, or a hub id (offline: one in the local Hugging Face cache). Errors
-    (FileNotFoundError for a path that does not exist, ValueError otherwise) name the valid choices."""
-    name = str(name_or_path)
-    if shipped_path(name) is not None or name in MODEL_ALIASES:
-        return
-    path = Path(name).expanduser()
-    if path.is_dir():
-        return
-    if path.exists():
-        raise ValueError(f"model {name!r} is a file, not a directory. " + _choices_message(name, SHIPPED))
-    if looks_like_path(name):
-        raise FileNotFoundError(f"model directory {name!r} does not exist. " + _choices_message(name, SHIPPED))
-    resolve_hub_id(name, SHIPPED)
-
 
 def load_model(
     name_or_path: str,

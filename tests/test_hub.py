@@ -15,7 +15,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from linearize import hub
+from linearize import hub, names
 
 SMOLLM2 = "smollm2-135m"
 
@@ -115,7 +115,7 @@ def test_hub_id_offline_resolves_to_local_snapshot(monkeypatch, tmp_path):
     hub.build_tiny_llama(seed=5).save_pretrained(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     asked = []
-    monkeypatch.setattr(hub, "snapshot_download", lambda repo_id, **kw: asked.append((repo_id, kw)) or str(tmp_path))
+    monkeypatch.setattr(names, "snapshot_download", lambda repo_id, **kw: asked.append((repo_id, kw)) or str(tmp_path))
     model, tokenizer = hub.load_base_model("some-org/some-model")
     assert asked == [("some-org/some-model", {"local_files_only": True})] and tokenizer is None
     ids = torch.arange(10).view(1, 10)

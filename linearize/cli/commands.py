@@ -357,7 +357,7 @@ def check_args(args) -> None:
         return
     names = model_names(args)
     if names:
-        from ..api import check_model_name
+        from ..names import check_model_name
 
         for name in names:
             check_model_name(name)
