@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from pathlib import Path
 
 import torch
@@ -128,7 +129,10 @@ def _load_adapter(path: Path, *, dtype, device):
         from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 
         config = {k: v for k, v in meta["lora"].items() if k in LoraConfig.__dataclass_fields__}
-        peft_model = get_peft_model(model, LoraConfig(**config))
+        with warnings.catch_warnings():  # peft's notes on wrapping a model that is unwrapped at once
+            warnings.filterwarnings("ignore", message=r"The PEFT config's `base_model_name_or_path` was renamed")
+            warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+            peft_model = get_peft_model(model, LoraConfig(**config))
         set_peft_model_state_dict(peft_model, lora_tensors)
         model = peft_model.merge_and_unload()  # LoRA folded into q/k/v/o: plain model, no overhead
     return model, tokenizer

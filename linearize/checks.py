@@ -6,6 +6,7 @@ value and what is valid.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 
@@ -40,3 +41,19 @@ def check_text(name: str, value: str, error: type[ValueError] = ValueError) -> N
         except UnicodeEncodeError:
             shown = ascii(bad)
         raise error(f"{name} is not valid UTF-8 text: it holds {shown} at character {err.start}") from None
+
+
+def read_yaml(path: str | Path, what: str, error: type[ValueError] = ValueError) -> Any:
+    """The YAML (or JSON) file ``path``; ``error`` saying ``what`` it is, the line and the problem
+    when it is not valid YAML or not UTF-8 text."""
+    import yaml
+
+    try:
+        return yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise error(f"{what} {str(path)!r} is not UTF-8 text: {err}") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = " ".join(str(getattr(err, "problem", None) or err).split())
+        raise error(f"{what} {str(path)!r} is not valid YAML{at}: {problem}") from None

@@ -35,6 +35,8 @@ from .names import MODEL_ALIASES, choices_message, looks_like_path, resolve_hub_
 from .runtime import check_device
 
 logger = logging.getLogger(__name__)
+progress = logging.getLogger("linearize.progress")
+"""Waits of more than a few seconds (the command line shows these without -v)."""
 
 SMOLLM2_GGUF_ENV = "SMOLLM2_GGUF"
 CACHE_ENV = "LINEARIZE_CACHE"
@@ -136,7 +138,7 @@ def cached_gguf_checkpoint(alias: str, gguf: Path) -> Path:
         if time.time() - stale.stat().st_mtime > _STALE_TMP_S:
             shutil.rmtree(stale, ignore_errors=True)
 
-    logger.info("Dequantising %s (%s) into cache %s: once, about half a minute; later loads take about a second", alias, gguf, final)
+    progress.info("Dequantising %s (%s) into cache %s: once, about half a minute; later loads take about a second", alias, gguf, final)
     start = time.perf_counter()
     model = load_gguf_model(gguf)
     tokenizer = load_gguf_tokenizer(gguf, model.config)
@@ -155,7 +157,7 @@ def cached_gguf_checkpoint(alias: str, gguf: Path) -> Path:
             logger.info("Another process cached %s first; using its copy", alias)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("Cached %s in %.1f s", alias, time.perf_counter() - start)
+    progress.info("Cached %s in %.1f s", alias, time.perf_counter() - start)
     return final
 
 

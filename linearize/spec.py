@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .checks import check_choice  # noqa: F401  (re-exported: the spec's choice check)
+from .checks import check_choice, read_yaml  # noqa: F401  (check_choice re-exported: the spec's choice check)
 from .layers.base import KindOptions, SpecError
 from .layers.registry import ATTENTION_KINDS, KINDS, get_kind, option_fields
 
@@ -222,18 +222,10 @@ class ConversionSpec(LayerSpec):
     @classmethod
     def from_file(cls, path: str | Path) -> "ConversionSpec":
         """Read a YAML (or JSON) spec file."""
-        import yaml
-
         path = Path(path)
         if not path.is_file():
             raise SpecError(f"spec file {str(path)!r} does not exist")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except (yaml.YAMLError, UnicodeDecodeError) as err:
-            where = getattr(err, "problem_mark", None)
-            at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
-            problem = getattr(err, "problem", None) or str(err)
-            raise SpecError(f"spec file {str(path)!r} is not valid YAML{at}: {' '.join(str(problem).split())}") from None
+        data = read_yaml(path, "spec file", SpecError) or {}
         if not isinstance(data, dict):
             raise SpecError(f"spec file {str(path)!r} must hold a mapping of spec fields")
         return cls.from_dict(data)

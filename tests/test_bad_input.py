@@ -142,6 +142,7 @@ CASES = {
     "eval-data-dir-missing": (["eval", "--model", "{tiny}", "--data-dir", "missing-data"], ["--data-dir 'missing-data'"]),
     "compare-report-missing": (["compare", "--reports", "a=missing.json"], ["report 'missing.json' (for 'a') does not exist"]),
     "compare-report-not-json": (["compare", "--reports", "a={not_json}"], ["not-json.json", "is not JSON"]),
+    "train-recipe-invalid-yaml": (["train", "--recipe", "{bad_yaml}"], ["recipe", "bad.yaml' is not valid YAML at line 2"]),
     "train-report-missing": (["train", "--report", "missing-run"], ["no summary.json in 'missing-run'"]),
     "train-compare-runs-missing": (["train", "--compare-runs", "missing-run"], ["no summary.json in 'missing-run'"]),
     # outputs that cannot be written
@@ -293,6 +294,15 @@ def test_override_out_of_range_is_an_error(files, capsys, tmp_path):
     model, _ = linearize.load_model(files["tiny"])
     with pytest.raises(ValueError, match="override for layer 99 out of range"):
         linearize.convert(model, {"attention": "hybrid", "overrides": {99: {"window": 8}}})
+
+
+def test_interrupt_ends_with_one_line_and_code_130(files, capsys, monkeypatch):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("linearize.cli.cmd_info", interrupted)
+    assert main(["info", files["tiny"]]) == 130
+    assert capsys.readouterr().err == "linearize info: interrupted\n"
 
 
 # ----------------------------------------------------------------------------- first contact
