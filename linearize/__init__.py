@@ -8,6 +8,7 @@ converted model classes with transformers' Auto classes (so does ``import linear
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 import types
 
@@ -35,11 +36,13 @@ __version__ = "0.1.0"
 
 class _Package(types.ModuleType):
     def __getattr__(self, name: str):
-        if name not in _EXPORTS:
-            raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(f"{self.__name__}.{_EXPORTS[name]}"), name)
-        super().__setattr__(name, value)
-        return value
+        if name in _EXPORTS:
+            value = getattr(importlib.import_module(f"{self.__name__}.{_EXPORTS[name]}"), name)
+            super().__setattr__(name, value)
+            return value
+        if not name.startswith("_") and importlib.util.find_spec(f"{self.__name__}.{name}") is not None:
+            return importlib.import_module(f"{self.__name__}.{name}")  # a submodule: linearize.api, linearize.hub, ...
+        raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
 
     def __setattr__(self, name: str, value) -> None:
         # Importing the submodule linearize.convert sets the package's attribute `convert`: the

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -220,7 +221,7 @@ def load_base_model(
 
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
-    except (OSError, ValueError, SafetensorError) as err:
+    except (OSError, SafetensorError, json.JSONDecodeError) as err:
         if Path(source).is_dir():  # a truncated or corrupt weights file, a config that is not JSON, ...
             raise ValueError(f"cannot load the checkpoint in {source!r}: {err}") from err
         raise ValueError(choices_message(name_or_path)) from err  # missing repo, no network, invalid id

@@ -330,6 +330,20 @@ def test_help_argument_errors_and_unknown_names_import_nothing_heavy(monkeypatch
     assert "linearize info: error: Cannot load model 'no-such-model'" in result.stderr
 
 
+def test_package_names_load_on_first_use():
+    """`import linearize` defers its imports; its names and submodules are there when asked for, and
+    `linearize.convert` stays the function although a submodule has that name."""
+    import inspect
+
+    from linearize import convert as imported
+
+    assert inspect.isfunction(linearize.convert) and imported is linearize.convert
+    assert inspect.ismodule(linearize.api) and linearize.api.load_model is linearize.load_model
+    assert {"load_model", "convert", "ConversionSpec", "set_mode"} <= set(dir(linearize))
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        _ = linearize.nothing_here
+
+
 def test_stored_flag_table_matches_the_spec_and_kinds():
     """The parser reads spec_flags.json; after a spec field changes, rewrite it with write_flag_table()."""
     from linearize.cli.spec_flags import TABLE_FILE, flag_table

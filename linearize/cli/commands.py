@@ -318,6 +318,10 @@ def cmd_plots(args) -> int:
     return 0
 
 
+STANDALONE_SPEC = ("convert", "demo", "bench", "sensitivity")
+"""Commands whose spec flags make a spec of their own (the others change the loaded model's spec)."""
+
+
 def model_names(args) -> list[str]:
     """The model names a command's arguments hold (--model, demo's --conversion, compare's models)."""
     names = [getattr(args, "model", None), getattr(args, "conversion", None), *(getattr(args, "models", None) or [])]
@@ -338,7 +342,9 @@ def check_args(args) -> None:
         check_writable(out)
         if args.command == "convert" and not args.force and Path(out).is_dir() and any(Path(out).iterdir()):
             raise ValueError(f"output directory {out!r} exists and is not empty; pass --force to replace it")
-    if getattr(args, "spec_file", None):
+    if args.command in STANDALONE_SPEC:
+        spec_from_args(args)
+    elif getattr(args, "spec_file", None):
         from ..spec import ConversionSpec
 
         ConversionSpec.from_file(args.spec_file)
