@@ -130,6 +130,7 @@ CASES = {
     "plots-layer-text": (["plots", "--model", "{tiny}", "--layer", "middle", "--out", "{tmp}/o"], ["--layer", "'middle'"]),
     "generate-prompt-not-utf8": (["generate", "--model", "{tiny}", "--prompt", NOT_UTF8], ["--prompt is not valid UTF-8", "\\xe9"]),
     "generate-prompt-not-utf8-raw": (["generate", "--model", "{tiny}", "--no-chat", "--prompt", NOT_UTF8], ["--prompt is not valid UTF-8"]),
+    "generate-prompt-empty-raw": (["generate", "--model", "{tiny}", "--no-chat", "--prompt", ""], ["prompt '' encodes to no tokens"]),
     "demo-prompt-not-utf8": (["demo", "--prompt", NOT_UTF8], ["--prompt is not valid UTF-8"]),
     "compare-reports-syntax": (["compare", "--reports", "report.json"], ["NAME=REPORT.json", "'report.json'"]),
     # missing and corrupt files
@@ -169,9 +170,9 @@ def test_bad_input_every_command_one_line_exit_2(name, files, offline, tmp_path,
 
     args, expected = CASES[name]
     args = [a.format(tmp=tmp_path, **files) for a in args]
-    names = {"info-truncated-weights", "info-corrupt-adapter", "adapter-unknown-base", "convert-layer-99", "convert-override-99",
-             "convert-window-0", "generate-active-9", "convert-unknown-attention"}
-    if name not in names:  # everything else is caught before any model loads
+    loads_first = {"info-truncated-weights", "info-corrupt-adapter", "adapter-unknown-base", "convert-layer-99", "convert-override-99",
+             "convert-window-0", "generate-active-9", "convert-unknown-attention", "generate-prompt-empty-raw"}
+    if name not in loads_first:  # everything else is caught before any model loads
         monkeypatch.setattr("linearize.api.load_base_model", no_loading)
     assert_one_line(*run(args, capsys), *expected)
 
