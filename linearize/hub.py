@@ -36,7 +36,7 @@ from .names import MODEL_ALIASES, choices_message, looks_like_path, resolve_hub_
 from .runtime import check_device
 
 logger = logging.getLogger(__name__)
-progress = logging.getLogger("linearize.progress")
+progress = logger.getChild("progress")
 """Waits of more than a few seconds (the command line shows these without -v)."""
 
 SMOLLM2_GGUF_ENV = "SMOLLM2_GGUF"

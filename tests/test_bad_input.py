@@ -297,15 +297,6 @@ def test_override_out_of_range_is_an_error(files, capsys, tmp_path):
         linearize.convert(model, {"attention": "hybrid", "overrides": {99: {"window": 8}}})
 
 
-def test_interrupt_ends_with_one_line_and_code_130(files, capsys, monkeypatch):
-    def interrupted(args):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr("linearize.cli.cmd_info", interrupted)
-    assert main(["info", files["tiny"]]) == 130
-    assert capsys.readouterr().err == "linearize info: interrupted\n"
-
-
 # ----------------------------------------------------------------------------- first contact
 
 

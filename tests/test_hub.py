@@ -183,10 +183,10 @@ def test_cache_is_built_once_then_reused(fake_gguf):
 
 def test_the_one_time_dequantisation_reports_progress(fake_gguf, caplog):
     """The long wait of a first load says what it does and that it happens once (the CLI shows it without -v)."""
-    with caplog.at_level(logging.INFO, logger="linearize.progress"):
+    with caplog.at_level(logging.INFO, logger="linearize.hub.progress"):
         hub.load_base_model(SMOLLM2)
         hub.load_base_model(SMOLLM2)
-    messages = [r.getMessage() for r in caplog.records if r.name == "linearize.progress"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "linearize.hub.progress"]
     assert len(messages) == 2 and messages[0].startswith("Dequantising smollm2-135m") and "once" in messages[0]
     assert messages[1].startswith("Cached smollm2-135m in")
 

@@ -40,7 +40,6 @@ from .spec_flags import add_spec_flags, int_at_least, int_list_or_none, positive
 LAYER_SHAPES = tuple(_SHAPES)
 
 EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 MODES = tuple(stored_flag_table()["modes"])
 POSITIVE = int_at_least(1)
 
@@ -199,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra and args.command != "train":
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("linearize.progress").setLevel(logging.INFO)  # long waits (the one-time dequantisation) show without -v
+    logging.getLogger("linearize.hub.progress").setLevel(logging.INFO)  # long waits (the one-time dequantisation) show without -v
     try:
         if args.command == "train":
             args.overrides = parse_overrides(extra)
@@ -213,9 +212,6 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(str(err).split())  # one line
         print(f"linearize {args.command}: error: {message}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print(f"linearize {args.command}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
 
 
 __all__ = ["EXIT_USAGE", "MODES", "build_parser", "load_converted", "main", "parse_overrides", "spec_from_args"]
