@@ -97,12 +97,16 @@ CASES = {
     "sensitivity-unknown-model": (["sensitivity", "--model", "no-such-model", "--out", "{tmp}/o"], ["'no-such-model'"]),
     "eval-unknown-model": (["eval", "--model", "no-such-model"], ["'no-such-model'"]),
     "adapter-unknown-base": (["info", "{orphan_adapter}"], ["its base model cannot be loaded", "'no-such-base-model'"]),
+    "serve-unknown-model": (["serve", "--model", "no-such-model"], ["'no-such-model'", "smollm2-135m-dsla-chained"]),
+    "serve-device-cuda": (["serve", "--model", "{family}", "--device", "cuda"], ["device 'cuda' is not available"]),
+    "serve-port-0": (["serve", "--model", "{family}", "--port", "0"], ["--port must be in 1..65535, got 0"]),
+    "serve-port-text": (["serve", "--port", "http"], ["--port", "'http'"]),
     "train-unknown-recipe": (["train", "--recipe", "no-such-recipe"], ["unknown recipe 'no-such-recipe'", "lolcats"]),
     "eval-unknown-suite": (["eval", "--model", "{tiny}", "--suite", "huge"], ["unknown suite 'huge'", "quick, full"]),
     "generate-unknown-mode": (["generate", "--model", "{tiny}", "--mode", "fast"], ["invalid choice: 'fast'", "la_only"]),
     "convert-unknown-attention": (["convert", "--model", "{tiny}", "--attention", "mamba", "--out", "{tmp}/o"], ["'mamba'", "dsla"]),
     "eval-unknown-device": (["eval", "--model", "{tiny}", "--device", "tpu"], ["'tpu'", "cpu"]),
-    "unknown-command": (["serve"], ["invalid choice: 'serve'", "info"]),
+    "unknown-command": (["deploy"], ["invalid choice: 'deploy'", "info"]),
     "unknown-flag": (["info", "{tiny}", "--colour"], ["unrecognized arguments: --colour"]),
     # out-of-range numbers
     "convert-layer-99": (["convert", "--model", "{tiny}", "--layers", "99", "--out", "{tmp}/o"], ["layer index 99 out of range", "0..2"]),
@@ -162,7 +166,7 @@ CASES = {
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_bad_input_every_command_one_line_exit_2(name, files, offline, tmp_path, capsys, monkeypatch):
-    if name == "eval-device-cuda" and torch.cuda.is_available():
+    if name.endswith("-device-cuda") and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
 
     def no_loading(*args, **kwargs):
