@@ -99,7 +99,7 @@ CASES = {
     "adapter-unknown-base": (["info", "{orphan_adapter}"], ["its base model cannot be loaded", "'no-such-base-model'"]),
     "serve-unknown-model": (["serve", "--model", "no-such-model"], ["'no-such-model'", "smollm2-135m-dsla-chained"]),
     "serve-device-cuda": (["serve", "--model", "{family}", "--device", "cuda"], ["device 'cuda' is not available"]),
-    "serve-port-0": (["serve", "--model", "{family}", "--port", "0"], ["--port must be in 1..65535, got 0"]),
+    "serve-port-0": (["serve", "--model", "{family}", "--port", "0"], ["port must be in 1..65535, got 0"]),
     "serve-port-text": (["serve", "--port", "http"], ["--port", "'http'"]),
     "train-unknown-recipe": (["train", "--recipe", "no-such-recipe"], ["unknown recipe 'no-such-recipe'", "lolcats"]),
     "eval-unknown-suite": (["eval", "--model", "{tiny}", "--suite", "huge"], ["unknown suite 'huge'", "quick, full"]),
