@@ -101,6 +101,9 @@ CASES = {
     "serve-device-cuda": (["serve", "--model", "{family}", "--device", "cuda"], ["device 'cuda' is not available"]),
     "serve-port-0": (["serve", "--model", "{family}", "--port", "0"], ["port must be in 1..65535, got 0"]),
     "serve-port-text": (["serve", "--port", "http"], ["--port", "'http'"]),
+    "replay-unknown-model": (["replay", "--model", "no-such-model"], ["'no-such-model'"]),
+    "replay-out-below-a-file": (["replay", "--model", "{family}", "--out", "{a_file}/r"], ["is a file, not a directory"]),
+    "replay-requests-text": (["replay", "--requests", "all"], ["--requests", "'all'"]),
     "train-unknown-recipe": (["train", "--recipe", "no-such-recipe"], ["unknown recipe 'no-such-recipe'", "lolcats"]),
     "eval-unknown-suite": (["eval", "--model", "{tiny}", "--suite", "huge"], ["unknown suite 'huge'", "quick, full"]),
     "generate-unknown-mode": (["generate", "--model", "{tiny}", "--mode", "fast"], ["invalid choice: 'fast'", "la_only"]),
@@ -311,7 +314,7 @@ def test_help_argument_errors_and_unknown_names_import_nothing_heavy(monkeypatch
     code = (
         "import sys\n"
         "from linearize.cli import main\n"
-        "for args in (['--help'], ['convert', '--help'], ['eval', '--help'], ['bench', '--batch-size', '0']):\n"
+        "for args in (['--help'], ['convert', '--help'], ['eval', '--help'], ['replay', '--help'], ['bench', '--batch-size', '0']):\n"
         "    try:\n"
         "        main(args)\n"
         "    except SystemExit:\n"
