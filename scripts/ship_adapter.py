@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from linearize.api import ADAPTER_CONFIG, SHIPPED, _checkpoint_dir
+from linearize.names import ADAPTER_CONFIG, SHIPPED, checkpoint_dir
 from linearize.io import atomic_dir
 
 
@@ -45,7 +45,7 @@ def ship(run_dir: Path, name: str | None = None) -> Path:
     if name not in SHIPPED:
         raise SystemExit(f"run {name!r} is not a shipped name; shipped names: {', '.join(SHIPPED)}")
     source = run_dir / "adapter"
-    target = _checkpoint_dir(name)
+    target = checkpoint_dir(name)
     with atomic_dir(target) as tmp:
         for path in sorted(source.iterdir()):
             if path.suffix == ".safetensors":

@@ -15,7 +15,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from linearize import hub
+from linearize import hub, names
 
 SMOLLM2 = "smollm2-135m"
 
@@ -115,7 +115,7 @@ def test_hub_id_offline_resolves_to_local_snapshot(monkeypatch, tmp_path):
     hub.build_tiny_llama(seed=5).save_pretrained(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     asked = []
-    monkeypatch.setattr(hub, "snapshot_download", lambda repo_id, **kw: asked.append((repo_id, kw)) or str(tmp_path))
+    monkeypatch.setattr(names, "snapshot_download", lambda repo_id, **kw: asked.append((repo_id, kw)) or str(tmp_path))
     model, tokenizer = hub.load_base_model("some-org/some-model")
     assert asked == [("some-org/some-model", {"local_files_only": True})] and tokenizer is None
     ids = torch.arange(10).view(1, 10)
@@ -179,6 +179,16 @@ def test_cache_is_built_once_then_reused(fake_gguf):
     fake_gguf.path.write_bytes(b"another file")  # another GGUF -> another cache entry
     hub.load_base_model(SMOLLM2)
     assert len(fake_gguf.builds) == 2 and len(list(fake_gguf.models.iterdir())) == 2
+
+
+def test_the_one_time_dequantisation_reports_progress(fake_gguf, caplog):
+    """The long wait of a first load says what it does and that it happens once (the CLI shows it without -v)."""
+    with caplog.at_level(logging.INFO, logger="linearize.hub.progress"):
+        hub.load_base_model(SMOLLM2)
+        hub.load_base_model(SMOLLM2)
+    messages = [r.getMessage() for r in caplog.records if r.name == "linearize.hub.progress"]
+    assert len(messages) == 2 and messages[0].startswith("Dequantising smollm2-135m") and "once" in messages[0]
+    assert messages[1].startswith("Cached smollm2-135m in")
 
 
 def test_failed_build_leaves_nothing_loadable(fake_gguf, monkeypatch):

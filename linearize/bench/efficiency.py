@@ -33,6 +33,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..cache import cache_kwargs, cache_nbytes, output_cache
+from ..checks import check_int, is_int
 from ..convert import convert, converted_layers
 from ..io import atomic_write_text, save_png
 from ..memory import running_request_memory
@@ -160,6 +161,17 @@ def memory_per_request(
 # ----------------------------------------------------------------------------- teacher vs converted
 
 
+def check_settings(*, prefill_lengths, decode_contexts, batch_size, decode_steps, warmup, repeats, memory_contexts=None) -> None:
+    """ValueError naming the first bad setting (lengths and counts >= 1, warmup >= 0)."""
+    lists = {"prefill_lengths": prefill_lengths, "decode_contexts": decode_contexts, "memory_contexts": memory_contexts}
+    for name, values in lists.items():
+        if values is not None and (isinstance(values, str) or not all(is_int(v) and v >= 1 for v in values)):
+            raise ValueError(f"{name} must be integers >= 1, got {values!r}")
+    for name, value in (("batch_size", batch_size), ("decode_steps", decode_steps), ("repeats", repeats)):
+        check_int(name, value, 1)
+    check_int("warmup", warmup, 0)
+
+
 def benchmark(
     model,
     spec: ConversionSpec | dict[str, Any] | None,
@@ -181,6 +193,8 @@ def benchmark(
     as it is. ``memory_contexts`` default: the prefill lengths and decode contexts. ``ratios`` holds
     converted / teacher per length.
     """
+    check_settings(prefill_lengths=prefill_lengths, decode_contexts=decode_contexts, memory_contexts=memory_contexts,
+                   batch_size=batch_size, decode_steps=decode_steps, warmup=warmup, repeats=repeats)
     if spec is None and not converted_layers(model):
         raise ValueError("the model is not converted: pass a conversion spec (e.g. {'attention': 'hybrid', 'window': 64})")
     spec = ConversionSpec.coerce(spec) if spec is not None else None
@@ -328,6 +342,8 @@ def run_efficiency(
 ) -> dict[str, Any]:
     """Entry for the CLI: load the model (a name for ``linearize.load_model``, or a model), benchmark it,
     and with ``out_dir`` write efficiency.json, efficiency.md and efficiency.png there (each atomically)."""
+    check_settings(prefill_lengths=prefill_lengths, decode_contexts=decode_contexts, batch_size=batch_size,
+                   decode_steps=decode_steps, warmup=warmup, repeats=repeats)  # before the model loads
     if isinstance(model_name_or_model, (str, Path)):
         from ..api import load_model
 

@@ -4,6 +4,9 @@ bench, plots, demo, serve, replay.
 ``parser``: this module (build_parser, main); ``spec_flags``: the spec flags generated from the spec
 and the attention kinds; ``commands`` and ``demo``: what each command does; ``output``: report
 writing and the demo's text layout.
+
+Parsing imports nothing heavy (torch, transformers, lm-eval and peft load inside the commands), so
+``--help`` and argument errors answer at once. Bad input exits with code 2 and one line naming it.
 """
 
 from __future__ import annotations
@@ -12,8 +15,6 @@ import argparse
 import logging
 import sys
 
-from ..data import EVAL_DATA
-from ..layers.registry import KINDS, all_modes
 from .commands import (
     DEFAULT_MODEL,
     DEFAULT_PROMPT,
@@ -27,27 +28,37 @@ from .commands import (
     cmd_plots,
     cmd_sensitivity,
     cmd_train,
+    check_args,
     load_converted,
     parse_overrides,
 )
 from .demo import DEFAULT_CONVERSION, DEMO_PROMPT, cmd_demo
-from .serve import add_serve_parser
 from ..bench.shapes import SHAPES as _SHAPES
-from .spec_flags import add_spec_flags, int_list, int_list_or_none, spec_from_args
+from .serve import add_serve_parser
+from .spec_flags import add_spec_flags, int_at_least, int_list_or_none, positive_int_list, spec_from_args, stored_flag_table
 
 LAYER_SHAPES = tuple(_SHAPES)
 
 EXIT_USAGE = 2
-MODES = all_modes()
+MODES = tuple(stored_flag_table()["modes"])
+POSITIVE = int_at_least(1)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with each error on one line: ``linearize CMD: error: ...; see 'linearize CMD --help'``."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="linearize", description="Turn a Transformer LLM into a hybrid linear-attention model.")
+    parser = Parser(prog="linearize", description="Turn a Transformer LLM into a hybrid linear-attention model.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO level)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     _add_model_commands(sub)
     _add_eval_commands(sub)
+    parser.commands = dict(sub.choices)
     return parser
 
 
@@ -62,15 +73,16 @@ def _add_model_commands(sub) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"model to convert (default: {DEFAULT_MODEL})")
     p.add_argument("--out", required=True, help="output directory (written atomically)")
     p.add_argument("--adapter", action="store_true", help="write only the new parameters + the base model's name")
+    p.add_argument("--force", action="store_true", help="replace --out when it exists and is not empty")
     add_spec_flags(p)
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("generate", help="generate text; shows tokens/s and memory held per request")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=POSITIVE, default=64)
     p.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text (no chat template)")
-    p.add_argument("--mode", help=f"component mode of converted layers ({', '.join(MODES)}; each kind has a subset)")
+    p.add_argument("--mode", choices=MODES, metavar="MODE", help=f"component mode of converted layers ({', '.join(MODES)}; each kind has a subset)")
     p.add_argument("--json", action="store_true")
     add_spec_flags(p)
     p.set_defaults(func=cmd_generate)
@@ -90,9 +102,9 @@ def _add_model_commands(sub) -> None:
     p = sub.add_parser("sensitivity", help="per-layer attention entropy vs measured loss increase; saves the order")
     p.add_argument("--model", default=DEFAULT_MODEL, help="a teacher (layers converted one at a time per the spec flags) or a trained conversion")
     p.add_argument("--source", default="wiki", help="held-out text source (as data.source of a recipe)")
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--batches", type=int, default=4)
-    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int_at_least(2), default=512)
+    p.add_argument("--batches", type=POSITIVE, default=4)
+    p.add_argument("--batch-size", type=POSITIVE, default=4)
     p.add_argument("--out", required=True, help="directory for sensitivity.json and sensitivity.png")
     add_spec_flags(p)
     p.set_defaults(func=cmd_sensitivity)
@@ -102,17 +114,17 @@ def suite_flags(p) -> None:
     """The evaluation suite's flags (eval, compare, ablate)."""
 
     p.add_argument("--suite", default="quick", help="quick | full (default: quick)")
-    p.add_argument("--data-dir", default=str(EVAL_DATA), help="folder with the multiple-choice data files (default: the copy shipped in the package)")
-    p.add_argument("--samples", type=int, help="synthetic samples per task and length (overrides the suite)")
+    p.add_argument("--data-dir", help="folder with the multiple-choice data files (default: the copy shipped in the package)")
+    p.add_argument("--samples", type=POSITIVE, help="synthetic samples per task and length (overrides the suite)")
     p.add_argument("--tasks", help="comma-separated synthetic tasks (overrides the suite)")
-    p.add_argument("--lengths", type=int_list, help="comma-separated synthetic lengths (overrides the suite)")
-    p.add_argument("--mc-limit", type=int, help="documents per multiple-choice task (overrides the suite)")
+    p.add_argument("--lengths", type=positive_int_list, help="comma-separated synthetic lengths (overrides the suite)")
+    p.add_argument("--mc-limit", type=POSITIVE, help="documents per multiple-choice task (overrides the suite)")
     p.add_argument("--ppl-source", help="held-out text of the perplexity: a data source (wiki, essays, a local "
                    ".txt/.jsonl/.parquet file or folder); its held-out documents (default: wiki)")
     p.add_argument("--mc-tasks", help="comma-separated lm-eval tasks, or 'none' (overrides the suite)")
     p.add_argument("--ppl-lengths", type=int_list_or_none,
                    help="comma-separated perplexity context lengths, or 'none' (overrides the suite)")
-    p.add_argument("--batch-size", type=int, help="generation and scoring batch size (overrides the suite)")
+    p.add_argument("--batch-size", type=POSITIVE, help="generation and scoring batch size (overrides the suite)")
     p.add_argument("--device", help="cpu | cuda (default: cpu)")
     p.add_argument("--out", help="directory for the markdown + JSON report")
 
@@ -134,7 +146,7 @@ def _add_eval_commands(sub) -> None:
 
     p = sub.add_parser("ablate", help="a converted model under each component mode, with Delta_LA")
     p.add_argument("--model", required=True)
-    defaults = "; ".join(f"{name}: {','.join(kind.ablation_modes)}" for name, kind in KINDS.items())
+    defaults = "; ".join(f"{name}: {','.join(modes)}" for name, modes in stored_flag_table()["ablation_modes"].items())
     p.add_argument("--modes", help=f"comma-separated modes (default per kind: {defaults})")
     suite_flags(p)
     add_spec_flags(p)
@@ -147,13 +159,13 @@ def _add_eval_commands(sub) -> None:
                    help="default: 256,512,1024 (model); 2048,8192,32768 (--layer; 'none' to skip prefill)")
     p.add_argument("--decode-contexts", type=int_list_or_none,
                    help="default: 512,1024 (model); 4096,32768 (--layer; 'none' to skip decode)")
-    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--batch-size", type=POSITIVE, default=1)
     p.add_argument("--layer", metavar="SHAPE", choices=LAYER_SHAPES,
                    help=f"benchmark one attention layer of this shape ({', '.join(LAYER_SHAPES)}) with random weights "
                         "instead of a model: the spec flags' kind, or hybrid, dsla and lola at their defaults")
-    p.add_argument("--batch-sizes", type=int_list, help="--layer: batch sizes to run (default: --batch-size)")
-    p.add_argument("--decode-steps", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch-sizes", type=positive_int_list, help="--layer: batch sizes to run (default: --batch-size)")
+    p.add_argument("--decode-steps", type=POSITIVE, default=16)
+    p.add_argument("--repeats", type=POSITIVE, default=3)
     p.add_argument("--device", help="cpu | cuda (default: cpu)")
     p.add_argument("--out", help="directory for efficiency.{json,md,png} (--layer: layer.{json,md,png})")
     add_spec_flags(p)
@@ -162,7 +174,7 @@ def _add_eval_commands(sub) -> None:
     p = sub.add_parser("plots", help="diagnostic plots: self-recall error, attention mass by position, DSLA gates")
     p.add_argument("--model", required=True, help="a converted model (or any model plus spec flags)")
     p.add_argument("--source", default="wiki", help="held-out text source")
-    p.add_argument("--tokens", type=int, default=512, help="sequence length to analyse")
+    p.add_argument("--tokens", type=int_at_least(2), default=512, help="sequence length to analyse")
     p.add_argument("--layer", type=int, help="converted layer to show (default: the middle one)")
     p.add_argument("--out", required=True, help="directory for the PNG files")
     add_spec_flags(p)
@@ -173,7 +185,7 @@ def _add_eval_commands(sub) -> None:
                    help=f"trained conversion to compare: shipped name or adapter dir (default: {DEFAULT_CONVERSION}); "
                         "spec flags instead convert --model afresh, untrained")
     p.add_argument("--prompt", default=DEMO_PROMPT)
-    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--max-new-tokens", type=POSITIVE, default=48)
     add_spec_flags(p)
     p.set_defaults(func=cmd_demo)
 
@@ -184,20 +196,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "train":
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if not args.verbose:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # weight-loading bars; our own long work keeps its progress bars
-    if getattr(args, "max_new_tokens", 1) < 1:
-        parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    logging.getLogger("linearize.hub.progress").setLevel(logging.INFO)  # long waits (the one-time dequantisation) show without -v
     try:
         if args.command == "train":
             args.overrides = parse_overrides(extra)
+        check_args(args)  # names, files, outputs, devices: before any model loads
+        if not args.verbose:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()  # weight-loading bars; our own long work keeps its progress bars
         return args.func(args)
-    except (ValueError, FileNotFoundError, NotADirectoryError) as err:
-        print(f"linearize {args.command}: error: {err}", file=sys.stderr)
+    except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as err:
+        message = " ".join(str(err).split())  # one line
+        print(f"linearize {args.command}: error: {message}", file=sys.stderr)
         return EXIT_USAGE
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..spec import ConversionSpec
 from .output import mib, partial_writer, write_report
 from .spec_flags import spec_from_args
 
@@ -27,6 +26,7 @@ def cmd_convert(args) -> int:
     from ..api import save_adapter
     from ..convert import convert
     from ..io import atomic_dir
+    from ..spec import ConversionSpec
 
     spec = spec_from_args(args) or ConversionSpec()
     model, tokenizer = load(args.model, args)
@@ -139,6 +139,8 @@ def cmd_sensitivity(args) -> int:
         layers = sorted(increase)
         report = sensitivity_report([entropy[i] for i in layers], [increase[i] for i in layers], layers)
     else:
+        from ..spec import ConversionSpec
+
         spec = spec_from_args(args) or ConversionSpec(attention="dsla")
         report = sensitivity_report(entropy, loss_increase(model, spec, batches))
     out = Path(args.out)
@@ -243,7 +245,10 @@ def _saved_reports(items: list[str]) -> dict[str, dict]:
             path = Path(file)
             if not path.is_file():
                 raise FileNotFoundError(f"report {file!r} (for {name!r}) does not exist")
-            parts.append(json.loads(path.read_text()))
+            try:
+                parts.append(json.loads(path.read_text()))
+            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                raise ValueError(f"report {file!r} (for {name!r}) is not JSON: {err}") from None
         results[name] = merge_results(parts)
     return results
 
@@ -311,6 +316,57 @@ def cmd_plots(args) -> int:
     for path in diagnostic_plots(model, tokenizer, ids[None], args.out, layer=args.layer):
         print(f"wrote {path}")
     return 0
+
+
+STANDALONE_SPEC = ("convert", "demo", "bench", "sensitivity")
+"""Commands whose spec flags make a spec of their own (the others change the loaded model's spec)."""
+
+
+def model_names(args) -> list[str]:
+    """The model names a command's arguments hold (--model, demo's --conversion, compare's models)."""
+    names = [getattr(args, "model", None), getattr(args, "conversion", None), *(getattr(args, "models", None) or [])]
+    return [name for name in names if name]
+
+
+def check_args(args) -> None:
+    """Fail at once on bad input the parser cannot see, before any model loads: text that is not
+    UTF-8, outputs that cannot be written (convert: a non-empty --out needs --force), a --spec file,
+    the evaluation data folder, the device and the model names."""
+    from ..checks import check_text
+    from ..io import check_writable
+
+    if getattr(args, "prompt", None) is not None:
+        check_text("--prompt", args.prompt)
+    out = getattr(args, "out", None)
+    if out is not None:
+        check_writable(out)
+        if args.command == "convert" and not args.force and Path(out).is_dir() and any(Path(out).iterdir()):
+            raise ValueError(f"output directory {out!r} exists and is not empty; pass --force to replace it")
+    if args.command in STANDALONE_SPEC:
+        spec_from_args(args)
+    elif getattr(args, "spec_file", None):
+        from ..spec import ConversionSpec
+
+        ConversionSpec.from_file(args.spec_file)
+    if hasattr(args, "data_dir"):
+        if args.data_dir is None:
+            from ..data import EVAL_DATA
+
+            args.data_dir = str(EVAL_DATA)
+        elif not Path(args.data_dir).is_dir():
+            raise FileNotFoundError(f"--data-dir {args.data_dir!r} is not a directory")
+    if getattr(args, "device", None) is not None:
+        from ..runtime import check_device
+
+        check_device(args.device)
+    if args.command == "compare" and args.reports:
+        return
+    names = model_names(args)
+    if names:
+        from ..names import check_model_name
+
+        for name in names:
+            check_model_name(name)
 
 
 def load(name: str, args):

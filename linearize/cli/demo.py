@@ -3,7 +3,6 @@ side, with the memory each holds."""
 
 from __future__ import annotations
 
-from ..spec import ConversionSpec
 from .commands import load
 from .output import mib, side_by_side
 from .spec_flags import spec_from_args
@@ -30,6 +29,7 @@ def cmd_demo(args) -> int:
     from ..convert import convert
     from ..generate import generate_text
     from ..memory import request_memory
+    from ..spec import ConversionSpec
 
     teacher_model, tokenizer = load(args.model, args)
     teacher = generate_text(teacher_model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, chat=True)

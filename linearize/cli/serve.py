@@ -39,7 +39,7 @@ def add_serve_parser(sub) -> None:
     dataclass_flags(p, ServeSettings)
     p.set_defaults(func=cmd_serve)
 
-    from ..serve.replay import ReplaySettings
+    from ..serve.settings import ReplaySettings  # no torch: the parser stays light
 
     p = sub.add_parser("replay", help="replay a request trace against the engine under several policies; latency report and plots")
     dataclass_flags(p, ServeSettings, ENGINE_FIELDS)

@@ -88,6 +88,31 @@ if "linearize" not in model_registry:
     register_model("linearize")(LinearizeLM)
 
 
+def resolve_tasks(tasks: list[str], *, data_dir: str | Path | None = EVAL_DATA):
+    """({harness name: our name}, the lm-eval TaskManager that knows them) of ``tasks`` (names as in
+    ``evaluate_tasks``); ValueError naming the unknown ones and the valid local tasks."""
+    from lm_eval.tasks import TaskManager
+
+    if not tasks:
+        raise ValueError(f"no tasks given; local tasks: {', '.join(LOCAL_TASKS)}")
+    names = {}  # harness name -> our name
+    for task in tasks:
+        if task in LOCAL_TASKS and data_dir is not None:
+            names[LOCAL_TASKS[task]] = task
+        else:
+            names[HUB_NAMES.get(task, task)] = task
+    local = all(name in LOCAL_TASKS.values() for name in names)
+    metadata = {"data_dir": str(data_dir)} if data_dir is not None else {}
+    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=not local, metadata=metadata)
+    unknown = [task for name, task in names.items() if not manager.match_tasks([name])]
+    if unknown:
+        raise ValueError(
+            f"unknown task(s) {', '.join(map(repr, unknown))}: local tasks (with data_dir): {', '.join(LOCAL_TASKS)}; "
+            "or a task lm-eval knows (`lm-eval ls tasks`)"
+        )
+    return names, manager
+
+
 def evaluate_tasks(
     model,
     tokenizer,
@@ -112,25 +137,8 @@ def evaluate_tasks(
     the Python / numpy / torch random generators.
     """
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
-    if not tasks:
-        raise ValueError(f"no tasks given; local tasks: {', '.join(LOCAL_TASKS)}")
-    names = {}  # harness name -> our name
-    for task in tasks:
-        if task in LOCAL_TASKS and data_dir is not None:
-            names[LOCAL_TASKS[task]] = task
-        else:
-            names[HUB_NAMES.get(task, task)] = task
-    local = all(name in LOCAL_TASKS.values() for name in names)
-    metadata = {"data_dir": str(data_dir)} if data_dir is not None else {}
-    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=not local, metadata=metadata)
-    unknown = [task for name, task in names.items() if not manager.match_tasks([name])]
-    if unknown:
-        raise ValueError(
-            f"unknown task(s) {', '.join(map(repr, unknown))}: local tasks (with data_dir): {', '.join(LOCAL_TASKS)}; "
-            "or a task lm-eval knows (`lm-eval ls tasks`)"
-        )
+    names, manager = resolve_tasks(tasks, data_dir=data_dir)
     if device is not None:
         model.to(device)
     was_training = model.training

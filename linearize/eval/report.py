@@ -52,6 +52,10 @@ def run_suite(
 
     if suite.synthetic_tasks:
         check_lengths(model, suite.synthetic_lengths)  # a bad length fails before anything runs
+    if suite.mc_tasks and data_dir is not None:
+        from .harness import resolve_tasks
+
+        resolve_tasks(suite.mc_tasks, data_dir=data_dir)  # an unknown task fails before anything runs
     if suite.perplexity_lengths:
         data = DataConfig(source=suite.heldout_source, seq_len=HELDOUT_ROW)  # the split is by document: any row length
         tokens = heldout_tokens(tokenizer, data, max_tokens=suite.perplexity_tokens)

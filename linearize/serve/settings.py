@@ -1,10 +1,12 @@
-"""Server settings: one dataclass feeds the ``linearize serve`` flags, the app builder and Ray Serve."""
+"""Server settings: one dataclass feeds the ``linearize serve`` flags, the app builder and Ray Serve;
+``ReplaySettings`` feeds ``linearize replay``. No torch here: the command line builds its parser from them."""
 
 from __future__ import annotations
 
 import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 DEFAULT_SERVE_MODEL = "smollm2-135m-dsla-chained"
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -83,3 +85,70 @@ def parse_bytes(text: str) -> int | float:
     if n < 1:
         raise ValueError(f"kv-budget {text!r} is not a positive number of bytes")
     return n
+
+
+TRACE_NAMES = {"azure-conv": "azure_llm_2023_conv.csv", "azure-code": "azure_llm_2023_code.csv"}
+"""Shipped traces by name."""
+
+
+@dataclass
+class ReplaySettings:
+    """What ``linearize replay`` replays (each field is the flag of the same name, dashes for underscores)."""
+
+    trace: str = "azure-conv"
+    """A shipped trace (azure-conv, azure-code) or a path (.csv Azure 2023, .jsonl Mooncake)."""
+    policies: str = "softmax,static:25%,length-caps,memory"
+    """Comma-separated policies, each replayed on the same requests in one run."""
+    rate_scale: float = 1.0
+    """Arrival times are divided by this (2 = twice the trace's rate)."""
+    start: int = 0
+    """First trace request to replay."""
+    requests: int = 200
+    """Trace requests to replay (a window of the trace, so the run ends by itself)."""
+    turns_mean: float = 3.0
+    """Mean turns per session (Poisson; at least 1)."""
+    max_prompt: int = 8192
+    """Prompts longer than this keep their most recent tokens (the model's position limit)."""
+    seed: int = 0
+    """Seed of the session augmentation."""
+    corpus: str = "wiki"
+    """Text source of the prompts (a data source of linearize.data)."""
+    slo: str | None = None
+    """Service-level objectives for goodput, e.g. ttft=2s,tpot=100ms."""
+    timeout: float | None = None
+    """Stop a policy's replay after this many seconds (its unfinished requests count as lost)."""
+    out: str | None = None
+    """Directory for report.json, report.md and the plots."""
+
+    def __post_init__(self) -> None:
+        if not self.rate_scale > 0:
+            raise ValueError(f"rate-scale must be > 0, got {self.rate_scale}")
+        for name in ("requests", "max_prompt"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.start < 0:
+            raise ValueError(f"start must be >= 0, got {self.start}")
+        if not self.turns_mean > 0:
+            raise ValueError(f"turns-mean must be > 0, got {self.turns_mean}")
+        parse_slo(self.slo)
+
+    def trace_path(self) -> Path:
+        from ..data import TRACES
+
+        return TRACES / TRACE_NAMES[self.trace] if self.trace in TRACE_NAMES else Path(self.trace)
+
+
+def parse_slo(text: str | None) -> dict[str, float]:
+    """'ttft=2s,tpot=100ms' -> {'ttft': 2.0, 'tpot': 0.1} (seconds); ValueError naming bad parts."""
+    slo: dict[str, float] = {}
+    for part in filter(None, (text or "").split(",")):
+        key, _, value = part.partition("=")
+        key, value = key.strip().lower(), value.strip().lower()
+        if key not in ("ttft", "tpot", "e2e"):
+            raise ValueError(f"SLO {part!r}: the keys are ttft, tpot and e2e")
+        try:
+            seconds = float(value[:-2]) / 1000 if value.endswith("ms") else float(value.removesuffix("s"))
+        except ValueError:
+            raise ValueError(f"SLO {part!r}: expected a time like 2s or 100ms") from None
+        slo[key] = seconds
+    return slo

@@ -23,6 +23,7 @@ import torch
 import yaml
 
 from ..api import load_model, save_adapter
+from ..checks import read_yaml
 from ..convert import convert, converted_layers, new_parameters, set_active, set_mode
 from ..io import atomic_write_text
 from ..spec import ConversionSpec
@@ -43,12 +44,13 @@ def load_recipe(name_or_path: str, overrides: dict[str, Any] | None = None) -> T
     """A recipe by name (or a YAML path), with dotted-key overrides applied."""
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") and path.is_file():
-        text = path.read_text()
+        data = read_yaml(path, "recipe", ConfigError) or {}
     elif name_or_path in recipe_names():
-        text = resources.files("linearize.recipes").joinpath(f"{name_or_path}.yaml").read_text()
+        data = yaml.safe_load(resources.files("linearize.recipes").joinpath(f"{name_or_path}.yaml").read_text()) or {}
     else:
         raise ConfigError(f"unknown recipe {name_or_path!r}; valid recipes: {', '.join(recipe_names())} (or a path to a .yaml file)")
-    data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"recipe {name_or_path!r} must hold a mapping of recipe fields")
     return from_dict(TrainConfig, apply_overrides(data, overrides or {}))
 
 
