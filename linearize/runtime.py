@@ -1,8 +1,56 @@
-"""Running a model for measurement: its position limit, and eval mode for the length of a block."""
+"""Running a model: its position limit, eval mode for the length of a block, the CPU thread pool,
+and the switch between the per-token decode path and the reference ops."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_reference_decoding = False
+
+
+@contextlib.contextmanager
+def reference_decoding():
+    """Inside the block, converted layers decode every token through the reference ops (the general
+    prefill code, which the per-token decode path is tested against) instead of the decode path."""
+    global _reference_decoding
+    before, _reference_decoding = _reference_decoding, True
+    try:
+        yield
+    finally:
+        _reference_decoding = before
+
+
+def fast_decoding() -> bool:
+    """Whether converted layers may take their per-token decode path (outside ``reference_decoding``)."""
+    return not _reference_decoding
+
+
+def cpu_threads() -> int:
+    """The intra-op thread count for this machine: the CPUs this process may run on (its affinity,
+    which containers and ``taskset`` restrict), unless OMP_NUM_THREADS says otherwise."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no affinity on this platform
+        return max(1, os.cpu_count() or 1)
+
+
+def configure_cpu_threads() -> int:
+    """Set torch's intra-op pool to ``cpu_threads()`` (small models decode one token at a time: more
+    threads than CPUs only contend); returns the count."""
+    n = cpu_threads()
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+        logger.info("torch intra-op threads: %d", n)
+    return n
 
 
 def max_positions(model) -> int | None:

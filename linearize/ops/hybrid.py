@@ -371,3 +371,118 @@ def _window_and_mix(queries, kr, vr, qf, kf, old_num, old_den, ext_valid, *, win
         gate=gate,
     )
     return out.reshape(b, hq, n * c, -1)[:, :, :t]
+
+
+# ----------------------------------------------------------------------------- per-token decoding
+
+
+@dataclass
+class HybridDecodeState:
+    """A ``HybridState`` in the form per-token decoding updates in place.
+
+    The window is a ring buffer: ring index ``(head + j) % window`` holds the canonical slot j
+    (oldest first), so a new token overwrites one slot instead of shifting the window. ``features``
+    keeps phi_k of every slot's key (zero at empty slots), computed once when the token arrives and
+    folded into the linear state when it leaves. ``canonical()`` gives the equivalent HybridState."""
+
+    keys: Tensor  # (B, Hkv, W, D), ring order
+    values: Tensor  # (B, Hkv, W, Dv)
+    linear_keys: Tensor | None  # (B, Hkv, W, D) or None
+    features: Tensor  # (B, Hq, W, F)
+    valid: Tensor  # (B, W)
+    positions: Tensor  # (B, W)
+    linear: LinearState
+    head: int = 0
+
+    @classmethod
+    def from_state(cls, state: HybridState, phi_k: FeatureFn, heads: int) -> "HybridDecodeState":
+        """The decode form of ``state`` (copies: the canonical state is left untouched)."""
+        ws = state.window
+        n_rep = heads // ws.keys.shape[1]
+        keys = ws.keys if ws.linear_keys is None else ws.linear_keys
+        features = phi_k(repeat_kv(keys, n_rep)).to(ws.keys.dtype) * ws.valid[:, None, :, None]  # (B, Hq, W, F)
+        return cls(
+            keys=ws.keys.clone(), values=ws.values.clone(),
+            linear_keys=None if ws.linear_keys is None else ws.linear_keys.clone(),
+            features=features, valid=ws.valid.clone(), positions=ws.positions.clone(),
+            linear=state.linear.clone(),
+        )  # fmt: skip
+
+    def canonical(self) -> HybridState:
+        """The HybridState this stands for (window oldest first, right-aligned)."""
+
+        def order(x: Tensor | None, dim: int) -> Tensor | None:
+            return None if x is None else x.roll(-self.head, dims=dim)
+
+        window = WindowState(
+            keys=order(self.keys, 2), values=order(self.values, 2), valid=order(self.valid, 1),
+            positions=order(self.positions, 1), linear_keys=order(self.linear_keys, 2),
+        )  # fmt: skip
+        return HybridState(window=window, linear=self.linear)
+
+
+def hybrid_decode_step(
+    state: HybridDecodeState,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    phi_q: FeatureFn,
+    phi_k: FeatureFn,
+    mix: str = "joint",
+    overlap: bool = False,
+    window_factor: Tensor | None = None,
+    gate: Tensor | None = None,
+    branches: str = "both",
+    scale: float | None = None,
+    q_lin: Tensor | None = None,
+    k_lin: Tensor | None = None,
+) -> Tensor:
+    """One new real token per row (q (B, Hq, 1, D), k/v (B, Hkv, 1, D), no padding): the output
+    (B, Hq, 1, Dv) in v's dtype, ``state`` updated in place. The same numbers as ``hybrid_attention``
+    on that token (its per-token specialisation: no concatenation, no repeated KV heads, each key's
+    features computed once); tested against it."""
+    b, hq, _, d = q.shape
+    hkv, w = state.keys.shape[1], state.keys.shape[2]
+    n_rep, dt = hq // hkv, state.keys.dtype
+    dv, f = v.shape[-1], state.features.shape[-1]
+    scale = d**-0.5 if scale is None else scale
+    i = state.head
+    kv, k_sum = state.linear.kv, state.linear.k_sum  # (B, Hq, F, Dv), (B, Hq, F)
+    # The oldest slot leaves the window: its features (zero for an empty slot) join the linear state.
+    leaving = state.features[:, :, i]  # (B, Hq, F)
+    kv.view(b * hkv, n_rep * f, dv).baddbmm_(leaving.reshape(b * hkv, n_rep * f, 1), state.values[:, :, i].reshape(b * hkv, 1, dv))
+    k_sum.add_(leaving)
+    # The new token takes its slot.
+    state.positions[:, i] = state.positions.amax(dim=1) + 1
+    state.valid[:, i] = True
+    state.keys[:, :, i] = k[:, :, 0]
+    state.values[:, :, i] = v[:, :, 0]
+    k_feat = k if k_lin is None else k_lin
+    if state.linear_keys is not None:
+        state.linear_keys[:, :, i] = k_feat[:, :, 0]
+    state.features[:, :, i] = phi_k(repeat_kv(k_feat, n_rep))[:, :, 0]
+    state.head = (i + 1) % w
+
+    qf = phi_q(q if q_lin is None else q_lin).to(dt)  # (B, Hq, 1, F)
+    lin_num = qf @ kv  # (B, Hq, 1, Dv)
+    lin_den = (qf @ k_sum[..., None])[..., 0]  # (B, Hq, 1)
+    values = state.values  # (B, Hkv, W, Dv)
+    if overlap or branches == "linear":  # the window tokens' linear part
+        a = (qf @ state.features.transpose(-1, -2)).view(b, hkv, n_rep, w)  # (B, Hkv, n_rep, W); 0 at empty slots
+        lin_num = lin_num + (a @ values).view(b, hq, 1, dv)
+        lin_den = lin_den + a.sum(dim=-1).view(b, hq, 1)
+    if branches == "linear":
+        return safe_divide(lin_num, lin_den).to(v.dtype)
+    scores = (q.view(b, hkv, n_rep, d).to(dt) @ state.keys.transpose(-1, -2)) * scale  # (B, Hkv, n_rep, W)
+    scores = scores.masked_fill_(~state.valid[:, None, None, :], float("-inf"))
+    e = (scores - scores.amax(dim=-1, keepdim=True)).exp_()  # the new token is in the window: the max is finite
+    sw_num = (e @ values).view(b, hq, 1, dv)
+    sw_den = e.sum(dim=-1).view(b, hq, 1)
+    if branches == "window":
+        return safe_divide(sw_num, sw_den).to(v.dtype)
+    if mix == "joint":  # the linear term is not rescaled by exp(-m_t), as in hybrid_attention
+        fq = _per_head(window_factor, hq, "window_factor", 1.0, kv).view(1, hq, 1)
+        return safe_divide(fq[..., None] * sw_num + lin_num, fq * sw_den + lin_den).to(v.dtype)
+    g = _per_head(gate, hq, "gate", 0.5, kv).view(1, hq, 1, 1)
+    return (g * safe_divide(sw_num, sw_den) + (1 - g) * safe_divide(lin_num, lin_den)).to(v.dtype)
