@@ -43,35 +43,15 @@ def cpu_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def configure_cpu_threads() -> int:
+def configure_cpu() -> int:
     """Set torch's intra-op pool to ``cpu_threads()`` (small models decode one token at a time: more
-    threads than CPUs only contend); returns the count."""
+    threads than CPUs only contend) and flush denormal floats to zero (gated states decay towards
+    zero: DSLA's recent state reaches the denormal range after some hundred tokens, where every
+    arithmetic operation on it is tens of times slower; values below 1e-38 become 0). Returns the
+    thread count."""
     n = cpu_threads()
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
         logger.info("torch intra-op threads: %d", n)
+    torch.set_flush_denormal(True)
     return n
-
-
-def max_positions(model) -> int | None:
-    """The model's max_position_embeddings (of its text config), or None when it has none."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return getattr(config, "max_position_embeddings", None)
-
-
-def check_length(model, length: int) -> None:
-    """Raise when ``length`` exceeds the model's max_position_embeddings."""
-    limit = max_positions(model)
-    if limit is not None and length > limit:
-        raise ValueError(f"context length {length} exceeds the model's max_position_embeddings ({limit})")
-
-
-@contextlib.contextmanager
-def eval_mode(model):
-    """model.eval() inside the block; the training flag is restored after."""
-    training = model.training
-    model.eval()
-    try:
-        yield model
-    finally:
-        model.train(training)

@@ -163,8 +163,8 @@ class HybridAttention(WindowedLinearAttention):
         o = self.options
         out = hybrid_decode_step(
             ds, p.q, p.k, p.v, phi_q=self.feature_map_q, phi_k=self.feature_map_k, mix=o.mix, overlap=o.overlap,
-            window_factor=self.window_factor(), gate=self.gate(), branches=branches, scale=self.scaling,
-            **self.linear_inputs(p),
+            window_factor=self.window_factor() if o.mix == "joint" else None, gate=self.gate() if o.mix == "gate" else None,
+            branches=branches, scale=self.scaling, **self.linear_inputs(p),
         )  # fmt: skip
         slot.advance(ds, 1)
         return out

@@ -383,16 +383,26 @@ class HybridDecodeState:
     The window is a ring buffer: ring index ``(head + j) % window`` holds the canonical slot j
     (oldest first), so a new token overwrites one slot instead of shifting the window. ``features``
     keeps phi_k of every slot's key (zero at empty slots), computed once when the token arrives and
-    folded into the linear state when it leaves. ``canonical()`` gives the equivalent HybridState."""
+    folded into the linear state when it leaves. Slot positions are not written per token: the
+    ``steps`` tokens since ``start`` (the ring index written first) carry positions ``last + 1``,
+    ``last + 2``, ... ``canonical()`` gives the equivalent HybridState."""
 
     keys: Tensor  # (B, Hkv, W, D), ring order
     values: Tensor  # (B, Hkv, W, Dv)
     linear_keys: Tensor | None  # (B, Hkv, W, D) or None
     features: Tensor  # (B, Hq, W, F)
     valid: Tensor  # (B, W)
-    positions: Tensor  # (B, W)
+    positions: Tensor  # (B, W): as in the state this was made from
+    last: Tensor  # (B,) position of each row's last token before ``start``
     linear: LinearState
-    head: int = 0
+    full: bool = False  # every slot of every row holds a token (no masking needed)
+    start: int = 0
+    steps: int = 0
+
+    @property
+    def head(self) -> int:
+        """Ring index of the oldest slot (the next one written)."""
+        return (self.start + self.steps) % self.keys.shape[2]
 
     @classmethod
     def from_state(cls, state: HybridState, phi_k: FeatureFn, heads: int) -> "HybridDecodeState":
@@ -404,19 +414,26 @@ class HybridDecodeState:
         return cls(
             keys=ws.keys.clone(), values=ws.values.clone(),
             linear_keys=None if ws.linear_keys is None else ws.linear_keys.clone(),
-            features=features, valid=ws.valid.clone(), positions=ws.positions.clone(),
-            linear=state.linear.clone(),
+            features=features, valid=ws.valid.clone(), positions=ws.positions.clone(), last=ws.positions.amax(dim=1),
+            linear=state.linear.clone(), full=bool(ws.valid.all()),
         )  # fmt: skip
 
     def canonical(self) -> HybridState:
         """The HybridState this stands for (window oldest first, right-aligned)."""
+        w = self.keys.shape[2]
+        valid, positions = self.valid.clone(), self.positions.clone()
+        if self.steps:
+            new = torch.arange(max(0, self.steps - w), self.steps, device=valid.device)  # tokens still in the window
+            slots = (self.start + new) % w
+            valid[:, slots] = True
+            positions[:, slots] = self.last[:, None] + 1 + new
 
         def order(x: Tensor | None, dim: int) -> Tensor | None:
             return None if x is None else x.roll(-self.head, dims=dim)
 
         window = WindowState(
-            keys=order(self.keys, 2), values=order(self.values, 2), valid=order(self.valid, 1),
-            positions=order(self.positions, 1), linear_keys=order(self.linear_keys, 2),
+            keys=order(self.keys, 2), values=order(self.values, 2), valid=order(valid, 1),
+            positions=order(positions, 1), linear_keys=order(self.linear_keys, 2),
         )  # fmt: skip
         return HybridState(window=window, linear=self.linear)
 
@@ -454,15 +471,15 @@ def hybrid_decode_step(
     kv.view(b * hkv, n_rep * f, dv).baddbmm_(leaving.reshape(b * hkv, n_rep * f, 1), state.values[:, :, i].reshape(b * hkv, 1, dv))
     k_sum.add_(leaving)
     # The new token takes its slot.
-    state.positions[:, i] = state.positions.amax(dim=1) + 1
-    state.valid[:, i] = True
+    if not state.full:
+        state.valid[:, i] = True
     state.keys[:, :, i] = k[:, :, 0]
     state.values[:, :, i] = v[:, :, 0]
     k_feat = k if k_lin is None else k_lin
     if state.linear_keys is not None:
         state.linear_keys[:, :, i] = k_feat[:, :, 0]
     state.features[:, :, i] = phi_k(repeat_kv(k_feat, n_rep))[:, :, 0]
-    state.head = (i + 1) % w
+    state.steps += 1
 
     qf = phi_q(q if q_lin is None else q_lin).to(dt)  # (B, Hq, 1, F)
     lin_num = qf @ kv  # (B, Hq, 1, Dv)
@@ -475,7 +492,9 @@ def hybrid_decode_step(
     if branches == "linear":
         return safe_divide(lin_num, lin_den).to(v.dtype)
     scores = (q.view(b, hkv, n_rep, d).to(dt) @ state.keys.transpose(-1, -2)) * scale  # (B, Hkv, n_rep, W)
-    scores = scores.masked_fill_(~state.valid[:, None, None, :], float("-inf"))
+    if not state.full:
+        scores = scores.masked_fill_(~state.valid[:, None, None, :], float("-inf"))
+        state.full = bool(state.valid.all())
     e = (scores - scores.amax(dim=-1, keepdim=True)).exp_()  # the new token is in the window: the max is finite
     sw_num = (e @ values).view(b, hq, 1, dv)
     sw_den = e.sum(dim=-1).view(b, hq, 1)
