@@ -145,8 +145,8 @@ class DslaAttention(ConvertedAttention):
                 b, h, _, dk = q.shape
                 zeros = torch.zeros(b, h, dk, v.shape[-1] + self.normalize, device=q.device, dtype=accumulation_dtype(q.dtype))
                 state = DslaState(history=zeros, recent=zeros.clone())
-            ds = DslaDecodeState(state.clone())
-        out = dsla_decode_step(ds.state, q, k, v, log_h, log_r, gamma, scale=scale, normalize=self.normalize)
+            ds = DslaDecodeState.from_state(state)
+        out = dsla_decode_step(ds, q, k, v, log_h, log_r, gamma, scale=scale, normalize=self.normalize)
         slot.advance(ds, 1)
         return out
 

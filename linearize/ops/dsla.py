@@ -123,17 +123,22 @@ def dsla_attention(
 
 @dataclass
 class DslaDecodeState:
-    """The DslaState per-token decoding updates in place (owned by the decode path: it starts as a
-    copy, so a state handed out earlier is never changed); ``canonical()`` gives it back."""
+    """A DslaState as per-token decoding updates it in place: both states stacked in one tensor
+    (2, B, Hq, Dk, Dv [+ 1]), history first, so one operation decays and writes both. It starts as a
+    copy (a state handed out earlier is never changed); ``canonical()`` gives the DslaState."""
 
-    state: DslaState
+    states: Tensor
+
+    @classmethod
+    def from_state(cls, state: DslaState) -> "DslaDecodeState":
+        return cls(torch.stack((state.history, state.recent)))
 
     def canonical(self) -> DslaState:
-        return self.state
+        return DslaState(history=self.states[0], recent=self.states[1])
 
 
 def dsla_decode_step(
-    state: DslaState,
+    state: DslaDecodeState,
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -149,16 +154,14 @@ def dsla_decode_step(
     ``dsla_attention`` on that token (its recurrent form; tested against it)."""
     n_rep = gqa_groups(q, k)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    dt = state.history.dtype
+    s = state.states  # (2, B, Hq, Dk, Dv [+ 1])
     k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, Hq, 1, Dk|Dv)
     v = _with_ones(v) if normalize else v
-    write = k[:, :, 0, :, None].to(dt) * v[:, :, 0, None, :].to(dt)  # (B, Hq, Dk, Dv [+ 1]): k v^T
-    qs = q.to(dt) * scale  # (B, Hq, 1, Dk)
-    outs = []
-    for s, g in ((state.history, log_alpha_history), (state.recent, log_alpha_recent)):
-        s.mul_(g[:, :, 0, :, None].to(dt).exp()).add_(write)  # S = diag(alpha) S + k v^T
-        outs.append(qs @ s)  # (B, Hq, 1, Dv [+ 1])
-    return _mix(outs[0], outs[1], gamma, q, normalize)
+    write = k.transpose(-1, -2).to(s.dtype) * v.to(s.dtype)  # (B, Hq, Dk, Dv [+ 1]): k v^T
+    decay = torch.stack((log_alpha_history, log_alpha_recent)).to(s.dtype).exp_().transpose(-1, -2)  # (2, B, Hq, Dk, 1)
+    torch.addcmul(write, decay, s, out=s)  # S = diag(alpha) S + k v^T, both states at once
+    o = torch.matmul(q.to(s.dtype) * scale, s)  # (2, B, Hq, 1, Dv [+ 1])
+    return _mix(o[0], o[1], gamma, q, normalize)
 
 
 def _with_ones(v: Tensor) -> Tensor:

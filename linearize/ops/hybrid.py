@@ -378,23 +378,27 @@ def _window_and_mix(queries, kr, vr, qf, kf, old_num, old_den, ext_valid, *, win
 
 @dataclass
 class HybridDecodeState:
-    """A ``HybridState`` in the form per-token decoding updates in place.
+    """A ``HybridState`` in the form per-token decoding updates in place, laid out for few, batched
+    operations per token (heads folded into the batch: ``bk`` = B * Hkv rows).
 
     The window is a ring buffer: ring index ``(head + j) % window`` holds the canonical slot j
-    (oldest first), so a new token overwrites one slot instead of shifting the window. ``features``
-    keeps phi_k of every slot's key (zero at empty slots), computed once when the token arrives and
-    folded into the linear state when it leaves. Slot positions are not written per token: the
-    ``steps`` tokens since ``start`` (the ring index written first) carry positions ``last + 1``,
-    ``last + 2``, ... ``canonical()`` gives the equivalent HybridState."""
+    (oldest first), so a new token overwrites one slot instead of shifting the window. Values carry a
+    last column of ones at real tokens (0 at empty slots) and the linear state is kept as [S | z], so
+    one matmul reads a numerator and its denominator together. ``features`` keeps phi_k of every
+    slot's key for all query heads of its KV head (zero at empty slots), computed once when the token
+    arrives and folded into the linear state when it leaves. Slot positions are not written per
+    token: the ``steps`` tokens since ring index ``start`` carry positions ``last + 1``, ``last + 2``, ...
+    ``canonical()`` gives the equivalent HybridState."""
 
-    keys: Tensor  # (B, Hkv, W, D), ring order
-    values: Tensor  # (B, Hkv, W, Dv)
-    linear_keys: Tensor | None  # (B, Hkv, W, D) or None
-    features: Tensor  # (B, Hq, W, F)
+    keys: Tensor  # (bk, W, D), ring order
+    linear_keys: Tensor | None  # (bk, W, D) or None
+    values: Tensor  # (bk, W, Dv + 1): [v, 1], zero at empty slots
+    features: Tensor  # (bk, W, n_rep * F)
+    linear: Tensor  # (B * Hq, F, Dv + 1): [S | z]
     valid: Tensor  # (B, W)
     positions: Tensor  # (B, W): as in the state this was made from
     last: Tensor  # (B,) position of each row's last token before ``start``
-    linear: LinearState
+    heads: int  # Hq
     full: bool = False  # every slot of every row holds a token (no masking needed)
     start: int = 0
     steps: int = 0
@@ -402,25 +406,34 @@ class HybridDecodeState:
     @property
     def head(self) -> int:
         """Ring index of the oldest slot (the next one written)."""
-        return (self.start + self.steps) % self.keys.shape[2]
+        return (self.start + self.steps) % self.keys.shape[1]
 
     @classmethod
     def from_state(cls, state: HybridState, phi_k: FeatureFn, heads: int) -> "HybridDecodeState":
         """The decode form of ``state`` (copies: the canonical state is left untouched)."""
-        ws = state.window
-        n_rep = heads // ws.keys.shape[1]
+        ws, lin = state.window, state.linear
+        b, hkv, w, d = ws.keys.shape
+        n_rep, dt = heads // hkv, ws.keys.dtype
+        f = lin.kv.shape[2]
+        real = ws.valid[:, None, :, None].expand(b, hkv, w, 1).to(dt)  # (B, Hkv, W, 1)
         keys = ws.keys if ws.linear_keys is None else ws.linear_keys
-        features = phi_k(repeat_kv(keys, n_rep)).to(ws.keys.dtype) * ws.valid[:, None, :, None]  # (B, Hq, W, F)
+        features = phi_k(repeat_kv(keys, n_rep)).to(dt) * ws.valid[:, None, :, None]  # (B, Hq, W, F)
+        features = features.view(b, hkv, n_rep, w, f).permute(0, 1, 3, 2, 4).reshape(b * hkv, w, n_rep * f)
         return cls(
-            keys=ws.keys.clone(), values=ws.values.clone(),
-            linear_keys=None if ws.linear_keys is None else ws.linear_keys.clone(),
-            features=features, valid=ws.valid.clone(), positions=ws.positions.clone(), last=ws.positions.amax(dim=1),
-            linear=state.linear.clone(), full=bool(ws.valid.all()),
+            keys=ws.keys.reshape(b * hkv, w, d).clone(),
+            linear_keys=None if ws.linear_keys is None else ws.linear_keys.reshape(b * hkv, w, d).clone(),
+            values=torch.cat([ws.values, real], dim=-1).reshape(b * hkv, w, -1),
+            features=features,
+            linear=torch.cat([lin.kv, lin.k_sum[..., None]], dim=-1).reshape(b * heads, f, -1),
+            valid=ws.valid.clone(), positions=ws.positions.clone(), last=ws.positions.amax(dim=1), heads=heads,
+            full=bool(ws.valid.all()),
         )  # fmt: skip
 
     def canonical(self) -> HybridState:
         """The HybridState this stands for (window oldest first, right-aligned)."""
-        w = self.keys.shape[2]
+        bk, w, d = self.keys.shape
+        b = self.valid.shape[0]
+        hkv, dv = bk // b, self.values.shape[-1] - 1
         valid, positions = self.valid.clone(), self.positions.clone()
         if self.steps:
             new = torch.arange(max(0, self.steps - w), self.steps, device=valid.device)  # tokens still in the window
@@ -428,14 +441,21 @@ class HybridDecodeState:
             valid[:, slots] = True
             positions[:, slots] = self.last[:, None] + 1 + new
 
-        def order(x: Tensor | None, dim: int) -> Tensor | None:
-            return None if x is None else x.roll(-self.head, dims=dim)
+        def order(x: Tensor | None) -> Tensor | None:  # ring (bk, W, X) -> canonical (B, Hkv, W, X)
+            return None if x is None else x.roll(-self.head, dims=1).view(b, hkv, w, -1)
 
         window = WindowState(
-            keys=order(self.keys, 2), values=order(self.values, 2), valid=order(valid, 1),
-            positions=order(positions, 1), linear_keys=order(self.linear_keys, 2),
+            keys=order(self.keys), values=order(self.values)[..., :dv].contiguous(), valid=valid.roll(-self.head, dims=1),
+            positions=positions.roll(-self.head, dims=1), linear_keys=order(self.linear_keys),
         )  # fmt: skip
-        return HybridState(window=window, linear=self.linear)
+        f = self.linear.shape[1]
+        kv = self.linear.view(b, self.heads, f, dv + 1)
+        return HybridState(window=window, linear=LinearState(kv=kv[..., :dv].contiguous(), k_sum=kv[..., dv].contiguous()))
+
+
+def _read(x: Tensor) -> Tensor:
+    """[numerator, denominator] in the last axis -> their safe ratio."""
+    return safe_divide(x[..., :-1], x[..., -1])
 
 
 def hybrid_decode_step(
@@ -460,48 +480,41 @@ def hybrid_decode_step(
     on that token (its per-token specialisation: no concatenation, no repeated KV heads, each key's
     features computed once); tested against it."""
     b, hq, _, d = q.shape
-    hkv, w = state.keys.shape[1], state.keys.shape[2]
-    n_rep, dt = hq // hkv, state.keys.dtype
-    dv, f = v.shape[-1], state.features.shape[-1]
+    bk, w, _ = state.keys.shape
+    n_rep, dt, dv = hq // (bk // b), state.keys.dtype, v.shape[-1]
     scale = d**-0.5 if scale is None else scale
     i = state.head
-    kv, k_sum = state.linear.kv, state.linear.k_sum  # (B, Hq, F, Dv), (B, Hq, F)
-    # The oldest slot leaves the window: its features (zero for an empty slot) join the linear state.
-    leaving = state.features[:, :, i]  # (B, Hq, F)
-    kv.view(b * hkv, n_rep * f, dv).baddbmm_(leaving.reshape(b * hkv, n_rep * f, 1), state.values[:, :, i].reshape(b * hkv, 1, dv))
-    k_sum.add_(leaving)
+    # The oldest slot leaves the window: its features (zero for an empty slot) join [S | z].
+    state.linear.view(bk, -1, dv + 1).baddbmm_(state.features[:, i : i + 1].transpose(1, 2), state.values[:, i : i + 1])
     # The new token takes its slot.
-    if not state.full:
-        state.valid[:, i] = True
-    state.keys[:, :, i] = k[:, :, 0]
-    state.values[:, :, i] = v[:, :, 0]
     k_feat = k if k_lin is None else k_lin
+    state.keys[:, i] = k.reshape(bk, d)
     if state.linear_keys is not None:
-        state.linear_keys[:, :, i] = k_feat[:, :, 0]
-    state.features[:, :, i] = phi_k(repeat_kv(k_feat, n_rep))[:, :, 0]
+        state.linear_keys[:, i] = k_feat.reshape(bk, d)
+    state.values[:, i, :dv] = v.reshape(bk, dv)
+    if not state.full:
+        state.values[:, i, dv] = 1.0
+        state.valid[:, i] = True
+    state.features[:, i] = phi_k(repeat_kv(k_feat, n_rep)).reshape(bk, -1)
     state.steps += 1
 
-    qf = phi_q(q if q_lin is None else q_lin).to(dt)  # (B, Hq, 1, F)
-    lin_num = qf @ kv  # (B, Hq, 1, Dv)
-    lin_den = (qf @ k_sum[..., None])[..., 0]  # (B, Hq, 1)
-    values = state.values  # (B, Hkv, W, Dv)
+    qf = phi_q(q if q_lin is None else q_lin).to(dt).view(b * hq, 1, -1)  # (B Hq, 1, F)
+    lin = torch.bmm(qf, state.linear).view(b, hq, 1, dv + 1)  # [phi(q) S, phi(q) z]
     if overlap or branches == "linear":  # the window tokens' linear part
-        a = (qf @ state.features.transpose(-1, -2)).view(b, hkv, n_rep, w)  # (B, Hkv, n_rep, W); 0 at empty slots
-        lin_num = lin_num + (a @ values).view(b, hq, 1, dv)
-        lin_den = lin_den + a.sum(dim=-1).view(b, hq, 1)
+        a = torch.einsum("brf,bwrf->brw", qf.view(bk, n_rep, -1), state.features.view(bk, w, n_rep, -1))  # (bk, n_rep, W)
+        lin = lin + torch.bmm(a, state.values).view(b, hq, 1, dv + 1)
     if branches == "linear":
-        return safe_divide(lin_num, lin_den).to(v.dtype)
-    scores = (q.view(b, hkv, n_rep, d).to(dt) @ state.keys.transpose(-1, -2)) * scale  # (B, Hkv, n_rep, W)
+        return _read(lin).to(v.dtype)
+    scores = torch.bmm(q.reshape(bk, n_rep, d).to(dt), state.keys.transpose(1, 2)).mul_(scale)  # (bk, n_rep, W)
     if not state.full:
-        scores = scores.masked_fill_(~state.valid[:, None, None, :], float("-inf"))
+        scores.masked_fill_(~state.valid[:, None, None, :].expand(b, bk // b, 1, w).reshape(bk, 1, w), float("-inf"))
         state.full = bool(state.valid.all())
-    e = (scores - scores.amax(dim=-1, keepdim=True)).exp_()  # the new token is in the window: the max is finite
-    sw_num = (e @ values).view(b, hq, 1, dv)
-    sw_den = e.sum(dim=-1).view(b, hq, 1)
+    e = scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()  # the new token is in the window: the max is finite
+    sw = torch.bmm(e, state.values).view(b, hq, 1, dv + 1)  # [sum e v, sum e]
     if branches == "window":
-        return safe_divide(sw_num, sw_den).to(v.dtype)
+        return _read(sw).to(v.dtype)
     if mix == "joint":  # the linear term is not rescaled by exp(-m_t), as in hybrid_attention
-        fq = _per_head(window_factor, hq, "window_factor", 1.0, kv).view(1, hq, 1)
-        return safe_divide(fq[..., None] * sw_num + lin_num, fq * sw_den + lin_den).to(v.dtype)
-    g = _per_head(gate, hq, "gate", 0.5, kv).view(1, hq, 1, 1)
-    return (g * safe_divide(sw_num, sw_den) + (1 - g) * safe_divide(lin_num, lin_den)).to(v.dtype)
+        fq = _per_head(window_factor, hq, "window_factor", 1.0, sw).view(1, hq, 1, 1)
+        return _read(torch.addcmul(lin, fq, sw)).to(v.dtype)
+    g = _per_head(gate, hq, "gate", 0.5, sw).view(1, hq, 1, 1)
+    return (g * _read(sw) + (1 - g) * _read(lin)).to(v.dtype)
