@@ -366,12 +366,12 @@ def decode_speed(
     seed: int = 0,
 ) -> dict[str, Any]:
     """Greedy decode tokens/s of several models (the first is the reference, e.g. the teacher) after
-    each context length, measured in one run: all models are loaded first, then at each context they
-    run back to back, so drift of the machine's speed hits them alike.
-
-    Per (model, context): prefill ``context`` random tokens into a fresh cache (its seconds: one call),
-    then ``warmup`` untimed and ``steps`` timed single-token steps (the median is the decode time,
-    ``tokens_per_s`` its inverse). ``ratio``: tokens/s over the reference's at that context."""
+    each context length, measured in one run: all models are loaded first; at each context every
+    model prefills ``context`` random tokens into a fresh cache (its seconds: one call) and takes
+    ``warmup`` untimed steps, then the models take ``steps`` timed single-token steps in turn (one
+    step each, round after round), so a slower spell of a shared machine hits them alike. The median
+    step is the decode time, ``tokens_per_s`` its inverse; ``ratio``: tokens/s over the reference's at
+    that context."""
     from ..api import load_model
 
     threads = configure_cpu()
@@ -388,19 +388,26 @@ def decode_speed(
     with tqdm(total=len(contexts) * len(models), desc="decode speed", unit="run") as bar:
         for context in contexts:
             ids = _random_ids(first, 1, context, dev, seed)
+            steps_of, prefill_s = {}, {}
             for name, model in models.items():
                 start = time.perf_counter()
-                step = _decoder(model, ids, warmup + steps)  # prefill into a fresh cache
-                prefill_s = time.perf_counter() - start
-                _time_calls(step, warmup, dev)
-                median = statistics.median(_time_calls(step, steps, dev))
+                steps_of[name] = _decoder(model, ids, warmup + steps)  # prefill into a fresh cache
+                prefill_s[name] = time.perf_counter() - start
+                _time_calls(steps_of[name], warmup, dev)
+            times: dict[str, list[float]] = {name: [] for name in models}
+            for _ in range(steps):  # one step of each model in turn: a slower spell of the machine hits all alike
+                for name in models:
+                    times[name] += _time_calls(steps_of[name], 1, dev)
+            for name, model in models.items():
+                median = statistics.median(times[name])
                 spec = getattr(model.config, "linearize", None) or {}
                 rows.append({"model": name, "context": context, "converted_layers": len(converted_layers(model)),
                              "attention": spec.get("attention", "softmax (teacher)"), "active": spec.get("active"),
-                             "prefill_s": prefill_s, "prefill_tokens_per_s": context / prefill_s,
+                             "prefill_s": prefill_s[name], "prefill_tokens_per_s": context / prefill_s[name],
                              "decode_s": median, "tokens_per_s": 1 / median})  # fmt: skip
-                logger.info("%s @ %d: %.1f ms/token (prefill %.2f s)", name, context, median * 1e3, prefill_s)
+                logger.info("%s @ %d: %.1f ms/token (prefill %.2f s)", name, context, median * 1e3, prefill_s[name])
                 bar.update()
+            del steps_of
     reference = {r["context"]: r["tokens_per_s"] for r in rows if r["model"] == names[0]}
     for r in rows:
         r["ratio"] = r["tokens_per_s"] / reference[r["context"]]
