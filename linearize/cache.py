@@ -8,6 +8,7 @@ plain KV while converted ones keep window + linear state, LoLA memories or DSLA 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any
 
@@ -16,6 +17,26 @@ from transformers import LlamaModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .ops.states import BatchState
+
+
+_reference_decoding = False
+
+
+@contextlib.contextmanager
+def reference_decoding():
+    """Inside the block, converted layers decode every token through the reference ops (the general
+    prefill code, which the per-token decode path is tested against) instead of the decode path."""
+    global _reference_decoding
+    before, _reference_decoding = _reference_decoding, True
+    try:
+        yield
+    finally:
+        _reference_decoding = before
+
+
+def fast_decoding() -> bool:
+    """Whether converted layers may take their per-token decode path (outside ``reference_decoding``)."""
+    return not _reference_decoding
 
 
 class StateCacheLayer(CacheLayerMixin):

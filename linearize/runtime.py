@@ -1,5 +1,4 @@
-"""Running a model: its position limit, eval mode for the length of a block, the CPU thread pool,
-and the switch between the per-token decode path and the reference ops."""
+"""Running a model: its position limit, eval mode for the length of a block, the CPU thread pool."""
 
 from __future__ import annotations
 
@@ -10,26 +9,6 @@ import os
 import torch
 
 logger = logging.getLogger(__name__)
-
-_reference_decoding = False
-
-
-@contextlib.contextmanager
-def reference_decoding():
-    """Inside the block, converted layers decode every token through the reference ops (the general
-    prefill code, which the per-token decode path is tested against) instead of the decode path."""
-    global _reference_decoding
-    before, _reference_decoding = _reference_decoding, True
-    try:
-        yield
-    finally:
-        _reference_decoding = before
-
-
-def fast_decoding() -> bool:
-    """Whether converted layers may take their per-token decode path (outside ``reference_decoding``)."""
-    return not _reference_decoding
-
 
 def cpu_threads() -> int:
     """The intra-op thread count for this machine: the CPUs this process may run on (its affinity,

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import linearize
-import linearize.runtime
+import linearize.cache
 from linearize.cache import StateCacheLayer, cache_kwargs, cache_nbytes
 from linearize.convert import converted_layers
 from linearize.hub import build_tiny_llama
@@ -147,7 +147,7 @@ def test_decode_path_matches_reference_ops_outputs_and_states(name, prefill):
     model = convert(tiny(), spec, mode)
     ids, mask = padded_batch(model.config.vocab_size, [14, 9], seed=3)
     fast, fast_cache = _decode(model, ids, mask, prefill)
-    with linearize.runtime.reference_decoding():
+    with linearize.cache.reference_decoding():
         ref, ref_cache = _decode(model, ids, mask, prefill)
     real = mask.bool()
     torch.testing.assert_close(fast[real], ref[real], atol=2e-5, rtol=2e-5)

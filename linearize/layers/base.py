@@ -19,10 +19,9 @@ import torch
 from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from ..cache import cache_argument, state_layer
+from ..cache import cache_argument, fast_decoding, state_layer
 from ..ops.softmax import sinks_attention, zero_attention
 from ..ops.states import BatchState, KVState
-from ..runtime import fast_decoding
 
 logger = logging.getLogger(__name__)
 
