@@ -8,6 +8,7 @@ plain KV while converted ones keep window + linear state, LoLA memories or DSLA 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any
 
@@ -16,6 +17,26 @@ from transformers import LlamaModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .ops.states import BatchState
+
+
+_reference_decoding = False
+
+
+@contextlib.contextmanager
+def reference_decoding():
+    """Inside the block, converted layers decode every token through the reference ops (the general
+    prefill code, which the per-token decode path is tested against) instead of the decode path."""
+    global _reference_decoding
+    before, _reference_decoding = _reference_decoding, True
+    try:
+        yield
+    finally:
+        _reference_decoding = before
+
+
+def fast_decoding() -> bool:
+    """Whether converted layers may take their per-token decode path (outside ``reference_decoding``)."""
+    return not _reference_decoding
 
 
 class StateCacheLayer(CacheLayerMixin):
@@ -28,11 +49,26 @@ class StateCacheLayer(CacheLayerMixin):
 
     def __init__(self, **kwargs):
         super().__init__()
-        self.state: BatchState | None = None
+        self._state: BatchState | None = None
+        self.decode_state: Any = None
+        """A layer's working form of its state while it decodes token by token (updated in place;
+        anything with ``canonical()`` -> BatchState), or None. Reading ``state`` turns it back."""
         self.seen = 0
 
+    @property
+    def state(self) -> BatchState | None:
+        """The layer's state (its decode form, if any, turned back into it first)."""
+        if self.decode_state is not None:
+            self._state, self.decode_state = self.decode_state.canonical(), None
+        return self._state
+
+    @state.setter
+    def state(self, value: BatchState | None) -> None:
+        self._state, self.decode_state = value, None
+
     def __repr__(self) -> str:
-        kind = type(self.state).__name__ if self.state is not None else "empty"
+        state = self.decode_state if self.decode_state is not None else self._state
+        kind = type(state).__name__ if state is not None else "empty"
         return f"StateCacheLayer({kind}, seen={self.seen})"
 
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -43,6 +79,12 @@ class StateCacheLayer(CacheLayerMixin):
 
     def store(self, state: BatchState | None, new_positions: int) -> None:
         self.state = state
+        self.seen += new_positions
+        self.is_initialized = True
+
+    def advance(self, decode_state: Any, new_positions: int) -> None:
+        """Keep ``decode_state`` (already updated in place) after ``new_positions`` more positions."""
+        self.decode_state = decode_state
         self.seen += new_positions
         self.is_initialized = True
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import torch
 
@@ -51,15 +52,31 @@ def encode_prompt(tokenizer, prompt: str, *, chat: bool) -> list[int]:
     return ids
 
 
+def text_streamer(tokenizer, on_text: Callable[[str], None]):
+    """A transformers streamer handing ``on_text`` the new text of the answer as tokens are generated
+    (whole words where the tokenizer needs the next token to finish one; the prompt is skipped)."""
+    from transformers import TextStreamer
+
+    class _Streamer(TextStreamer):
+        def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+            if text:
+                on_text(text)
+
+    return _Streamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+
+
 @torch.inference_mode()
-def generate_text(model, tokenizer, prompt: str, *, max_new_tokens: int = 64, chat: bool = True) -> GenerationResult:
-    """Greedy generation of one prompt; memory is what the cache holds after the last token."""
+def generate_text(model, tokenizer, prompt: str, *, max_new_tokens: int = 64, chat: bool = True,
+                  on_text: Callable[[str], None] | None = None) -> GenerationResult:
+    """Greedy generation of one prompt; memory is what the cache holds after the last token.
+    ``on_text``: called with each new piece of the answer as it is generated."""
     ids = encode_prompt(tokenizer, prompt, chat=chat)
     device = next(model.parameters()).device
     input_ids = torch.tensor([ids], device=device)
     start = time.perf_counter()
     out = model.generate(
         input_ids,
+        streamer=None if on_text is None else text_streamer(tokenizer, on_text),
         attention_mask=torch.ones_like(input_ids),
         max_new_tokens=max_new_tokens,
         do_sample=False,

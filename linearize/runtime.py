@@ -1,8 +1,41 @@
-"""Running a model: the device it runs on, its position limit, and eval mode for the length of a block."""
+"""Running a model: the device it runs on, its position limit, eval mode for the length of a block,
+the CPU thread pool."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+
+def cpu_threads() -> int:
+    """The intra-op thread count for this machine: the CPUs this process may run on (its affinity,
+    which containers and ``taskset`` restrict), unless OMP_NUM_THREADS says otherwise."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no affinity on this platform
+        return max(1, os.cpu_count() or 1)
+
+
+def configure_cpu() -> int:
+    """Set torch's intra-op pool to ``cpu_threads()`` (small models decode one token at a time: more
+    threads than CPUs only contend) and flush denormal floats to zero (gated states decay towards
+    zero: DSLA's recent state reaches the denormal range after some hundred tokens, where every
+    arithmetic operation on it is tens of times slower; values below 1e-38 become 0). Returns the
+    thread count."""
+    import torch
+
+    n = cpu_threads()
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+        logger.info("torch intra-op threads: %d", n)
+    torch.set_flush_denormal(True)
+    return n
 
 
 def check_device(device):

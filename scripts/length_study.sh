@@ -111,9 +111,9 @@ variant_flags() {  # the recipe and overrides of one variant
 evaluate() {  # evaluate NAME MODEL [flags...]: wiki perplexity + needles, then essay perplexity
   local name=$1 model=$2; shift 2
   local E="--device $DEVICE --mc-tasks none --batch-size $EVAL_BATCH"
-  step "eval-$name" $L eval --model "$model" "$@" --suite quick --ppl-lengths 1024,2048,4096,8192 \
+  step "eval-$name" $L eval --model "$model" "$@" --suite standard --ppl-lengths 1024,2048,4096,8192 \
     --tasks niah_single_1,passkey,needle_recall --lengths 2048,4096 --samples "$SAMPLES" $E --out "$WORK/eval/$name/wiki"
-  step "essays-$name" $L eval --model "$model" "$@" --suite quick --ppl-source essays --ppl-lengths 1024,4096,8192 \
+  step "essays-$name" $L eval --model "$model" "$@" --suite standard --ppl-source essays --ppl-lengths 1024,4096,8192 \
     --tasks "" $E --out "$WORK/eval/$name/essays"
 }
 

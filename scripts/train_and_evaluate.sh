@@ -99,7 +99,7 @@ want() { case " $PARTS " in *" $1 "*) true ;; *) false ;; esac; }  # want PART: 
 
 evaluate() {  # evaluate NAME MODEL GPU [flags...]: perplexity + needles, essays, multiple choice
   local name=$1 model=$2 g=$3; shift 3
-  local E="--device $DEVICE --suite quick"
+  local E="--device $DEVICE --suite standard"
   want wiki &&
   step "eval-$name-wiki" on "$g" $L eval --model "$model" "$@" $E --ppl-lengths "$PPL_LENGTHS" \
     --tasks niah_single_1,passkey,needle_recall --lengths "$NEEDLE_LENGTHS" --samples "$SAMPLES" --batch-size "$SAMPLES" \
@@ -118,14 +118,14 @@ evaluate() {  # evaluate NAME MODEL GPU [flags...]: perplexity + needles, essays
 ablate() {  # ablate NAME MODEL GPU [flags...]: each component alone against the whole
   local name=$1 model=$2 g=$3; shift 3
   [ "$ABLATE" = 1 ] || return 0
-  step "ablate-$name" on "$g" $L ablate --model "$model" "$@" --device "$DEVICE" --suite quick \
+  step "ablate-$name" on "$g" $L ablate --model "$model" "$@" --device "$DEVICE" --suite standard \
     --tasks niah_single_1,passkey --samples 20 --lengths 1024,2048 --ppl-lengths 1024,2048 --mc-tasks none \
     --batch-size 20 --out "$WORK/eval/$name/ablate"
 }
 
 lola() {  # lola NAME MODEL GPU: LoLA (64 + 256) read-outs against the same 320 slots as a window
   local name=$1 model=$2 g=$3 sinks weight
-  local F="--device $DEVICE --suite quick --tasks niah_single_1,passkey,needle_recall --samples $LOLA_SAMPLES
+  local F="--device $DEVICE --suite standard --tasks niah_single_1,passkey,needle_recall --samples $LOLA_SAMPLES
     --lengths $LOLA_LENGTHS --ppl-lengths none --mc-tasks none --batch-size $LOLA_SAMPLES --kernel torch --chunk $LOLA_CHUNK"
   for sinks in $LOLA_SINKS; do
     for weight in $LOLA_WEIGHTS; do

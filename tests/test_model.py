@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import linearize
+import linearize.cache
 from linearize.cache import StateCacheLayer, cache_kwargs, cache_nbytes
 from linearize.convert import converted_layers
 from linearize.hub import build_tiny_llama
@@ -118,6 +119,57 @@ def test_prefill_then_decode_matches_full_forward_with_left_padding(name):
     torch.testing.assert_close(stepped[real], full[real], atol=2e-5, rtol=2e-5)
     converted = [i for i, layer in enumerate(cache.layers) if isinstance(layer, StateCacheLayer)]
     assert converted == sorted(converted_layers(model))
+
+
+DECODE_PATH_VARIANTS = [n for n, (spec, mode) in VARIANTS.items() if spec["attention"] in ("hybrid", "dsla") and mode not in ("sinks_only", "none")]
+
+
+def _decode(model, ids, mask, prefill: int):
+    """Logits of a prefill of ``prefill`` tokens (none: token by token from the start), then one token
+    per call; the cache after."""
+    cache, pos, logits = DynamicCache(), positions(mask), []
+    if prefill:
+        logits.append(model(ids[:, :prefill], attention_mask=mask[:, :prefill], position_ids=pos[:, :prefill],
+                            **cache_kwargs(cache), use_cache=True).logits)  # fmt: skip
+    for t in range(prefill, ids.shape[1]):
+        logits.append(model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], position_ids=pos[:, t : t + 1],
+                            **cache_kwargs(cache), use_cache=True).logits)  # fmt: skip
+    return torch.cat(logits, dim=1), cache
+
+
+@pytest.mark.parametrize("name", [n if n in FAST_VARIANTS else pytest.param(n, marks=pytest.mark.slow) for n in DECODE_PATH_VARIANTS])
+@pytest.mark.parametrize("prefill", [0, 6])
+@torch.no_grad()
+def test_decode_path_matches_reference_ops_outputs_and_states(name, prefill):
+    """The per-token decode path (states updated in place) gives the reference ops' logits and states,
+    past the window, from an empty cache or after a left-padded prefill."""
+    spec, mode = VARIANTS[name]
+    model = convert(tiny(), spec, mode)
+    ids, mask = padded_batch(model.config.vocab_size, [14, 9], seed=3)
+    fast, fast_cache = _decode(model, ids, mask, prefill)
+    with linearize.cache.reference_decoding():
+        ref, ref_cache = _decode(model, ids, mask, prefill)
+    real = mask.bool()
+    torch.testing.assert_close(fast[real], ref[real], atol=2e-5, rtol=2e-5)
+    for layer in converted_layers(model):
+        a, b = fast_cache.layers[layer], ref_cache.layers[layer]
+        assert a.decode_state is not None and b.decode_state is None  # the fast path ran, the reference did not
+        assert a.seen == b.seen
+        for x, y in zip(a.state.tensors(), b.state.tensors(), strict=True):  # reading the state turns it canonical
+            torch.testing.assert_close(x, y, atol=2e-5, rtol=2e-5)
+
+
+@torch.no_grad()
+def test_decode_path_leaves_a_state_handed_out_unchanged():
+    model = convert(tiny(), {"attention": "hybrid", "window": 3}, None)
+    ids, mask = padded_batch(model.config.vocab_size, [6], seed=4)
+    cache = DynamicCache()
+    model(ids[:, :4], attention_mask=mask[:, :4], **cache_kwargs(cache), use_cache=True)
+    before = cache.layers[0].state
+    copies = [t.clone() for t in before.tensors()]
+    model(ids[:, 4:5], attention_mask=mask[:, :5], position_ids=torch.tensor([[4]]), **cache_kwargs(cache), use_cache=True)
+    for x, y in zip(before.tensors(), copies):
+        assert torch.equal(x, y)
 
 
 @pytest.mark.slow

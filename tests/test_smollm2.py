@@ -78,6 +78,15 @@ def test_demo_runs_end_to_end():
     assert "TEACHER" in result.stdout and "CONVERTED" in result.stdout and "memory held" in result.stdout
 
 
+def test_generated_text_streams_piece_by_piece(smollm2):
+    from linearize.generate import generate_text
+
+    model, tokenizer = smollm2
+    pieces: list[str] = []
+    result = generate_text(model, tokenizer, "Name a colour.", max_new_tokens=6, on_text=pieces.append)
+    assert pieces and "".join(pieces).strip() == result.text
+
+
 def test_cli_generate_and_info_on_the_real_model(smollm2, capsys):
     import json
 

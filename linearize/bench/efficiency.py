@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import statistics
 import time
 from pathlib import Path
@@ -37,7 +38,7 @@ from ..checks import check_int, is_int
 from ..convert import convert, converted_layers
 from ..io import atomic_write_text, save_png
 from ..memory import running_request_memory
-from ..runtime import check_length, eval_mode
+from ..runtime import check_length, configure_cpu, eval_mode
 from ..spec import ConversionSpec
 from ..teacher import teacher_modes
 
@@ -365,12 +366,162 @@ def run_efficiency(
     return result
 
 
+# ----------------------------------------------------------------------------- decode speed by context
+
+DEFAULT_SPEED_CONTEXTS = (256, 1024, 4096)
+
+
+@torch.inference_mode()
+def decode_speed(
+    names: Sequence[str],
+    contexts: Sequence[int] = DEFAULT_SPEED_CONTEXTS,
+    *,
+    steps: int = 16,
+    warmup: int = 2,
+    device: str | torch.device | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Greedy decode tokens/s of several models (the first is the reference, e.g. the teacher) after
+    each context length, measured in one run: all models are loaded first; at each context every
+    model prefills ``context`` random tokens into a fresh cache (its seconds: one call) and takes
+    ``warmup`` untimed steps, then the models take ``steps`` timed single-token steps in turn (one
+    step each, round after round), so a slower spell of a shared machine hits them alike. The median
+    step is the decode time, ``tokens_per_s`` its inverse; ``ratio``: tokens/s over the reference's at
+    that context."""
+    from ..api import load_model
+
+    threads = configure_cpu()
+    models = {}
+    for name in tqdm(names, desc="load", unit="model"):
+        model, _ = load_model(name, device=device)
+        models[name] = model.eval()
+    for model in models.values():
+        for context in contexts:
+            check_length(model, context + warmup + steps)
+    first = next(iter(models.values()))
+    dev = next(first.parameters()).device
+    rows = []
+    with tqdm(total=len(contexts) * len(models), desc="decode speed", unit="run") as bar:
+        for context in contexts:
+            ids = _random_ids(first, 1, context, dev, seed)
+            steps_of, prefill_s = {}, {}
+            for name, model in models.items():
+                start = time.perf_counter()
+                steps_of[name] = _decoder(model, ids, warmup + steps)  # prefill into a fresh cache
+                prefill_s[name] = time.perf_counter() - start
+                _time_calls(steps_of[name], warmup, dev)
+            times: dict[str, list[float]] = {name: [] for name in models}
+            for _ in range(steps):  # one step of each model in turn: a slower spell of the machine hits all alike
+                for name in models:
+                    times[name] += _time_calls(steps_of[name], 1, dev)
+            for name, model in models.items():
+                median = statistics.median(times[name])
+                spec = getattr(model.config, "linearize", None) or {}
+                rows.append({"model": name, "context": context, "converted_layers": len(converted_layers(model)),
+                             "attention": spec.get("attention", "softmax (teacher)"), "active": spec.get("active"),
+                             "prefill_s": prefill_s[name], "prefill_tokens_per_s": context / prefill_s[name],
+                             "decode_s": median, "tokens_per_s": 1 / median})  # fmt: skip
+                logger.info("%s @ %d: %.1f ms/token (prefill %.2f s)", name, context, median * 1e3, prefill_s[name])
+                bar.update()
+            del steps_of
+    reference = {r["context"]: r["tokens_per_s"] for r in rows if r["model"] == names[0]}
+    for r in rows:
+        r["ratio"] = r["tokens_per_s"] / reference[r["context"]]
+    return {
+        "reference": names[0],
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "dtype": str(first.dtype).removeprefix("torch."),
+        "threads": threads,
+        "flush_denormal": True,
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "settings": {"contexts": list(contexts), "steps": steps, "warmup": warmup, "batch_size": 1, "seed": seed},
+        "rows": rows,
+    }
+
+
+def speed_markdown(result: dict[str, Any]) -> str:
+    """Markdown table: decode tokens/s (and / the reference) by context, one row per model."""
+    contexts = result["settings"]["contexts"]
+    by = {(r["model"], r["context"]): r for r in result["rows"]}
+    names = list(dict.fromkeys(r["model"] for r in result["rows"]))
+    load = result.get("load_average")
+    lines = [
+        f"Decode tokens/s on {result['device']} ({result['dtype']}, batch 1, {result['threads']} threads"
+        + (f", load average {load[0]:.2f} at the end" if load else "") + f"): median of {result['settings']['steps']} "
+        f"greedy steps after prefilling the context; x = / {result['reference']} at the same context, same run.",
+        "",
+        "| model | converted layers | " + " | ".join(f"{_tokens(c)} tok/s | x" for c in contexts) + " |",
+        "|---|---:|" + "---:|---:|" * len(contexts),
+    ]
+    for name in names:
+        cells = " | ".join(f"{by[name, c]['tokens_per_s']:.1f} | {by[name, c]['ratio']:.2f}" for c in contexts)
+        first = by[name, contexts[0]]
+        layers = f"{first['converted_layers']} ({first['attention']})" if first["converted_layers"] else "0"
+        lines.append(f"| {name} | {layers} | {cells} |")
+    lines += [
+        "",
+        "Prefill seconds (one call each, the prefill before decoding)",
+        "",
+        "| model | " + " | ".join(_tokens(c) for c in contexts) + " |",
+        "|---|" + "---:|" * len(contexts),
+        *(f"| {name} | " + " | ".join(f"{by[name, c]['prefill_s']:.2f}" for c in contexts) + " |" for name in names),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _tokens(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def plot_speed(result: dict[str, Any], path: str | Path) -> None:
+    """PNG: decode tokens/s and prefill seconds vs context, one line per model."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4.2))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 2)
+    names = list(dict.fromkeys(r["model"] for r in result["rows"]))
+    for name in names:
+        rows = [r for r in result["rows"] if r["model"] == name]
+        style = dict(marker="o", ls="--" if name == result["reference"] else "-", label=name)
+        axes[0].plot([r["context"] for r in rows], [r["tokens_per_s"] for r in rows], **style)
+        axes[1].plot([r["context"] for r in rows], [r["prefill_s"] for r in rows], **style)
+    for ax, ylabel in zip(axes, ("decode tokens/s", "prefill seconds")):
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="context tokens", ylabel=ylabel)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{result['device']}, {result['threads']} threads, batch 1 ({result['dtype']})")
+    fig.tight_layout()
+    save_png(fig, path)
+
+
+def run_decode_speed(names: Sequence[str], contexts: Sequence[int] = DEFAULT_SPEED_CONTEXTS, *, steps: int = 16,
+                     device: str | torch.device | None = None, out_dir: str | Path | None = None) -> dict[str, Any]:
+    """Entry for the CLI: ``decode_speed``, and with ``out_dir`` speed.json, speed.md, speed.png there."""
+    result = decode_speed(names, contexts, steps=steps, device=device)
+    if out_dir is not None:
+        out = Path(out_dir)
+        atomic_write_text(out / "speed.json", json.dumps(result, indent=2) + "\n")
+        atomic_write_text(out / "speed.md", speed_markdown(result))
+        plot_speed(result, out / "speed.png")
+        logger.info("wrote %s/speed.{json,md,png}", out)
+    return result
+
+
 __all__ = [
     "bench_decode",
     "bench_prefill",
     "benchmark",
+    "decode_speed",
     "memory_per_request",
     "plot_efficiency",
+    "plot_speed",
+    "run_decode_speed",
     "run_efficiency",
+    "speed_markdown",
     "to_markdown",
 ]

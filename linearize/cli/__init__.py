@@ -15,6 +15,7 @@ import argparse
 import logging
 import sys
 
+from ..eval.suite import SUITES, describe
 from .commands import (
     DEFAULT_MODEL,
     DEFAULT_PROMPT,
@@ -113,7 +114,9 @@ def _add_model_commands(sub) -> None:
 def suite_flags(p) -> None:
     """The evaluation suite's flags (eval, compare, ablate)."""
 
-    p.add_argument("--suite", default="quick", help="quick | full (default: quick)")
+    p.add_argument("--suite", default="quick", help="default: quick. " + " ".join(
+        f"{name}: {describe(suite)}." for name, suite in SUITES.items()) + " Under 5 minutes on 2 CPU cores for the teacher "
+        "and one conversion: quick (the others are for a GPU; standard is the suite of the published results)")
     p.add_argument("--data-dir", help="folder with the multiple-choice data files (default: the copy shipped in the package)")
     p.add_argument("--samples", type=POSITIVE, help="synthetic samples per task and length (overrides the suite)")
     p.add_argument("--tasks", help="comma-separated synthetic tasks (overrides the suite)")
@@ -152,9 +155,19 @@ def _add_eval_commands(sub) -> None:
     add_spec_flags(p)
     p.set_defaults(func=cmd_ablate)
 
-    p = sub.add_parser("bench", help="prefill/decode latency and memory per request, teacher vs converted, as ratios; "
-                                      "with --layer: one attention layer against flash softmax and the roofline")
+    p = sub.add_parser("bench", help="decode speed by context of the teacher and conversions; with spec flags or a converted "
+                                      "--model, prefill/decode latency and memory per request; with --layer, one attention layer "
+                                      "against flash softmax and the roofline",
+                       description="Without spec flags and with a plain --model (the teacher): greedy decode tokens/s after "
+                                   "each of --contexts tokens for --model and each of --conversions, loaded together and run "
+                                   "in turn in one process (ratios to --model), with the thread count (--out: speed.json/md/png). "
+                                   "With spec flags (a fresh conversion) or a converted --model: teacher vs converted prefill and "
+                                   "decode latency and memory per request (--out: efficiency.json/md/png). With --layer SHAPE: "
+                                   "one attention layer of random weights against SDPA softmax (--out: layer.json/md/png).")
     p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--conversions", type=lambda s: [x for x in s.split(",") if x],
+                   help="comma-separated conversions to measure beside --model (default: every shipped one)")
+    p.add_argument("--contexts", type=positive_int_list, default=[256, 1024, 4096], help="context lengths of the decode-speed table")
     p.add_argument("--prefill-lengths", type=int_list_or_none,
                    help="default: 256,512,1024 (model); 2048,8192,32768 (--layer; 'none' to skip prefill)")
     p.add_argument("--decode-contexts", type=int_list_or_none,

@@ -52,14 +52,20 @@ def cmd_generate(args) -> int:
         raise ValueError(f"model {args.model!r} has no tokenizer; generate needs one")
     if args.mode:
         set_mode(model, args.mode)
-    result = generate_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, chat=not args.no_chat)
+    stream = None if args.json else stream_to_stdout
+    result = generate_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, chat=not args.no_chat, on_text=stream)
     if args.json:
         print(json.dumps(result.as_dict(), indent=2))
     else:
-        print(result.text)
+        print()
         print(f"\n[{result.new_tokens} tokens in {result.seconds:.2f} s = {result.tokens_per_second:.1f} tok/s; "
               f"memory held for this request: {mib(result.memory_bytes)}]")
     return 0
+
+
+def stream_to_stdout(text: str) -> None:
+    """Print generated text as it comes (no newline, flushed)."""
+    print(text, end="", flush=True)
 
 
 def parse_overrides(extra: list[str]) -> dict[str, object]:
@@ -279,9 +285,18 @@ LAYER_KINDS = ({"attention": "hybrid", "window": 64}, {"attention": "dsla"},
 def cmd_bench(args) -> int:
     if args.layer:
         return _bench_layer(args)
-    from ..bench.efficiency import run_efficiency, to_markdown
+    from ..bench.efficiency import run_decode_speed, run_efficiency, speed_markdown, to_markdown
+    from ..names import SHIPPED
+    from ..runtime import configure_cpu
 
+    configure_cpu()  # the speed table loads its models itself
     spec = spec_from_args(args)
+    if spec is None and args.model not in SHIPPED and not Path(args.model).is_dir():  # a plain teacher: the speed table
+        conversions = list(SHIPPED) if args.conversions is None else args.conversions
+        result = run_decode_speed([args.model, *conversions], args.contexts, steps=args.decode_steps,
+                                  device=args.device, out_dir=args.out)  # fmt: skip
+        print(speed_markdown(result))
+        return 0
     result = run_efficiency(args.model, spec, prefill_lengths=args.prefill_lengths or [256, 512, 1024],
                             decode_contexts=args.decode_contexts or [512, 1024], batch_size=args.batch_size,
                             decode_steps=args.decode_steps, repeats=args.repeats, device=args.device, out_dir=args.out)
@@ -371,5 +386,7 @@ def check_args(args) -> None:
 
 def load(name: str, args):
     from ..api import load_model
+    from ..runtime import configure_cpu
 
+    configure_cpu()
     return load_model(name, device=getattr(args, "device", None))

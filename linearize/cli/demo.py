@@ -3,7 +3,7 @@ side, with the memory each holds."""
 
 from __future__ import annotations
 
-from .commands import load
+from .commands import load, stream_to_stdout
 from .output import mib, side_by_side
 from .spec_flags import spec_from_args
 
@@ -31,8 +31,11 @@ def cmd_demo(args) -> int:
     from ..memory import request_memory
     from ..spec import ConversionSpec
 
+    print(f"prompt: {args.prompt}\n")
     teacher_model, tokenizer = load(args.model, args)
-    teacher = generate_text(teacher_model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, chat=True)
+    print("TEACHER (softmax attention): ", end="", flush=True)
+    teacher = generate_text(teacher_model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, chat=True, on_text=stream_to_stdout)
+    print("\n")
     spec = spec_from_args(args)
     untrained = spec is not None
     if untrained:  # a fresh conversion of --model with these flags
@@ -43,9 +46,10 @@ def cmd_demo(args) -> int:
         student_model, _ = load(args.conversion, args)
         spec = ConversionSpec.from_dict(student_model.config.linearize)
         label = f"{args.conversion}, trained"
-    student = generate_text(student_model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, chat=True)
+    print(f"CONVERTED ({label}): ", end="", flush=True)
+    student = generate_text(student_model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, chat=True, on_text=stream_to_stdout)
+    print("\n")
     width = 60
-    print(f"prompt: {args.prompt}\n")
     print(f"{'TEACHER (softmax attention)':<{width}} | CONVERTED ({label})")
     print("-" * width + "-+-" + "-" * width)
     for left, right in side_by_side(teacher.text, student.text, width):

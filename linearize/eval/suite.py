@@ -11,7 +11,7 @@ class EvalSuite:
     """What one evaluation runs."""
 
     name: str = "quick"
-    """Suite name (quick | full | custom)."""
+    """Suite name (quick | standard | full | custom). The field defaults are the standard suite's."""
     heldout_source: str = "wiki"
     """Held-out text for perplexity (a data source: wiki, essays, a local file, ...): the documents
     that source holds out under seed 0 and the default held-out fraction, i.e. exactly those the
@@ -39,7 +39,15 @@ class EvalSuite:
 
 
 SUITES: dict[str, EvalSuite] = {
-    "quick": EvalSuite(),
+    "quick": EvalSuite(
+        perplexity_lengths=[1024],
+        perplexity_tokens=4096,
+        synthetic_tasks=["passkey", "niah_single_1"],
+        synthetic_lengths=[512],
+        synthetic_samples={"default": 5},
+        mc_limit=25,
+    ),
+    "standard": EvalSuite(name="standard"),
     "full": EvalSuite(
         name="full",
         perplexity_lengths=[512, 1024, 2048, 4096, 8192],
@@ -53,6 +61,16 @@ SUITES: dict[str, EvalSuite] = {
         mc_limit=None,
     ),
 }
+
+
+def describe(suite: EvalSuite) -> str:
+    """One line: what the suite measures."""
+    synthetic = "; ".join(f"{task} ({suite.samples(task)} samples)" for task in suite.synthetic_tasks)
+    ppl_tokens = "all held-out" if suite.perplexity_tokens is None else f"{suite.perplexity_tokens} held-out"
+    mc_docs = "all" if suite.mc_limit is None else f"{suite.mc_limit}"
+    return (f"perplexity at {'/'.join(map(str, suite.perplexity_lengths)) or 'no'} tokens of context on {ppl_tokens} tokens; "
+            f"{synthetic or 'no synthetic tasks'} at {'/'.join(map(str, suite.synthetic_lengths))} tokens; "
+            f"{', '.join(suite.mc_tasks) or 'no multiple choice'} ({mc_docs} documents each)")
 
 
 def get_suite(name: str, **changes) -> EvalSuite:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from ..cache import cache_argument, state_layer
+from ..cache import cache_argument, fast_decoding, state_layer
 from ..ops.softmax import sinks_attention, zero_attention
 from ..ops.states import BatchState, KVState
 
@@ -222,6 +222,12 @@ class ConvertedAttention(nn.Module):
         self.check_mode(mode)
         return self.attend_modes()[mode](p, x, valid, state)
 
+    def decode_step(self, p: Projection, x: Tensor, slot) -> Tensor | None:
+        """One new real token per row on the per-token decode path: its output (B, Hq, 1, Dv), with
+        ``slot`` (the layer's StateCacheLayer) advanced in place; None where this kind or mode has no
+        such path (the reference ops then run). Only called without gradients."""
+        return None
+
     # --- forward -----------------------------------------------------------------------------
     def forward(
         self,
@@ -237,9 +243,13 @@ class ConvertedAttention(nn.Module):
         valid = key_padding_from_mask(attention_mask, t)
         cache = cache_argument(kwargs)
         slot = state_layer(cache, self.layer_idx) if cache is not None else None
-        out, state = self.attend(proj, hidden_states, valid, slot.state if slot is not None else None)
-        if slot is not None:
-            slot.store(state, t)
+        out = None
+        if slot is not None and t == 1 and fast_decoding() and not torch.is_grad_enabled() and (valid is None or bool(valid.all())):
+            out = self.decode_step(proj, hidden_states, slot)
+        if out is None:
+            out, state = self.attend(proj, hidden_states, valid, slot.state if slot is not None else None)
+            if slot is not None:
+                slot.store(state, t)
         out = out.transpose(1, 2).reshape(b, t, -1).to(hidden_states.dtype)  # (B, T, Hq * D)
         return self.o_proj(out), None
 

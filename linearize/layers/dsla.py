@@ -8,8 +8,8 @@ import torch
 from torch import Tensor, nn
 
 from ..checks import check_choice, check_int
-from ..ops.common import repeat_kv
-from ..ops.dsla import dsla_attention, init_gate_bias, log_gate
+from ..ops.common import accumulation_dtype, repeat_kv
+from ..ops.dsla import DslaDecodeState, dsla_attention, dsla_decode_step, init_gate_bias, log_gate
 from ..ops.states import DslaState
 from .base import KERNELS, STATE_BYTES, AttentionKind, Attend, ConvertedAttention, SpecError, expect_state, head_sizes, resolve_kernel
 from .feature_map import FeatureMapOptions, feature_map_pair
@@ -108,16 +108,24 @@ class DslaAttention(ConvertedAttention):
             "recent_only": self._dsla(0.0),
         }
 
+    GAMMA = {"hybrid": None, "history_only": 1.0, "recent_only": 0.0}
+    """Each mode's fixed gamma (None: the learned one)."""
+
+    def _inputs(self, p, x, fixed_gamma: float | None):
+        """(q, k, v, log-gate history, log-gate recent, gamma, scale) as ``dsla_attention`` takes them."""
+        q, k, v = p.q_lin, p.k_lin, p.v  # linear attention only: q/k before RoPE unless linear_rope
+        log_h, log_r = self.log_gates(x)
+        gamma = self.gamma() if fixed_gamma is None else torch.full((), fixed_gamma, device=q.device)
+        scale = self.scaling
+        if self.normalize:  # feature maps are per query head: repeat the kv heads first
+            n_rep = q.shape[1] // k.shape[1]
+            q, k = self.feature_map_q(q), self.feature_map_k(repeat_kv(k, n_rep))
+            v, scale = repeat_kv(v, n_rep), 1.0  # the normaliser cancels any scale
+        return q, k, v, log_h, log_r, gamma, scale
+
     def _dsla(self, fixed_gamma: float | None) -> Attend:
         def dsla(p, x, valid, state):
-            q, k, v = p.q_lin, p.k_lin, p.v  # linear attention only: q/k before RoPE unless linear_rope
-            log_h, log_r = self.log_gates(x)
-            gamma = self.gamma() if fixed_gamma is None else torch.full((), fixed_gamma, device=q.device)
-            scale = self.scaling
-            if self.normalize:  # feature maps are per query head: repeat the kv heads first
-                n_rep = q.shape[1] // k.shape[1]
-                q, k = self.feature_map_q(q), self.feature_map_k(repeat_kv(k, n_rep))
-                v, scale = repeat_kv(v, n_rep), 1.0  # the normaliser cancels any scale
+            q, k, v, log_h, log_r, gamma, scale = self._inputs(p, x, fixed_gamma)
             return dsla_attention(
                 q, k, v, log_h, log_r, gamma,
                 valid=valid, state=expect_state(state, DslaState, self), scale=scale,
@@ -125,6 +133,22 @@ class DslaAttention(ConvertedAttention):
             )
 
         return dsla
+
+    def decode_step(self, p, x, slot):
+        if self.mode not in self.GAMMA:
+            return None
+        q, k, v, log_h, log_r, gamma, scale = self._inputs(p, x, self.GAMMA[self.mode])
+        ds = slot.decode_state
+        if not isinstance(ds, DslaDecodeState):
+            state = expect_state(slot.state, DslaState, self)
+            if state is None:
+                b, h, _, dk = q.shape
+                zeros = torch.zeros(b, h, dk, v.shape[-1] + self.normalize, device=q.device, dtype=accumulation_dtype(q.dtype))
+                state = DslaState(history=zeros, recent=zeros.clone())
+            ds = DslaDecodeState.from_state(state)
+        out = dsla_decode_step(ds, q, k, v, log_h, log_r, gamma, scale=scale, normalize=self.normalize)
+        slot.advance(ds, 1)
+        return out
 
 
 def dsla_memory(options: DslaOptions, config, dtype_bytes: int) -> tuple[int, int]:

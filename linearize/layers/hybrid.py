@@ -8,7 +8,8 @@ import torch
 from torch import Tensor, nn
 
 from ..checks import check_choice, check_int
-from ..ops.hybrid import hybrid_attention, hybrid_attention_weights
+from ..ops.common import accumulation_dtype
+from ..ops.hybrid import HybridDecodeState, hybrid_attention, hybrid_attention_weights, hybrid_decode_step, hybrid_state_empty
 from ..ops.states import HybridState
 from .base import KERNELS, STATE_BYTES, AttentionKind, Attend, ConvertedAttention, Projection, SpecError, expect_state, head_sizes, resolve_kernel
 from .feature_map import FeatureMapOptions, feature_map_pair
@@ -143,6 +144,30 @@ class HybridAttention(WindowedLinearAttention):
 
     def attend_modes(self):
         return {"hybrid": self._hybrid("both"), "swa_only": self._hybrid("window"), "la_only": self._hybrid("linear")}
+
+    BRANCHES = {"hybrid": "both", "swa_only": "window", "la_only": "linear"}
+
+    def decode_step(self, p, x, slot):
+        branches = self.BRANCHES.get(self.mode)
+        if branches is None or (self.window_dropout is not None and bool(self.window_dropout.any())):
+            return None
+        ds = slot.decode_state
+        if not isinstance(ds, HybridDecodeState):
+            state = expect_state(slot.state, HybridState, self)
+            if state is None:
+                b, hkv, _, d = p.k.shape
+                state = hybrid_state_empty(b, hkv, self.num_heads, self.window, d, p.v.shape[-1],
+                                           self.options.features(self.head_dim), device=p.q.device,
+                                           dtype=accumulation_dtype(p.v.dtype), linear_keys=p.separate)  # fmt: skip
+            ds = HybridDecodeState.from_state(state, self.feature_map_k, self.num_heads)
+        o = self.options
+        out = hybrid_decode_step(
+            ds, p.q, p.k, p.v, phi_q=self.feature_map_q, phi_k=self.feature_map_k, mix=o.mix, overlap=o.overlap,
+            window_factor=self.window_factor() if o.mix == "joint" else None, gate=self.gate() if o.mix == "gate" else None,
+            branches=branches, scale=self.scaling, **self.linear_inputs(p),
+        )  # fmt: skip
+        slot.advance(ds, 1)
+        return out
 
     def _hybrid(self, branches: str) -> Attend:
         def attend(p, x, valid, state):

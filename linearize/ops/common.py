@@ -47,8 +47,8 @@ def safe_divide(num: Tensor, den: Tensor) -> Tensor:
     """num / den with 0 where den <= EMPTY_DENOMINATOR (den broadcast over the last axis of num);
     gradients stay finite."""
     den = den.unsqueeze(-1)
-    empty = den <= EMPTY_DENOMINATOR
-    return torch.where(empty, torch.zeros_like(num), num / torch.where(empty, torch.ones_like(den), den))
+    ok = den > EMPTY_DENOMINATOR
+    return torch.where(ok, num / torch.where(ok, den, 1.0), 0.0)
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,11 @@ from .states import DslaState
 GATE_NORMALISER = 16.0
 """log_alpha = logsigmoid(z) / GATE_NORMALISER: fla's GLA default, and this package's gate
 parameterisation (it keeps a freshly initialised gate's values near 1: slow forgetting)."""
+
+FACTORED_DECAY_LIMIT = 30.0
+"""The torch kernel factors a chunk's pairwise decays exp(b_t - b_s) into exp(b_t) exp(-b_s) (one
+matmul) when no chunk's total log decay is below -LIMIT (e^30 ~ 1e13: far from float32's range);
+stronger gates take the pairwise form, exact for any gate strength."""
 
 FLA_RECURRENT_MAX_LEN = 64
 """fla's GLA layer runs ``fused_recurrent_gla`` for sequences of at most 64 tokens, ``chunk_gla`` above."""
@@ -115,6 +121,49 @@ def dsla_attention(
     return _mix(o1, o2, gamma, q, normalize), DslaState(history=s1, recent=s2)
 
 
+@dataclass
+class DslaDecodeState:
+    """A DslaState as per-token decoding updates it in place: both states stacked in one tensor
+    (2, B, Hq, Dk, Dv [+ 1]), history first, so one operation decays and writes both. It starts as a
+    copy (a state handed out earlier is never changed); ``canonical()`` gives the DslaState."""
+
+    states: Tensor
+
+    @classmethod
+    def from_state(cls, state: DslaState) -> "DslaDecodeState":
+        return cls(torch.stack((state.history, state.recent)))
+
+    def canonical(self) -> DslaState:
+        return DslaState(history=self.states[0], recent=self.states[1])
+
+
+def dsla_decode_step(
+    state: DslaDecodeState,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    log_alpha_history: Tensor,
+    log_alpha_recent: Tensor,
+    gamma: Tensor,
+    *,
+    scale: float | None = None,
+    normalize: bool = False,
+) -> Tensor:
+    """One new real token per row (T = 1, no padding; arguments as ``dsla_attention``): the output
+    (B, Hq, 1, Dv) in q's dtype, both states decayed and written in place. The same numbers as
+    ``dsla_attention`` on that token (its recurrent form; tested against it)."""
+    n_rep = gqa_groups(q, k)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = state.states  # (2, B, Hq, Dk, Dv [+ 1])
+    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, Hq, 1, Dk|Dv)
+    v = _with_ones(v) if normalize else v
+    write = k.transpose(-1, -2).to(s.dtype) * v.to(s.dtype)  # (B, Hq, Dk, Dv [+ 1]): k v^T
+    decay = torch.stack((log_alpha_history, log_alpha_recent)).to(s.dtype).exp_().transpose(-1, -2)  # (2, B, Hq, Dk, 1)
+    torch.addcmul(write, decay, s, out=s)  # S = diag(alpha) S + k v^T, both states at once
+    o = torch.matmul(q.to(s.dtype) * scale, s)  # (2, B, Hq, 1, Dv [+ 1])
+    return _mix(o[0], o[1], gamma, q, normalize)
+
+
 def _with_ones(v: Tensor) -> Tensor:
     """v with a column of ones appended. Padding needs no special case: its k is zero, so it writes
     nothing to either column."""
@@ -156,7 +205,8 @@ def _gla_chunked(
 
     Within a chunk the log decay from s to t, sum_{s<j<=t} g_j, is summed pairwise for s <= t as a
     segment sum (as Mamba2's ``segsum``): never q * exp(b), k * exp(-b), which overflows, nor the
-    difference of two cumulative sums, which cancels badly after a strong gate. Across chunks the
+    difference of two cumulative sums, which cancels badly after a strong gate; except where every
+    chunk's decay stays within FACTORED_DECAY_LIMIT, where those factors are safe and much cheaper. Across chunks the
     state carries everything: q_t reads it decayed from the chunk start, k_s writes into it decayed
     to the chunk end. Memory: the pairwise decays hold B H T chunk Dk values.
     """
@@ -169,17 +219,24 @@ def _gla_chunked(
     v = F.pad(v.to(dtype), (0, 0, 0, pad)).reshape(b, h, n, chunk, dv)  # (B, H, N, C, Dv)
 
     ones = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device)
-    after_s = ones.tril(-1)[:, :, None]  # (C_j, C_s, 1): j > s
-    causal = ones.tril()[:, :, None]  # (C_t, C_s, 1): s <= t
-    g_js = g[:, :, :, :, None].expand(b, h, n, chunk, chunk, dk)  # (B, H, N, C_j, C_s, Dk): g_j
-    pair = g_js.masked_fill(~after_s, 0.0).cumsum(dim=3)  # (B, H, N, C_t, C_s, Dk): sum_{s<j<=t} g_j
-    decay = pair.masked_fill(~causal, float("-inf")).exp()  # (B, H, N, C_t, C_s, Dk), <= 1, 0 above the diagonal
-    scores = torch.einsum("bhntk,bhntsk->bhnts", q, k[:, :, :, None] * decay)  # (B, H, N, C_t, C_s)
-    o_intra = scores @ v  # (B, H, N, C, Dv)
-
     from_start = g.cumsum(dim=3)  # (B, H, N, C, Dk): log decay from the chunk start through t
-    to_end = pair[:, :, :, -1]  # (B, H, N, C, Dk): log decay after s through the chunk end
     q_read = q * from_start.exp()  # (B, H, N, C, Dk)
+    factored = from_start.numel() == 0 or bool(from_start[:, :, :, -1].amin() >= -FACTORED_DECAY_LIMIT)
+    if factored:
+        # No chunk decays by more than e^-LIMIT: the pairwise decay exp(b_t - b_s) factors into
+        # exp(b_t) exp(-b_s) with both factors within e^+-LIMIT (no overflow, no cancellation), so
+        # the intra-chunk part is one (C x C) matmul, without the (C x C x Dk) pairwise decays.
+        scores = (q_read @ (k * (-from_start).exp()).transpose(-1, -2)).masked_fill(~ones.tril(), 0.0)  # (B, H, N, C_t, C_s)
+        to_end = from_start[:, :, :, -1:] - from_start  # (B, H, N, C, Dk): log decay after s through the chunk end
+    else:
+        after_s = ones.tril(-1)[:, :, None]  # (C_j, C_s, 1): j > s
+        causal = ones.tril()[:, :, None]  # (C_t, C_s, 1): s <= t
+        g_js = g[:, :, :, :, None].expand(b, h, n, chunk, chunk, dk)  # (B, H, N, C_j, C_s, Dk): g_j
+        pair = g_js.masked_fill(~after_s, 0.0).cumsum(dim=3)  # (B, H, N, C_t, C_s, Dk): sum_{s<j<=t} g_j
+        decay = pair.masked_fill(~causal, float("-inf")).exp()  # (B, H, N, C_t, C_s, Dk), <= 1, 0 above the diagonal
+        scores = torch.einsum("bhntk,bhntsk->bhnts", q, k[:, :, :, None] * decay)  # (B, H, N, C_t, C_s)
+        to_end = pair[:, :, :, -1]  # (B, H, N, C, Dk): log decay after s through the chunk end
+    o_intra = scores @ v  # (B, H, N, C, Dv)
     writes = (k * to_end.exp()).transpose(-1, -2) @ v  # (B, H, N, Dk, Dv): the chunk's write, decayed to its end
     chunk_decay = from_start[:, :, :, -1, :, None].exp()  # (B, H, N, Dk, 1)
     s = q.new_zeros(b, h, dk, dv) if h0 is None else h0.to(dtype)  # (B, H, Dk, Dv)

@@ -17,8 +17,10 @@ from torch import Tensor
 
 def hedgehog(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
     """x (B, H, T, d), weight (H, d, f), bias (H, f) -> (B, H, T, 2f)."""
-    proj = torch.einsum("bhtd,hdf->bhtf", x, weight) + bias[:, None, :]  # (B, H, T, f)
-    return torch.cat([torch.softmax(proj, dim=-1), torch.softmax(-proj, dim=-1)], dim=-1)
+    b, h, t, d = x.shape
+    xh = x.transpose(0, 1).reshape(h, b * t, d)  # a view when b * t == 1 (decoding one token)
+    proj = torch.baddbmm(bias[:, None, :], xh, weight).view(h, b, t, -1).transpose(0, 1)  # (B, H, T, f)
+    return torch.stack((proj, -proj), dim=-2).softmax(dim=-1).flatten(-2)  # [softmax(p), softmax(-p)]
 
 
 def hedgehog_reference(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:

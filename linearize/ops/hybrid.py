@@ -371,3 +371,150 @@ def _window_and_mix(queries, kr, vr, qf, kf, old_num, old_den, ext_valid, *, win
         gate=gate,
     )
     return out.reshape(b, hq, n * c, -1)[:, :, :t]
+
+
+# ----------------------------------------------------------------------------- per-token decoding
+
+
+@dataclass
+class HybridDecodeState:
+    """A ``HybridState`` in the form per-token decoding updates in place, laid out for few, batched
+    operations per token (heads folded into the batch: ``bk`` = B * Hkv rows).
+
+    The window is a ring buffer: ring index ``(head + j) % window`` holds the canonical slot j
+    (oldest first), so a new token overwrites one slot instead of shifting the window. Values carry a
+    last column of ones at real tokens (0 at empty slots) and the linear state is kept as [S | z], so
+    one matmul reads a numerator and its denominator together. ``features`` keeps phi_k of every
+    slot's key for all query heads of its KV head (zero at empty slots), computed once when the token
+    arrives and folded into the linear state when it leaves. Slot positions are not written per
+    token: the ``steps`` tokens since ring index ``start`` carry positions ``last + 1``, ``last + 2``, ...
+    ``canonical()`` gives the equivalent HybridState."""
+
+    keys: Tensor  # (bk, W, D), ring order
+    linear_keys: Tensor | None  # (bk, W, D) or None
+    values: Tensor  # (bk, W, Dv + 1): [v, 1], zero at empty slots
+    features: Tensor  # (bk, W, n_rep * F)
+    linear: Tensor  # (B * Hq, F, Dv + 1): [S | z]
+    valid: Tensor  # (B, W)
+    positions: Tensor  # (B, W): as in the state this was made from
+    last: Tensor  # (B,) position of each row's last token before ``start``
+    heads: int  # Hq
+    full: bool = False  # every slot of every row holds a token (no masking needed)
+    start: int = 0
+    steps: int = 0
+
+    @property
+    def head(self) -> int:
+        """Ring index of the oldest slot (the next one written)."""
+        return (self.start + self.steps) % self.keys.shape[1]
+
+    @classmethod
+    def from_state(cls, state: HybridState, phi_k: FeatureFn, heads: int) -> "HybridDecodeState":
+        """The decode form of ``state`` (copies: the canonical state is left untouched)."""
+        ws, lin = state.window, state.linear
+        b, hkv, w, d = ws.keys.shape
+        n_rep, dt = heads // hkv, ws.keys.dtype
+        f = lin.kv.shape[2]
+        real = ws.valid[:, None, :, None].expand(b, hkv, w, 1).to(dt)  # (B, Hkv, W, 1)
+        keys = ws.keys if ws.linear_keys is None else ws.linear_keys
+        features = phi_k(repeat_kv(keys, n_rep)).to(dt) * ws.valid[:, None, :, None]  # (B, Hq, W, F)
+        features = features.view(b, hkv, n_rep, w, f).permute(0, 1, 3, 2, 4).reshape(b * hkv, w, n_rep * f)
+        return cls(
+            keys=ws.keys.reshape(b * hkv, w, d).clone(),
+            linear_keys=None if ws.linear_keys is None else ws.linear_keys.reshape(b * hkv, w, d).clone(),
+            values=torch.cat([ws.values, real], dim=-1).reshape(b * hkv, w, -1),
+            features=features,
+            linear=torch.cat([lin.kv, lin.k_sum[..., None]], dim=-1).reshape(b * heads, f, -1),
+            valid=ws.valid.clone(), positions=ws.positions.clone(), last=ws.positions.amax(dim=1), heads=heads,
+            full=bool(ws.valid.all()),
+        )  # fmt: skip
+
+    def canonical(self) -> HybridState:
+        """The HybridState this stands for (window oldest first, right-aligned)."""
+        bk, w, d = self.keys.shape
+        b = self.valid.shape[0]
+        hkv, dv = bk // b, self.values.shape[-1] - 1
+        valid, positions = self.valid.clone(), self.positions.clone()
+        if self.steps:
+            new = torch.arange(max(0, self.steps - w), self.steps, device=valid.device)  # tokens still in the window
+            slots = (self.start + new) % w
+            valid[:, slots] = True
+            positions[:, slots] = self.last[:, None] + 1 + new
+
+        def order(x: Tensor | None) -> Tensor | None:  # ring (bk, W, X) -> canonical (B, Hkv, W, X)
+            return None if x is None else x.roll(-self.head, dims=1).view(b, hkv, w, -1)
+
+        window = WindowState(
+            keys=order(self.keys), values=order(self.values)[..., :dv].contiguous(), valid=valid.roll(-self.head, dims=1),
+            positions=positions.roll(-self.head, dims=1), linear_keys=order(self.linear_keys),
+        )  # fmt: skip
+        f = self.linear.shape[1]
+        kv = self.linear.view(b, self.heads, f, dv + 1)
+        return HybridState(window=window, linear=LinearState(kv=kv[..., :dv].contiguous(), k_sum=kv[..., dv].contiguous()))
+
+
+def _read(x: Tensor) -> Tensor:
+    """[numerator, denominator] in the last axis -> their safe ratio."""
+    return safe_divide(x[..., :-1], x[..., -1])
+
+
+def hybrid_decode_step(
+    state: HybridDecodeState,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    phi_q: FeatureFn,
+    phi_k: FeatureFn,
+    mix: str = "joint",
+    overlap: bool = False,
+    window_factor: Tensor | None = None,
+    gate: Tensor | None = None,
+    branches: str = "both",
+    scale: float | None = None,
+    q_lin: Tensor | None = None,
+    k_lin: Tensor | None = None,
+) -> Tensor:
+    """One new real token per row (q (B, Hq, 1, D), k/v (B, Hkv, 1, D), no padding): the output
+    (B, Hq, 1, Dv) in v's dtype, ``state`` updated in place. The same numbers as ``hybrid_attention``
+    on that token (its per-token specialisation: no concatenation, no repeated KV heads, each key's
+    features computed once); tested against it."""
+    b, hq, _, d = q.shape
+    bk, w, _ = state.keys.shape
+    n_rep, dt, dv = hq // (bk // b), state.keys.dtype, v.shape[-1]
+    scale = d**-0.5 if scale is None else scale
+    i = state.head
+    # The oldest slot leaves the window: its features (zero for an empty slot) join [S | z].
+    state.linear.view(bk, -1, dv + 1).baddbmm_(state.features[:, i : i + 1].transpose(1, 2), state.values[:, i : i + 1])
+    # The new token takes its slot.
+    k_feat = k if k_lin is None else k_lin
+    state.keys[:, i] = k.reshape(bk, d)
+    if state.linear_keys is not None:
+        state.linear_keys[:, i] = k_feat.reshape(bk, d)
+    state.values[:, i, :dv] = v.reshape(bk, dv)
+    if not state.full:
+        state.values[:, i, dv] = 1.0
+        state.valid[:, i] = True
+    state.features[:, i] = phi_k(repeat_kv(k_feat, n_rep)).reshape(bk, -1)
+    state.steps += 1
+
+    qf = phi_q(q if q_lin is None else q_lin).to(dt).view(b * hq, 1, -1)  # (B Hq, 1, F)
+    lin = torch.bmm(qf, state.linear).view(b, hq, 1, dv + 1)  # [phi(q) S, phi(q) z]
+    if overlap or branches == "linear":  # the window tokens' linear part
+        a = torch.einsum("brf,bwrf->brw", qf.view(bk, n_rep, -1), state.features.view(bk, w, n_rep, -1))  # (bk, n_rep, W)
+        lin = lin + torch.bmm(a, state.values).view(b, hq, 1, dv + 1)
+    if branches == "linear":
+        return _read(lin).to(v.dtype)
+    scores = torch.bmm(q.reshape(bk, n_rep, d).to(dt), state.keys.transpose(1, 2)).mul_(scale)  # (bk, n_rep, W)
+    if not state.full:
+        scores.masked_fill_(~state.valid[:, None, None, :].expand(b, bk // b, 1, w).reshape(bk, 1, w), float("-inf"))
+        state.full = bool(state.valid.all())
+    e = scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()  # the new token is in the window: the max is finite
+    sw = torch.bmm(e, state.values).view(b, hq, 1, dv + 1)  # [sum e v, sum e]
+    if branches == "window":
+        return _read(sw).to(v.dtype)
+    if mix == "joint":  # the linear term is not rescaled by exp(-m_t), as in hybrid_attention
+        fq = _per_head(window_factor, hq, "window_factor", 1.0, sw).view(1, hq, 1, 1)
+        return _read(torch.addcmul(lin, fq, sw)).to(v.dtype)
+    g = _per_head(gate, hq, "gate", 0.5, sw).view(1, hq, 1, 1)
+    return (g * _read(sw) + (1 - g) * _read(lin)).to(v.dtype)

@@ -71,3 +71,24 @@ def test_lengths_beyond_the_limit_raise_before_measuring():
     with pytest.raises(ValueError, match="max_position_embeddings"):
         benchmark(model, {"window": 4}, prefill_lengths=[16], decode_contexts=[510], decode_steps=4)
     assert not linearize.layer_modes(model)  # checked before converting: the model is left as it was
+
+
+def test_decode_speed_table_reports_every_model_and_context(tmp_path):
+    """The decode-speed table: every (model, context) measured, ratios to the first model, reports written."""
+    from linearize.bench.efficiency import run_decode_speed, speed_markdown
+
+    teacher_dir, converted_dir = tmp_path / "teacher", tmp_path / "converted"
+    build_tiny_llama().save_pretrained(teacher_dir)
+    model = build_tiny_llama()
+    linearize.convert(model, {"attention": "hybrid", "window": 4})
+    model.save_pretrained(converted_dir)
+    names = [str(teacher_dir), str(converted_dir)]
+    result = run_decode_speed(names, [8, 16], steps=2, out_dir=tmp_path / "out")
+    json.dumps(result)
+    assert [(r["model"], r["context"]) for r in result["rows"]] == [(n, c) for c in (8, 16) for n in names]
+    assert all(r["tokens_per_s"] > 0 and r["prefill_s"] > 0 for r in result["rows"])
+    assert [r["ratio"] for r in result["rows"] if r["model"] == names[0]] == [1.0, 1.0]
+    assert [r["converted_layers"] for r in result["rows"]][:2] == [0, 2] and result["threads"] >= 1
+    markdown = speed_markdown(result)
+    assert "| 8 tok/s | x | 16 tok/s | x |" in markdown and names[1] in markdown
+    assert {p.name for p in (tmp_path / "out").iterdir()} == {"speed.json", "speed.md", "speed.png"}

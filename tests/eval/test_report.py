@@ -143,7 +143,7 @@ def test_dsla_ablation_reads_each_state_alone(corpus):
 def test_ablate_refuses_an_unconverted_model_and_unknown_suite():
     with pytest.raises(ValueError, match="needs a converted model"):
         ablate(build_tiny_llama(), tiny_tokenizer(), tiny_suite())
-    with pytest.raises(ValueError, match="unknown suite 'huge'; valid suites: quick, full"):
+    with pytest.raises(ValueError, match="unknown suite 'huge'; valid suites: quick, standard, full"):
         get_suite("huge")
 
 
