@@ -105,7 +105,7 @@ CASES = {
     "replay-out-below-a-file": (["replay", "--model", "{family}", "--out", "{a_file}/r"], ["is a file, not a directory"]),
     "replay-requests-text": (["replay", "--requests", "all"], ["--requests", "'all'"]),
     "train-unknown-recipe": (["train", "--recipe", "no-such-recipe"], ["unknown recipe 'no-such-recipe'", "lolcats"]),
-    "eval-unknown-suite": (["eval", "--model", "{tiny}", "--suite", "huge"], ["unknown suite 'huge'", "quick, full"]),
+    "eval-unknown-suite": (["eval", "--model", "{tiny}", "--suite", "huge"], ["unknown suite 'huge'", "quick, standard, full"]),
     "generate-unknown-mode": (["generate", "--model", "{tiny}", "--mode", "fast"], ["invalid choice: 'fast'", "la_only"]),
     "convert-unknown-attention": (["convert", "--model", "{tiny}", "--attention", "mamba", "--out", "{tmp}/o"], ["'mamba'", "dsla"]),
     "eval-unknown-device": (["eval", "--model", "{tiny}", "--device", "tpu"], ["'tpu'", "cpu"]),
