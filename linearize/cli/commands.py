@@ -231,7 +231,7 @@ def cmd_compare(args) -> int:
     markdown = f"# {title}\n\n" + table({n: headline(r) for n, r in results.items()}) + "\n"
     print(markdown)
     write_report(args.out, "compare", markdown, results)
-    with_ppl = {n: r["perplexity"] for n, r in results.items() if r.get("perplexity")}
+    with_ppl = {n: r["perplexity"] for n, r in results.items() if any("ppl" in row for row in r.get("perplexity") or ())}
     if args.out and with_ppl:
         plot_perplexity_vs_length(with_ppl, Path(args.out) / "perplexity_vs_length.png")
     return 0

@@ -28,7 +28,7 @@ def tiny_suite(**changes):
 @pytest.fixture
 def model_dir(tmp_path):
     path = tmp_path / "tiny"
-    build_tiny_llama(seed=0, num_hidden_layers=2).save_pretrained(path)
+    build_tiny_llama(seed=0, num_hidden_layers=2, max_position_embeddings=2048).save_pretrained(path)  # the quick suite reads 1024 tokens
     tiny_tokenizer().save_pretrained(path)
     return path
 
