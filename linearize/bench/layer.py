@@ -41,13 +41,13 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import DynamicCache
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..cache import cache_kwargs, state_layer
 from ..checks import check_choice
 from ..convert import convert
 from ..hub import build_tiny_llama
 from ..io import atomic_write_text, save_png
+from ..layers.base import project_qkv
 from ..layers.registry import KINDS
 from ..spec import ConversionSpec
 from .efficiency import _time_calls
@@ -106,21 +106,12 @@ class SoftmaxLayer:
         self.attn, self.shape = attn, shape
         self.k_cache = self.v_cache = None
 
-    def _qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        b, t, _ = x.shape
-        d = self.shape.head_dim
-        q = self.attn.q_proj(x).view(b, t, -1, d).transpose(1, 2)  # (B, Hq, T, D)
-        k = self.attn.k_proj(x).view(b, t, -1, d).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.attn.v_proj(x).view(b, t, -1, d).transpose(1, 2)  # (B, Hkv, T, D)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        return q, k, v
-
     def _out(self, o: Tensor) -> Tensor:
         b, _, t, _ = o.shape
         return self.attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
 
     def prefill(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        q, k, v = self._qkv(x, cos, sin)
+        q, k, v, _, _ = project_qkv(self.attn, x, (cos, sin))
         return self._out(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
 
     def fill(self, batch: int, context: int, steps: int, device, dtype) -> None:
@@ -132,7 +123,7 @@ class SoftmaxLayer:
         self.position = context
 
     def step(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        q, k, v = self._qkv(x, cos, sin)
+        q, k, v, _, _ = project_qkv(self.attn, x, (cos, sin))
         p = self.position
         self.k_cache[:, :, p : p + 1].copy_(k)
         self.v_cache[:, :, p : p + 1].copy_(v)

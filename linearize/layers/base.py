@@ -154,6 +154,19 @@ def resolve_kernel(kernel: str, device: torch.device) -> str:
     return "torch"
 
 
+def project_qkv(attn: nn.Module, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor]):
+    """(q, k, v, q_pre, k_pre) of an attention module with ``q_proj``/``k_proj``/``v_proj`` and
+    ``head_dim`` (the teacher's or a converted one): q (B, Hq, T, D), k and v (B, Hkv, T, D), RoPE
+    applied to q and k; q_pre and k_pre before RoPE."""
+    b, t, _ = hidden_states.shape
+    d = attn.head_dim
+    q_pre = attn.q_proj(hidden_states).view(b, t, -1, d).transpose(1, 2)  # (B, Hq, T, D)
+    k_pre = attn.k_proj(hidden_states).view(b, t, -1, d).transpose(1, 2)  # (B, Hkv, T, D)
+    v = attn.v_proj(hidden_states).view(b, t, -1, d).transpose(1, 2)  # (B, Hkv, T, D)
+    q, k = apply_rotary_pos_emb(q_pre, k_pre, *position_embeddings)
+    return q, k, v, q_pre, k_pre
+
+
 class ConvertedAttention(nn.Module):
     """Shared part of every converted attention kind; subclasses define ``attend_modes``.
 
@@ -256,12 +269,7 @@ class ConvertedAttention(nn.Module):
     def project(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor]) -> Projection:
         """q (B, Hq, T, D), k and v (B, Hkv, T, D), RoPE applied to q and k; the feature maps'
         inputs q_lin, k_lin (before RoPE when ``separate_linear_inputs``)."""
-        b, t, _ = hidden_states.shape
-        q_pre = self.q_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
-        k_pre = self.k_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        cos, sin = position_embeddings
-        q, k = apply_rotary_pos_emb(q_pre, k_pre, cos, sin)
+        q, k, v, q_pre, k_pre = project_qkv(self, hidden_states, position_embeddings)
         if self.separate_linear_inputs:
             return Projection(q, k, v, q_pre, k_pre)
         return Projection(q, k, v, q, k)

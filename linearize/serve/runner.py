@@ -17,9 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-from ..layers.base import ConvertedAttention
+from ..layers.base import ConvertedAttention, project_qkv
 from ..modeling import decoder_layers
 from ..ops.softmax import softmax_attention
 from ..ops.states import BatchState, KVState
@@ -114,7 +112,7 @@ class Runner:
             p = attn.project(h, pe)
             o, new = attn.attend(p, h, None, state, mode="hybrid")
         else:
-            q, k, v = _project(attn, h, pe)
+            q, k, v, _, _ = project_qkv(attn, h, pe)
             o, new = softmax_attention(q, k, v, state=state, scale=attn.scaling)
         parts = new.split([1] * b)
         for s, part in zip(seqs, parts):
@@ -127,17 +125,3 @@ def _by_state(rows: list[int], seqs: list[Sequence], i: int) -> list[list[int]]:
     fresh = [r for r in rows if seqs[r].states[i] is None]
     held = [r for r in rows if seqs[r].states[i] is not None]
     return [part for part in (fresh, held) if part]
-
-
-def _project(attn, h: Tensor, pe: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    """The teacher attention's q (B, Hq, T, D), k and v (B, Hkv, T, D), RoPE on q and k."""
-    if isinstance(attn, ConvertedAttention):
-        p = attn.project(h, pe)
-        return p.q, p.k, p.v
-    b, t, _ = h.shape
-    d = attn.head_dim
-    q = attn.q_proj(h).view(b, t, -1, d).transpose(1, 2)
-    k = attn.k_proj(h).view(b, t, -1, d).transpose(1, 2)
-    v = attn.v_proj(h).view(b, t, -1, d).transpose(1, 2)
-    q, k = apply_rotary_pos_emb(q, k, *pe)
-    return q, k, v

@@ -7,6 +7,7 @@ import torch
 
 from linearize.bench.layer import SoftmaxLayer, _positions, bench_layer, build_layer, layer_markdown, layer_shape, roofline, run_layer_bench
 from linearize.bench.shapes import SHAPES, LayerShape
+from linearize.layers.base import project_qkv
 
 TINY = LayerShape(hidden=64, heads=4, kv_heads=2, head_dim=16)
 
@@ -18,7 +19,7 @@ def test_softmax_baseline_decode_matches_its_prefill():
     x = torch.randn(2, 12, TINY.hidden)
     full = layer.prefill(x, *_positions(model, x, 0))  # (2, 12, hidden)
     layer.fill(2, 8, 4, "cpu", torch.float32)
-    _, k, v = layer._qkv(x[:, :8], *_positions(model, x[:, :8], 0))
+    _, k, v, _, _ = project_qkv(layer.attn, x[:, :8], _positions(model, x[:, :8], 0))
     layer.k_cache[:, :, :8], layer.v_cache[:, :, :8] = k, v  # the cache of the first 8 tokens
     steps = [layer.step(x[:, i : i + 1], *_positions(model, x[:, i : i + 1], i)) for i in range(8, 12)]
     torch.testing.assert_close(torch.cat(steps, 1), full[:, 8:], rtol=1e-5, atol=1e-5)
