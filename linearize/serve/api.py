@@ -205,19 +205,9 @@ class Metrics:
         self.running.set(len(engine.running))
         self.waiting.set(len(engine.waiting))
         self.budget_bytes.set(engine.config.kv_budget)
-        kv = state = 0
-        for r in engine.running:
-            if r.seq is None:
-                continue
-            for s in r.seq.states:
-                if s is None:
-                    continue
-                if hasattr(s, "keys") and hasattr(s, "valid"):
-                    kv += sum(t.numel() * t.element_size() for t in (s.keys, s.values))
-                else:
-                    state += s.nbytes()
-        self.kv_bytes.set(kv)
-        self.state_bytes.set(state)
+        held = [r.seq.nbytes_by_kind() for r in engine.running if r.seq is not None]
+        self.kv_bytes.set(sum(kv for kv, _ in held))
+        self.state_bytes.set(sum(state for _, state in held))
         for name, metric in (("conversions", self.conversions), ("preemptions", self.preemptions)):
             delta = engine.counters[name] - self._seen[name]
             if delta:

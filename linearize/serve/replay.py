@@ -359,10 +359,9 @@ def plot_replay(raw: dict[str, Any], out: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for policy, data in raw.items():
-        values = sorted(r["finish"] - r["arrival"] for r in data["records"] if r["status"] == "ok" and r["finish"] is not None)
         norm = sorted(((r["finish"] - r["arrival"]) / max(len(r["token_times"]), 1)) * 1e3
                       for r in data["records"] if r["status"] == "ok" and r["finish"] is not None)  # fmt: skip
-        if values:
+        if norm:
             ax.plot(norm, [(i + 1) / len(norm) for i in range(len(norm))], label=policy)
     ax.set(xlabel="normalised latency (ms per output token)", ylabel="fraction of requests", xscale="log")
     ax.grid(True, alpha=0.3)

@@ -37,15 +37,20 @@ class Sequence:
     def empty(cls, num_layers: int, level: int = 0) -> "Sequence":
         return cls([None] * num_layers, level, 0)
 
+    def nbytes_by_kind(self) -> tuple[int, int]:
+        """(bytes of softmax keys and values, bytes of converted layers' states) this request holds;
+        a KV state's validity mask is bookkeeping and not counted (as in the memory formulas)."""
+        kv = state_bytes = 0
+        for state in self.states:
+            if isinstance(state, KVState):
+                kv += sum(t.numel() * t.element_size() for t in (state.keys, state.values))
+            elif state is not None:
+                state_bytes += state.nbytes()
+        return kv, state_bytes
+
     def nbytes(self) -> int:
         """Bytes of every tensor this request holds (what the memory formulas count)."""
-        total = 0
-        for state in self.states:
-            if isinstance(state, KVState):  # keys and values; the validity mask is bookkeeping
-                total += sum(t.numel() * t.element_size() for t in (state.keys, state.values))
-            elif state is not None:
-                total += state.nbytes()
-        return total
+        return sum(self.nbytes_by_kind())
 
 
 def _trim(state: KVState) -> KVState:
