@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 
 def _umask() -> int:
@@ -77,6 +78,13 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` through a temporary file and a rename."""
     atomic_write(path, lambda f: f.write(text.encode()))
+
+
+def write_results(out_dir: str | Path, stem: str, data: Any, markdown: str, *, indent: int = 2) -> None:
+    """OUT_DIR/STEM.json (``data``) and OUT_DIR/STEM.md (``markdown``), each written atomically."""
+    out = Path(out_dir)
+    atomic_write_text(out / f"{stem}.json", json.dumps(data, indent=indent) + "\n")
+    atomic_write_text(out / f"{stem}.md", markdown)
 
 
 def save_png(fig, path: str | Path, *, dpi: int = 120) -> None:

@@ -20,7 +20,6 @@ numbers to compare. Nothing here asserts on time.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import statistics
@@ -36,7 +35,7 @@ from tqdm.auto import tqdm
 from ..cache import cache_kwargs, cache_nbytes, output_cache
 from ..checks import check_int, is_int
 from ..convert import convert, converted_layers
-from ..io import atomic_write_text, save_png
+from ..io import save_png, write_results
 from ..memory import running_request_memory
 from ..runtime import check_length, configure_cpu, eval_mode
 from ..spec import ConversionSpec
@@ -359,8 +358,7 @@ def run_efficiency(
         result["model"] = str(model_name_or_model)
     if out_dir is not None:
         out = Path(out_dir)
-        atomic_write_text(out / "efficiency.json", json.dumps(result, indent=2) + "\n")
-        atomic_write_text(out / "efficiency.md", to_markdown(result))
+        write_results(out, "efficiency", result, to_markdown(result))
         plot_efficiency(result, out / "efficiency.png")
         logger.info("wrote %s/efficiency.{json,md,png}", out)
     return result
@@ -505,8 +503,7 @@ def run_decode_speed(names: Sequence[str], contexts: Sequence[int] = DEFAULT_SPE
     result = decode_speed(names, contexts, steps=steps, device=device)
     if out_dir is not None:
         out = Path(out_dir)
-        atomic_write_text(out / "speed.json", json.dumps(result, indent=2) + "\n")
-        atomic_write_text(out / "speed.md", speed_markdown(result))
+        write_results(out, "speed", result, speed_markdown(result))
         plot_speed(result, out / "speed.png")
         logger.info("wrote %s/speed.{json,md,png}", out)
     return result

@@ -29,7 +29,6 @@ Ratios are converted / softmax time in the same run: lower is better. Nothing he
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import statistics
 import warnings
@@ -46,7 +45,7 @@ from ..cache import cache_kwargs, state_layer
 from ..checks import check_choice
 from ..convert import convert
 from ..hub import build_tiny_llama
-from ..io import atomic_write_text, save_png
+from ..io import save_png, write_results
 from ..layers.base import project_qkv
 from ..layers.registry import KINDS
 from ..spec import ConversionSpec
@@ -423,8 +422,7 @@ def run_layer_bench(shape: str | LayerShape, specs: Sequence[ConversionSpec | di
     def write(partial: dict[str, Any] | None = None) -> None:
         if out_dir is not None:
             done = results + ([partial] if partial is not None else [])
-            atomic_write_text(Path(out_dir) / "layer.json", json.dumps(done, indent=2) + "\n")
-            atomic_write_text(Path(out_dir) / "layer.md", layer_markdown(done))
+            write_results(out_dir, "layer", done, layer_markdown(done))
 
     for spec in specs:
         results.append(bench_layer(shape, spec, on_row=write, **kwargs))

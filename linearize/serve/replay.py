@@ -319,10 +319,9 @@ def run_replay(engine_factory, requests: Sequence[ReplayRequest], policies: Sequ
 
 
 def _write(result: dict[str, Any], raw: dict[str, Any], out: Path, *, plots: bool) -> None:
-    from ..io import atomic_write_text
+    from ..io import write_results
 
-    atomic_write_text(out / "report.json", json.dumps({**result, "raw": raw}, indent=1) + "\n")
-    atomic_write_text(out / "report.md", replay_markdown(result))
+    write_results(out, "report", {**result, "raw": raw}, replay_markdown(result), indent=1)
     if plots:
         plot_replay(raw, out)
 
