@@ -158,6 +158,7 @@ class EngineLoop:
                     for r in [*self.engine.running, *self.engine.waiting]:
                         self.engine.abort(r.id)
                         outputs.append(StepOutput(r.id, [], "", "error"))
+                    self.engine.held_after_step = (0, 0)  # every request was aborted: nothing is held
                 if self.metrics is not None:
                     self.metrics.observe_step(self.engine, outputs)
                 for out in outputs:
@@ -205,9 +206,9 @@ class Metrics:
         self.running.set(len(engine.running))
         self.waiting.set(len(engine.waiting))
         self.budget_bytes.set(engine.config.kv_budget)
-        held = [r.seq.nbytes_by_kind() for r in engine.running if r.seq is not None]
-        self.kv_bytes.set(sum(kv for kv, _ in held))
-        self.state_bytes.set(sum(state for _, state in held))
+        kv, state = engine.held_after_step
+        self.kv_bytes.set(kv)
+        self.state_bytes.set(state)
         for name, metric in (("conversions", self.conversions), ("preemptions", self.preemptions)):
             delta = engine.counters[name] - self._seen[name]
             if delta:

@@ -134,6 +134,8 @@ class Engine:
         self.finished: dict[str, Request] = {}
         self.counters: Counter = Counter()
         self.peak_bytes = 0
+        self.held_after_step = (0, 0)
+        """(KV bytes, state bytes) the running requests held at the end of the last step."""
         self._ids = itertools.count()
 
     # --- requests ---------------------------------------------------------------------------
@@ -192,7 +194,9 @@ class Engine:
         if decoding:
             self._decode(decoding, outputs)
         self._prefill(self.config.max_step_tokens - len(decoding), outputs)
-        held = self.held_bytes()
+        by_kind = [r.seq.nbytes_by_kind() for r in self.running if r.seq is not None]
+        self.held_after_step = (sum(kv for kv, _ in by_kind), sum(state for _, state in by_kind))
+        held = sum(self.held_after_step)
         self.peak_bytes = max(self.peak_bytes, held)
         if held > self.config.kv_budget:  # admission and room-making keep this from happening
             raise RuntimeError(f"memory accounting: {held} bytes held over the budget of {self.config.kv_budget}")

@@ -236,7 +236,7 @@ def replay_engine(engine: Engine, requests: Sequence[ReplayRequest], *, rate_sca
                 if out.finish_reason not in ("stop", "length"):
                     rec.status = out.finish_reason
                 bar.update(1)
-        timeline.append({"t": stamp, "bytes": engine.held_bytes(), "running": len(engine.running), "waiting": len(engine.waiting),
+        timeline.append({"t": stamp, "bytes": sum(engine.held_after_step), "running": len(engine.running), "waiting": len(engine.waiting),
                          "mean_level": statistics.fmean([r.level for r in engine.running]) if engine.running else 0.0})
     bar.close()
     for rec in records:
