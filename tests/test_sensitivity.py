@@ -17,6 +17,7 @@ from linearize.train.sensitivity import (
     loss_increase,
     mean_next_token_loss,
     plot_sensitivity,
+    recall_probes,
     save_order,
     sensitivity_report,
     spearman,
@@ -201,3 +202,70 @@ def test_loss_increase_ignores_a_nested_family_order():
     model = tiny()
     spec = {"attention": "softmax", "layers": [0, 2], "order": [2, 0], "active": 1, "overrides": {2: {"attention": "softmax"}}}
     assert loss_increase(model, spec, [random_ids(2, 10)], layers=[1, 2]) == pytest.approx([0.0, 0.0], abs=1e-5)
+
+
+# ----------------------------------------------------------------------------- recall probes
+
+
+def test_recall_probes_repeat_a_passage_after_a_gap_and_score_only_the_repeat():
+    rows = torch.arange(5 * 20).view(5, 20)
+    batches = recall_probes(rows, passage=4, batch_size=3)
+    assert [b["input_ids"].shape for b in batches] == [(3, 20), (1, 20)]
+    ids = torch.cat([b["input_ids"] for b in batches])
+    labels = torch.cat([b["labels"] for b in batches])
+    for r in range(4):
+        assert ids[r, :4].tolist() == rows[r, :4].tolist()  # the passage
+        assert ids[r, 4:16].tolist() == rows[r + 1, :12].tolist()  # another row's text as the gap
+        assert ids[r, 16:].tolist() == rows[r, :4].tolist()  # the passage again
+        assert labels[r, :17].eq(-100).all()  # only the repeat after its first token is scored
+        assert labels[r, 17:].tolist() == rows[r, 1:4].tolist()
+    assert len(recall_probes(rows, passage=4, max_probes=2)[0]["input_ids"]) == 2
+
+
+@pytest.mark.parametrize("passage, rows, match", [
+    (1, (3, 20), "passage must be an integer in 2..9"), (10, (3, 20), "passage must be an integer in 2..9"),
+    (4, (1, 20), "at least 2 rows"), ("4", (3, 20), "passage must be"),
+])
+def test_recall_probes_reject_bad_shapes(passage, rows, match):
+    with pytest.raises(ValueError, match=match):
+        recall_probes(torch.zeros(rows, dtype=torch.long), passage=passage)
+    with pytest.raises(ValueError, match="integer tensor"):
+        recall_probes(torch.zeros(3, 20), passage=4)
+
+
+def test_report_orders_by_loss_plus_weighted_recall():
+    entropy, increase, recall = [1.0, 2.0, 3.0], [0.01, 0.02, 0.03], [2.0, 0.0, -5.0]
+    plain = sensitivity_report(entropy, increase, recall=recall)
+    assert plain["order"] == [0, 1, 2] and plain["recall_weight"] == 0.0  # weight 0: the paper's order
+    assert [r["recall_increase"] for r in plain["layers"]] == recall
+    weighted = sensitivity_report(entropy, increase, [4, 5, 6], recall=recall, recall_weight=0.1)
+    assert weighted["order"] == [5, 6, 4]  # layer 4 breaks recall; layer 6's negative recall earns nothing
+    assert [r["score"] for r in weighted["layers"]] == pytest.approx([0.21, 0.02, 0.03])
+    with pytest.raises(ValueError, match="recall_weight must be a finite number >= 0, got -1"):
+        sensitivity_report(entropy, increase, recall=recall, recall_weight=-1)
+    with pytest.raises(ValueError, match="needs the recall increases"):
+        sensitivity_report(entropy, increase, recall_weight=0.5)
+    with pytest.raises(ValueError, match=r"recall \(2\) and layers \(3\)"):
+        sensitivity_report(entropy, increase, recall=[1.0, 2.0])
+
+
+@pytest.mark.slow
+def test_recall_probe_measures_recall_beyond_the_window_on_the_real_model():
+    """The teacher copies a passage read ~400 tokens earlier; with every layer's attention cut to a
+    16-token window it cannot, and the probe's loss rises by more than a nat."""
+    from linearize.data import DataConfig, build_dataset
+    from linearize.hub import find_smollm2_gguf
+
+    try:
+        find_smollm2_gguf()
+    except FileNotFoundError as err:
+        pytest.skip(f"SmolLM2 GGUF not available: {err}")
+    model, tokenizer = linearize.load_model("smollm2-135m")
+    rows = build_dataset(DataConfig(source="wiki", seq_len=512, max_documents=400), tokenizer).heldout[:3]
+    probes = recall_probes(rows, passage=48, batch_size=2)
+    first = [{"input_ids": b["input_ids"], "labels": torch.where(torch.arange(512) < 48, b["input_ids"], -100)} for b in probes]
+    teacher, fresh = mean_next_token_loss(model, probes), mean_next_token_loss(model, first)
+    assert teacher < fresh - 1.0  # the teacher recalls the passage
+    linearize.convert(model, {"attention": "hybrid", "window": 16})
+    linearize.set_mode(model, "swa_only")
+    assert mean_next_token_loss(model, probes) > teacher + 1.0

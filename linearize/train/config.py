@@ -189,6 +189,12 @@ class ChainedConfig(StageConfig):
     """The order itself when order_from is 'given'."""
     sensitivity_batches: int = 4
     """Held-out batches used to measure sensitivity."""
+    recall_weight: float = 0.0
+    """Measured order: weight of each layer's recall-probe loss increase (a held-out passage repeated
+    after a gap far beyond the window, scored on the repeat) beside its held-out loss increase;
+    0 = held-out loss alone (the paper's measure)."""
+    recall_passage: int = 64
+    """Tokens in each recall probe's passage (the gap is the rest of a row: seq_len - 2 * passage)."""
     ce_weight: float = 0.0
     """Weight of next-token cross-entropy in each chained step."""
     kl_weight: float = 1.0
@@ -199,6 +205,8 @@ class ChainedConfig(StageConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_choice("order_from", self.order_from, ORDER_SOURCES)
+        _check_positive("recall_weight", self.recall_weight, allow_zero=True)
+        check_int("recall_passage", self.recall_passage, 2, error=ConfigError)
         if self.order_from == "given" and not self.order:
             raise ConfigError("chained.order_from 'given' needs chained.order (a list of layer indices)")
 
@@ -243,6 +251,10 @@ class TrainConfig:
                 ConversionSpec.from_dict(self.spec).replace(**self.inference_spec)
         except SpecError as err:
             raise ConfigError(f"spec: {err}") from None
+        c = self.chained
+        if c.enabled and c.recall_weight > 0 and 2 * c.recall_passage >= self.data.seq_len:
+            raise ConfigError(f"chained.recall_passage {c.recall_passage} leaves no gap between a passage and its repeat in rows of "
+                              f"data.seq_len {self.data.seq_len} tokens: use a passage below {(self.data.seq_len + 1) // 2}")
 
     def conversion_spec(self) -> ConversionSpec:
         return ConversionSpec.from_dict(self.spec)

@@ -9,8 +9,18 @@ Two measures per decoder layer:
   converted (freshly, untrained) minus the teacher's loss. One forward pass per layer.
   ``trained_loss_increase`` measures the same with the layers' current (distilled) parameters.
 
+- ``recall_probes``: what held-out loss misses. Short held-out text says little about whether a layer
+  carries long-range retrieval (a layer whose conversion costs 0.001 nats on wiki can still erase
+  every needle). A recall probe is a passage, a gap of other text far longer than the window, then
+  the same passage again, scored on the repeat only: the teacher copies it (low loss), a model that
+  lost the passage must predict it afresh. ``trained_loss_increase`` on probes gives each layer's
+  recall increase (retrieval heads in the sense of Wu et al. 2024, "Retrieval Head Mechanistically
+  Explains Long-Context Factuality", which find them by copy-paste behaviour).
+
 ``sensitivity_report`` puts them side by side with their Spearman rank correlation and the
-conversion ``order`` (lowest measured increase first, as DSLA converts low-sensitivity layers first).
+conversion ``order``: lowest score first, as DSLA converts low-sensitivity layers first, where the
+score is the held-out loss increase plus ``recall_weight`` times the (positive part of the) recall
+increase (weight 0: the paper's measure alone).
 
 A batch is a LongTensor of input ids (B, T) or a mapping with ``input_ids`` and optionally
 ``attention_mask`` (1 = real token, left or right padding), ``position_ids`` (derived from the mask
@@ -252,6 +262,29 @@ def loss_increase(
     return out
 
 
+def recall_probes(rows: Tensor, *, passage: int = 64, batch_size: int = 8, max_probes: int | None = None) -> list[dict[str, Tensor]]:
+    """Copy probes built from packed token rows (R, T), each as long as a row: row r's first
+    ``passage`` tokens, then ``T - 2 * passage`` tokens of row r + 1 (the gap), then the same passage
+    again. Labels (-100 = ignored) keep only the repeat's tokens after its first (the first is not a
+    copy: nothing before it says the passage starts again), so the loss is the loss of recalling a
+    passage read ``T - passage`` tokens earlier. Returns batches of ``batch_size`` probes for
+    ``mean_next_token_loss`` / ``trained_loss_increase`` (R - 1 probes, or ``max_probes``)."""
+    if not isinstance(rows, Tensor) or rows.dim() != 2 or rows.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"recall_probes needs a (rows, tokens) integer tensor, got {getattr(rows, 'shape', type(rows))}")
+    r, t = rows.shape
+    if not isinstance(passage, int) or isinstance(passage, bool) or passage < 2 or t - 2 * passage < 1:
+        raise ValueError(f"recall probe passage must be an integer in 2..{max((t - 1) // 2, 1)} for rows of {t} tokens, got {passage!r}")
+    if r < 2:
+        raise ValueError(f"recall_probes needs at least 2 rows (a passage and a gap from another), got {r}")
+    n = r - 1 if max_probes is None else min(r - 1, int(max_probes))
+    gap = t - 2 * passage
+    text = rows[:n, :passage]
+    ids = torch.cat([text, rows[1:n + 1, :gap], text], dim=1)  # (n, T)
+    labels = torch.full_like(ids, -100)
+    labels[:, t - passage + 1:] = ids[:, t - passage + 1:]
+    return [{"input_ids": ids[i:i + batch_size], "labels": labels[i:i + batch_size]} for i in range(0, n, batch_size)]
+
+
 # ----------------------------------------------------------------------------- report and order
 
 
@@ -303,17 +336,35 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> float | None:
 
 
 def sensitivity_report(
-    entropy: Sequence[float], increase: Sequence[float], layers: Sequence[int] | None = None
+    entropy: Sequence[float], increase: Sequence[float], layers: Sequence[int] | None = None,
+    recall: Sequence[float] | None = None, recall_weight: float = 0.0,
 ) -> dict[str, Any]:
-    """Rows {layer, entropy, loss_increase}, their Spearman correlation and ``order``: the layers by
-    measured loss increase ascending (least sensitive first; ties: lower layer index first).
-    ``entropy[k]`` and ``increase[k]`` belong to layer ``layers[k]`` (default: layer k)."""
+    """Rows {layer, entropy, loss_increase[, recall_increase, score]}, the Spearman correlation of
+    entropy and loss increase, and ``order``: the layers by score ascending (least sensitive first;
+    ties: lower layer index first). score = loss increase + ``recall_weight`` * max(recall increase, 0)
+    (a layer cannot earn an earlier place by improving recall; noise below zero counts as none).
+    ``entropy[k]``, ``increase[k]`` and ``recall[k]`` belong to layer ``layers[k]`` (default: layer k)."""
     layers = list(range(len(increase))) if layers is None else [int(i) for i in layers]
     if not len(entropy) == len(increase) == len(layers):
         raise ValueError(f"entropy ({len(entropy)}), increase ({len(increase)}) and layers ({len(layers)}) differ in length")
-    rows = [{"layer": i, "entropy": float(e), "loss_increase": float(d)} for i, e, d in zip(layers, entropy, increase)]
-    order = [r["layer"] for r in sorted(rows, key=lambda r: (r["loss_increase"], r["layer"]))]
-    return {"layers": rows, "spearman": spearman(entropy, increase), "order": order}
+    if recall is not None and len(recall) != len(layers):
+        raise ValueError(f"recall ({len(recall)}) and layers ({len(layers)}) differ in length")
+    if not isinstance(recall_weight, (int, float)) or isinstance(recall_weight, bool) or not math.isfinite(recall_weight) or recall_weight < 0:
+        raise ValueError(f"recall_weight must be a finite number >= 0, got {recall_weight!r}")
+    if recall_weight > 0 and recall is None:
+        raise ValueError(f"recall_weight {recall_weight} needs the recall increases (recall=...)")
+    rows = []
+    for k, (i, e, d) in enumerate(zip(layers, entropy, increase)):
+        row = {"layer": i, "entropy": float(e), "loss_increase": float(d)}
+        if recall is not None:
+            row["recall_increase"] = float(recall[k])
+            row["score"] = float(d) + recall_weight * max(float(recall[k]), 0.0)
+        rows.append(row)
+    order = [r["layer"] for r in sorted(rows, key=lambda r: (r.get("score", r["loss_increase"]), r["layer"]))]
+    report = {"layers": rows, "spearman": spearman(entropy, increase), "order": order}
+    if recall is not None:
+        report["recall_weight"] = float(recall_weight)
+    return report
 
 
 def save_order(report: dict[str, Any], path: str | Path) -> None:
@@ -358,6 +409,7 @@ __all__ = [
     "loss_increase",
     "mean_next_token_loss",
     "plot_sensitivity",
+    "recall_probes",
     "save_order",
     "sensitivity_report",
     "spearman",

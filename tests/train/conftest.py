@@ -63,6 +63,7 @@ def tiny_overrides(model_dir: str, corpus: str, out_dir, **extra) -> dict:
         "chained.max_steps": 2,
         "chained.optim.batch_size": 4,
         "chained.sensitivity_batches": 1,
+        "chained.recall_passage": 8,  # recall probes: a gap of 32 in the 48-token rows
         "log_every": 1,
     }
     return base | extra

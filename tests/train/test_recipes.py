@@ -52,6 +52,11 @@ def test_recipe_runs_end_to_end_on_a_tiny_model(name, tiny_model_dir, tiny_corpu
         order = summary["stages"]["chained"]["order"]
         assert sorted(order) == [0, 1, 2] and summary["spec"]["order"] == order
         assert {f"chained-{k:02d}-layer{layer:02d}" for k, layer in enumerate(order, 1)} <= stages
+        report = summary["stages"]["chained"]["sensitivity"]  # held-out loss and recall probes, weighted
+        assert report["recall_weight"] == config.chained.recall_weight > 0
+        rows = sorted(report["layers"], key=lambda r: (r["score"], r["layer"]))
+        assert [r["layer"] for r in rows] == order
+        assert all(r["score"] == pytest.approx(r["loss_increase"] + report["recall_weight"] * max(r["recall_increase"], 0)) for r in rows)
         for k in range(4):  # every prefix loads from the one checkpoint
             model, _ = linearize.load_model(summary["adapter"], active=k)
             modes = linearize.layer_modes(model)
@@ -258,3 +263,11 @@ def test_run_precision_context_sees_weight_updates():
         after = layer(x)
     assert before.dtype == torch.bfloat16
     assert not torch.allclose(before.float(), after.float()), "the forward did not see the weight update"
+
+
+def test_recall_probe_passage_must_leave_a_gap_in_the_rows():
+    with pytest.raises(ConfigError, match="chained.recall_passage 64 leaves no gap .* data.seq_len 128 tokens: use a passage below 64"):
+        load_recipe("dsla-chained", {"data.seq_len": 128})
+    with pytest.raises(ConfigError, match="recall_weight"):
+        load_recipe("dsla-chained", {"chained.recall_weight": -0.1})
+    assert load_recipe("dsla-chained", {"data.seq_len": 128, "chained.recall_weight": 0}).chained.recall_weight == 0
