@@ -13,15 +13,17 @@
 #   nope-long    both
 #   offset-long  offsets 0..OFFSET_LONG and 4K rows
 # The nested DSLA family (dsla-chained recipe; stage 1 with a real budget, then chained fine-tuning):
-#   dsla         sensitivity order (measured)        dsla-nope    the same without RoPE
-#   dsla-random  a random order (seeded)             evaluated at active 8, 15, 22, 30 (random: 8, 15)
-# Each evaluation: held-out wiki perplexity at 1K-8K, niah_single_1 / passkey / needle_recall at 2K
-# and 4K; then essay perplexity (out of domain) at 1K, 4K, 8K.
+#   dsla         order by held-out loss increase     dsla-nope    the same without RoPE
+#   dsla-recall  dsla-nope ordered by held-out loss + 0.1 x recall-probe increase (the recipe's default)
+#   dsla-random  a random order (seeded)             evaluated at ACTIVE (random: 8, 15)
+# Each evaluation: held-out wiki perplexity at 1K-8K, niah_single_1 / passkey / needle_recall at
+# NEEDLE_LENGTHS; then (ESSAYS=1) essay perplexity (out of domain) at 1K, 4K, 8K.
 #
 # Environment: DEVICE (cuda)  GPUS ("0")  STEPS (200 per stage)
 #   STAGE_MIN (6: wall-time cap per stage)  DSLA_TRANSFER_STEPS (600)  DSLA_TRANSFER_MIN (3)
 #   CHAINED_STEPS (20)  CHAINED_MIN (0.2)  OFFSET (7168)  OFFSET_LONG (4096)  SAMPLES (25)
-#   VARIANTS (all of the above)  EVAL_BATCH (25)
+#   VARIANTS (all of the above)  EVAL_BATCH (25)  NEEDLE_LENGTHS (2048,4096)  ACTIVE ("8 15 22 30")
+#   ESSAYS (1)  EVAL_KERNEL (auto: DSLA prefixes' kernel; torch needs no kernel compilation)
 set -u
 if [ "${1:-}" = --pack ]; then  # --pack WORK OUT [WAIT]: wait for DONE (up to WAIT s), then pack at most 7 files
   WORK=${2:?usage: length_study.sh --pack WORK_DIR OUT_DIR [WAIT_SECONDS]}
@@ -71,6 +73,7 @@ EOF
   exit 0
 fi
 
+WORK=${1:?usage: length_study.sh WORK_DIR | --pack WORK_DIR OUT_DIR [WAIT_SECONDS]}
 DEVICE=${DEVICE:-cuda}
 GPUS=(${GPUS:-0})
 STEPS=${STEPS:-200}
@@ -83,7 +86,11 @@ OFFSET=${OFFSET:-7168}
 OFFSET_LONG=${OFFSET_LONG:-4096}
 SAMPLES=${SAMPLES:-25}
 EVAL_BATCH=${EVAL_BATCH:-25}
-VARIANTS=${VARIANTS:-base offset nope long nope-long offset-long dsla dsla-nope dsla-random}
+VARIANTS=${VARIANTS:-base offset nope long nope-long offset-long dsla dsla-nope dsla-recall dsla-random}
+NEEDLE_LENGTHS=${NEEDLE_LENGTHS:-2048,4096}
+ACTIVE=${ACTIVE:-8 15 22 30}
+ESSAYS=${ESSAYS:-1}
+EVAL_KERNEL=${EVAL_KERNEL:-auto}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 L="python -m linearize.cli -v"
@@ -101,8 +108,9 @@ variant_flags() {  # the recipe and overrides of one variant
     long) echo "$lol $long" ;;
     nope-long) echo "$lol --spec.linear_rope=false $long" ;;
     offset-long) echo "$lol $long --transfer.position_offset=$OFFSET_LONG --finetune.position_offset=$OFFSET_LONG" ;;
-    dsla) echo "$dsla" ;;
-    dsla-nope) echo "$dsla --spec.linear_rope=false" ;;
+    dsla) echo "$dsla --spec.linear_rope=true --chained.recall_weight=0" ;;
+    dsla-nope) echo "$dsla --spec.linear_rope=false --chained.recall_weight=0" ;;
+    dsla-recall) echo "$dsla --spec.linear_rope=false --chained.recall_weight=0.1" ;;
     dsla-random) echo "$dsla --chained.order_from=given --chained.order=$(python -c 'import random; o=list(range(30)); random.Random(0).shuffle(o); print("[" + ",".join(map(str, o)) + "]")')" ;;
     *) return 1 ;;
   esac
@@ -112,7 +120,8 @@ evaluate() {  # evaluate NAME MODEL [flags...]: wiki perplexity + needles, then 
   local name=$1 model=$2; shift 2
   local E="--device $DEVICE --mc-tasks none --batch-size $EVAL_BATCH"
   step "eval-$name" $L eval --model "$model" "$@" --suite standard --ppl-lengths 1024,2048,4096,8192 \
-    --tasks niah_single_1,passkey,needle_recall --lengths 2048,4096 --samples "$SAMPLES" $E --out "$WORK/eval/$name/wiki"
+    --tasks niah_single_1,passkey,needle_recall --lengths "$NEEDLE_LENGTHS" --samples "$SAMPLES" $E --out "$WORK/eval/$name/wiki"
+  [ "$ESSAYS" = 1 ] || return 0
   step "essays-$name" $L eval --model "$model" "$@" --suite standard --ppl-source essays --ppl-lengths 1024,4096,8192 \
     --tasks "" $E --out "$WORK/eval/$name/essays"
 }
@@ -123,8 +132,8 @@ pipeline() {  # pipeline VARIANT GPU: train, then evaluate
   step "train-$v" $L train $(variant_flags "$v") --name="$name" --output_dir="$WORK/runs" || return
   local model="$WORK/runs/$name/adapter"
   case $v in
-    dsla|dsla-nope) for k in 8 15 22 30; do evaluate "$v-active$k" "$model" --active $k --kernel auto; done ;;
-    dsla-random) for k in 8 15; do evaluate "$v-active$k" "$model" --active $k --kernel auto; done ;;
+    dsla|dsla-nope|dsla-recall) for k in $ACTIVE; do evaluate "$v-active$k" "$model" --active $k --kernel "$EVAL_KERNEL" & done; wait ;;
+    dsla-random) for k in 8 15; do evaluate "$v-active$k" "$model" --active $k --kernel "$EVAL_KERNEL" & done; wait ;;
     *) evaluate "$v" "$model" --kernel torch ;;
   esac
 }
