@@ -10,7 +10,7 @@ import torch
 
 import linearize
 from linearize.convert import layer_modes
-from linearize.hub import build_tiny_llama
+from linearize.hub import build_tiny_llama, build_tiny_tokenizer
 from linearize.train.sensitivity import (
     attention_entropy,
     load_order,
@@ -269,3 +269,28 @@ def test_recall_probe_measures_recall_beyond_the_window_on_the_real_model():
     linearize.convert(model, {"attention": "hybrid", "window": 16})
     linearize.set_mode(model, "swa_only")
     assert mean_next_token_loss(model, probes) > teacher + 1.0
+
+
+def test_cli_sensitivity_with_recall_probes(tmp_path, capsys):
+    """`linearize sensitivity --recall-weight` on a tiny model and a text file: every layer gets a
+    recall increase, the order follows the weighted score, and the plot has its second panel."""
+    from linearize.cli import main
+
+    model_dir, corpus = tmp_path / "tiny", tmp_path / "corpus"
+    tiny().save_pretrained(model_dir)
+    build_tiny_tokenizer().save_pretrained(model_dir)
+    corpus.mkdir()
+    for d in range(40):  # one document per file
+        (corpus / f"{d:02d}.txt").write_text(" ".join(f"w{(7 * d + j) % 100}" for j in range(60)))
+    out = tmp_path / "out"
+    assert main(["sensitivity", "--model", str(model_dir), "--source", str(corpus), "--seq-len", "32", "--batches", "1",
+                 "--batch-size", "2", "--attention", "hybrid", "--window", "2", "--recall-weight", "0.5",
+                 "--recall-passage", "8", "--out", str(out)]) == 0
+    report = json.loads((out / "sensitivity.json").read_text())
+    assert report["recall_weight"] == 0.5 and len(report["layers"]) == N_LAYERS
+    assert all(math.isfinite(r["recall_increase"]) for r in report["layers"])
+    assert report["order"] == [r["layer"] for r in sorted(report["layers"], key=lambda r: (r["score"], r["layer"]))]
+    assert (out / "sensitivity.png").stat().st_size > 0
+    assert "recall increase" in capsys.readouterr().out
+    assert main(["sensitivity", "--model", str(model_dir), "--seq-len", "32", "--recall-weight", "1", "--recall-passage", "16", "--out", str(out)]) == 2
+    assert "--recall-passage 16 leaves no gap in rows of --seq-len 32: use a passage below 16" in capsys.readouterr().err

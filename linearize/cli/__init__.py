@@ -36,7 +36,7 @@ from .commands import (
 from .demo import DEFAULT_CONVERSION, DEMO_PROMPT, cmd_demo
 from ..bench.shapes import SHAPES as _SHAPES
 from .serve import add_serve_parser
-from .spec_flags import add_spec_flags, int_at_least, int_list_or_none, positive_int_list, spec_from_args, stored_flag_table
+from .spec_flags import add_spec_flags, int_at_least, int_list_or_none, non_negative_float, positive_int_list, spec_from_args, stored_flag_table
 
 LAYER_SHAPES = tuple(_SHAPES)
 
@@ -106,6 +106,11 @@ def _add_model_commands(sub) -> None:
     p.add_argument("--seq-len", type=int_at_least(2), default=512)
     p.add_argument("--batches", type=POSITIVE, default=4)
     p.add_argument("--batch-size", type=POSITIVE, default=4)
+    p.add_argument("--recall-weight", type=non_negative_float, default=0.0,
+                   help="also measure each layer's recall-probe loss increase (a held-out passage repeated after a gap "
+                        "beyond the window, scored on the repeat) and order by held-out increase + this x recall increase "
+                        "(0: held-out loss alone, no probes)")
+    p.add_argument("--recall-passage", type=int_at_least(2), default=64, help="tokens in each recall probe's passage (< seq-len / 2)")
     p.add_argument("--out", required=True, help="directory for sensitivity.json and sensitivity.png")
     add_spec_flags(p)
     p.set_defaults(func=cmd_sensitivity)

@@ -123,38 +123,54 @@ def cmd_train(args) -> int:
 
 
 def cmd_sensitivity(args) -> int:
-    """Per layer: entropy of the last query's attention and the measured held-out loss increase."""
+    """Per layer: entropy of the last query's attention, the measured held-out loss increase and, with
+    --recall-weight, the recall-probe loss increase."""
     from ..data import DataConfig, build_dataset
     from ..train.sensitivity import (
         attention_entropy,
         loss_increase,
         plot_sensitivity,
+        recall_probes,
         save_order,
         sensitivity_report,
         trained_loss_increase,
     )
 
+    if args.recall_weight > 0 and 2 * args.recall_passage >= args.seq_len:
+        raise ValueError(f"--recall-passage {args.recall_passage} leaves no gap in rows of --seq-len {args.seq_len}: "
+                         f"use a passage below {(args.seq_len + 1) // 2}")
     model, tokenizer = load(args.model, args)
     if tokenizer is None:
         raise ValueError(f"model {args.model!r} has no tokenizer; sensitivity needs one to read its data")
-    data = build_dataset(DataConfig(source=args.source, seq_len=args.seq_len, heldout_sequences=args.batches * args.batch_size), tokenizer)
+    data = build_dataset(DataConfig(source=args.source, seq_len=args.seq_len, heldout_sequences=args.batches * args.batch_size + (args.recall_weight > 0)), tokenizer)  # probes take their gaps from the next row
     batches = [data.heldout[i * args.batch_size:(i + 1) * args.batch_size] for i in range(args.batches)]
+    probes = (recall_probes(data.heldout, passage=args.recall_passage, batch_size=args.batch_size, max_probes=args.batches * args.batch_size)
+              if args.recall_weight > 0 else None)
     entropy = attention_entropy(model, batches)
+    recall = None
     if getattr(model.config, "linearize", None) is not None:  # a trained conversion: measure its own layers
         increase = trained_loss_increase(model, batches)
         layers = sorted(increase)
-        report = sensitivity_report([entropy[i] for i in layers], [increase[i] for i in layers], layers)
+        if probes is not None:
+            by_layer = trained_loss_increase(model, probes)
+            recall = [by_layer[i] for i in layers]
+        report = sensitivity_report([entropy[i] for i in layers], [increase[i] for i in layers], layers,
+                                    recall=recall, recall_weight=args.recall_weight)
     else:
         from ..spec import ConversionSpec
 
         spec = spec_from_args(args) or ConversionSpec(attention="dsla")
-        report = sensitivity_report(entropy, loss_increase(model, spec, batches))
+        if probes is not None:
+            recall = loss_increase(model, spec, probes)
+        report = sensitivity_report(entropy, loss_increase(model, spec, batches), recall=recall, recall_weight=args.recall_weight)
     out = Path(args.out)
     save_order(report, out / "sensitivity.json")
     plot_sensitivity(report, out / "sensitivity.png")
-    print(f"{'layer':>5}  {'entropy':>8}  {'loss increase':>13}")
+    extra = recall is not None
+    print(f"{'layer':>5}  {'entropy':>8}  {'loss increase':>13}" + (f"  {'recall increase':>15}  {'score':>8}" if extra else ""))
     for row in report["layers"]:
-        print(f"{row['layer']:>5}  {row['entropy']:>8.3f}  {row['loss_increase']:>13.4f}")
+        print(f"{row['layer']:>5}  {row['entropy']:>8.3f}  {row['loss_increase']:>13.4f}"
+              + (f"  {row['recall_increase']:>15.4f}  {row['score']:>8.4f}" if extra else ""))
     print(f"Spearman(entropy, measured increase) = {report['spearman']}")
     print(f"order (least sensitive first): {report['order']}")
     print(f"wrote {out / 'sensitivity.json'} and {out / 'sensitivity.png'}")

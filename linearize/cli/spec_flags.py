@@ -12,6 +12,7 @@ write_flag_table()"``.
 from __future__ import annotations
 
 import argparse
+import math
 import functools
 import json
 from pathlib import Path
@@ -65,6 +66,20 @@ def positive_int_list(text: str) -> list[int]:
     if not values or bad:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
     return values
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite number >= 0 (weights)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+non_negative_float.__name__ = "number >= 0"
 
 
 def int_at_least(minimum: int):

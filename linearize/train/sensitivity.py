@@ -382,14 +382,17 @@ def load_order(path: str | Path) -> list[int]:
 
 
 def plot_sensitivity(report: dict[str, Any], path: str | Path) -> None:
-    """PNG scatter of entropy vs measured loss increase, one labelled point per layer (matplotlib)."""
+    """PNG scatter of entropy vs measured loss increase, one labelled point per layer; with recall
+    increases, a second panel of each layer's held-out and recall increases in conversion order
+    (matplotlib)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure  # no pyplot: no global backend state
 
     rows = report["layers"]
-    fig = Figure(figsize=(6, 4.5))
+    recall = all("recall_increase" in r for r in rows)
+    fig = Figure(figsize=(12 if recall else 6, 4.5))
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    ax = fig.add_subplot(1, 2 if recall else 1, 1)
     ax.scatter([r["entropy"] for r in rows], [r["loss_increase"] for r in rows])
     for r in rows:
         ax.annotate(str(r["layer"]), (r["entropy"], r["loss_increase"]), textcoords="offset points", xytext=(3, 3), fontsize=8)
@@ -398,6 +401,17 @@ def plot_sensitivity(report: dict[str, Any], path: str | Path) -> None:
         xlabel="last-query attention entropy (nats)", ylabel="loss increase, layer converted alone (nats)",
         title=f"layer sensitivity (Spearman {'n/a' if rho is None else f'{rho:.2f}'})",
     )
+    if recall:
+        by_layer = {r["layer"]: r for r in rows}
+        order = report["order"]
+        x = list(range(len(order)))
+        bx = fig.add_subplot(1, 2, 2)
+        bx.bar([i - 0.2 for i in x], [by_layer[i]["loss_increase"] for i in order], width=0.4, label="held-out loss increase")
+        bx.bar([i + 0.2 for i in x], [by_layer[i]["recall_increase"] for i in order], width=0.4, label="recall-probe loss increase")
+        bx.set_xticks(x, [str(i) for i in order], fontsize=7)
+        bx.set(xlabel="layer, in conversion order (least sensitive first)", ylabel="nats",
+               title=f"held-out + {report.get('recall_weight', 0):g} x recall")
+        bx.legend(fontsize=8)
     fig.tight_layout()
     save_png(fig, path)
 
