@@ -185,6 +185,9 @@ class Metrics:
         self.kv_bytes = Gauge(p + "kv_cache_bytes", "Bytes of softmax keys/values held", labels, registry=r).labels(model_name)
         self.state_bytes = Gauge(p + "state_bytes", "Bytes of converted layers' states held", labels, registry=r).labels(model_name)
         self.budget_bytes = Gauge(p + "memory_budget_bytes", "The memory budget in bytes", labels, registry=r).labels(model_name)
+        self.peak_bytes = Gauge(p + "memory_peak_bytes", "The most bytes of KV and states held at the end of a step", labels,
+                                registry=r).labels(model_name)
+        self.info = Gauge(p + "engine_info", "The engine's conversion policy (value 1)", [*labels, "policy"], registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token", labels, registry=r,
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)).labels(model_name)
         self.itl = Histogram(p + "inter_token_latency_seconds", "Time between output tokens", labels, registry=r,
@@ -209,6 +212,7 @@ class Metrics:
         kv, state = engine.held_after_step
         self.kv_bytes.set(kv)
         self.state_bytes.set(state)
+        self.peak_bytes.set(engine.peak_bytes)
         for name, metric in (("conversions", self.conversions), ("preemptions", self.preemptions)):
             delta = engine.counters[name] - self._seen[name]
             if delta:
@@ -247,6 +251,7 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | Non
     if engine.tokenizer is None:
         engine.tokenizer = tokenizer  # text deltas and stop strings
     metrics = Metrics(model_name)
+    metrics.info.labels(model_name, str(engine.policy)).set(1)
     loop = EngineLoop(engine, metrics)
     created = int(time.time())
 
