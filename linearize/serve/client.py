@@ -115,7 +115,7 @@ class HTTPReplay:
             tasks = [asyncio.create_task(self._send(client, r, rec, start, bar)) for r, rec in zip(self.requests, records)]
             timeline: list[dict[str, Any]] = []
             sampler = asyncio.create_task(self._sample(client, start, before, timeline))
-            done, pending = await asyncio.wait(tasks, timeout=self.timeout)
+            done, pending = await asyncio.wait(tasks, timeout=self.timeout) if tasks else (set(), set())
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
@@ -133,8 +133,8 @@ class HTTPReplay:
 
     async def _warm_up(self, client) -> None:
         """Requests of the warm-up lengths (3 output tokens each) together, before anything is timed;
-        not reported. They reach the levels the server's policy gives them (a server on CUDA has
-        warmed every level when it loaded)."""
+        not reported. They reach the levels the server's policy gives them (a server on CUDA ran
+        level 0, its middle and its top level when it loaded)."""
         if not self.warm_up_lengths or not self.requests:
             return
         tokens = [t for r in self.requests[:8] for t in r.prompt]
@@ -157,6 +157,7 @@ class HTTPReplay:
                     rec.status, rec.finish = f"http {response.status_code}", None
                     rec.detail = _error_message(await response.aread())
                     return
+                finished = False
                 async for line in response.aiter_lines():
                     if not line.startswith("data:"):
                         continue
@@ -173,8 +174,12 @@ class HTTPReplay:
                     for choice in chunk.get("choices") or ():
                         if choice.get("text"):
                             rec.token_times.append(stamp)
+                        finished = finished or choice.get("finish_reason") is not None
                     if chunk.get("usage"):
                         rec.generated = int(chunk["usage"]["completion_tokens"])
+                if not finished:
+                    rec.status, rec.detail = "error", "the stream ended before a finish reason"
+                    return
                 rec.finish = time.monotonic() - start
         except httpx.HTTPError as err:
             rec.status, rec.detail = "error", f"{type(err).__name__}: {err}"

@@ -230,7 +230,7 @@ def warm_up(engine: Engine, tokens: Sequence[int], lengths: Sequence[int] = WARM
 
 def warm_up_levels(model, levels, max_level: int | None = None, lengths: Sequence[int] = WARM_UP_LENGTHS) -> list[int]:
     """``warm_up`` on a throwaway engine over ``model`` (no memory limit) whose policy may reach
-    ``max_level`` (default: every layer of the order): a server warms every level it may serve."""
+    ``max_level`` (default: every layer of the order): level 0, the middle and that top level."""
     from .engine import EngineConfig
     from .policy import StaticPolicy
 

@@ -26,8 +26,9 @@ def budget_bytes(text: str, device) -> int:
 def load_family(settings: ServeSettings):
     """(model, tokenizer, LevelMemory, device) of ``settings.model`` (a saved family, or ``random:NAME``:
     random weights of a named shape, ``linearize.serve.random_family``); ValueError unless it is a
-    nested family. On CUDA the model runs every level once before it returns (``warm_up_levels``):
-    kernel compilation and autotuning happen here, not in the first requests that reach a level."""
+    nested family. On CUDA the model runs level 0, the middle and the top level it may serve once
+    before it returns (``warm_up_levels``): kernel compilation and autotuning happen here, not in
+    the first requests that reach a converted level."""
     import torch
 
     from ..api import load_model

@@ -10,7 +10,7 @@ from linearize.hub import build_tiny_tokenizer
 from linearize.serve.api import Limits, create_app
 from linearize.serve.client import HTTPReplay, scrape
 from linearize.serve.random_family import SHAPES, build_random_family, dsla_spec, random_shape
-from linearize.serve.replay import ReplayRequest, summarize, warm_up
+from linearize.serve.replay import ReplayRequest, summarize, warm_up, warm_up_levels
 from linearize.serve.server import build_app, load_family
 from linearize.serve.settings import ReplaySettings, ServeSettings
 
@@ -132,6 +132,7 @@ def test_warm_up_prefills_and_decodes_at_level_zero_the_middle_and_the_top():
         assert any(level in levels and t > 1 for levels, t in calls), f"no prefill at level {level}"
         assert any(levels == (level, level) and t == 1 for levels, t in calls), f"no batched decode at level {level}"
     assert not engine.finished and not engine.counters and str(engine.policy) == "memory"
+    assert warm_up_levels(engine.runner.model, engine.levels, max_level=3, lengths=(10,)) == [0, 1, 3]
 
 
 @pytest.mark.slow
