@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -78,6 +78,16 @@ class _Sampling(BaseModel):
 
 class CompletionBody(_Sampling):
     prompt: str | list[int] | list[str]
+    """Text, a list of one text, or token ids (integers; checked against the vocabulary by the route)."""
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _token_ids_are_integers(cls, value: Any) -> Any:
+        if isinstance(value, list) and not all(isinstance(t, str) for t in value):
+            bad = next((t for t in value if isinstance(t, bool) or not isinstance(t, int)), None)
+            if bad is not None:
+                raise ValueError(f"a list prompt is token ids (integers) or one string; found {bad!r}")
+        return value
 
 
 class ChatMessage(BaseModel):
@@ -329,8 +339,9 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | Non
             raise APIError(400, f"the prompt has {len(ids)} tokens; this server takes at most {most}", param="prompt",
                            code="context_length_exceeded")
         vocab = engine.runner.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise APIError(400, f"token ids must lie in 0..{vocab - 1}", param="prompt")
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is out of range: token ids must lie in 0..{vocab - 1}", param="prompt")
         if loop.waiting() >= limits.max_waiting:
             raise APIError(503, f"server busy: {limits.max_waiting} requests are waiting; retry later", type="server_overloaded")
 
