@@ -10,10 +10,11 @@ from ..serve.settings import ServeSettings
 from .spec_flags import _field_docs
 
 
-def dataclass_flags(p, cls, names: tuple[str, ...] | None = None) -> None:
+def dataclass_flags(p, cls, names: tuple[str, ...] | None = None, helps: dict[str, str] | None = None) -> None:
     """A ``--field-name`` flag per field of dataclass ``cls`` (or the ``names`` among them), typed by
-    its hint, helped by its attribute docstring; unset flags stay None (the dataclass default applies)."""
-    docs, hints = _field_docs(cls), typing.get_type_hints(cls)
+    its hint, helped by its attribute docstring (or ``helps[name]``); unset flags stay None (the
+    dataclass default applies)."""
+    docs, hints = {**_field_docs(cls), **(helps or {})}, typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if names is not None and f.name not in names:
             continue
@@ -43,13 +44,20 @@ def add_serve_parser(sub) -> None:
 
     p = sub.add_parser("replay", help="replay a request trace against the engine under several policies, or against a running "
                                       "server (--url); latency report and plots")  # fmt: skip
-    dataclass_flags(p, ServeSettings, ENGINE_FIELDS + CLIENT_FIELDS)
+    dataclass_flags(p, ServeSettings, ENGINE_FIELDS + CLIENT_FIELDS, REPLAY_HELP)
     dataclass_flags(p, ReplaySettings)
     p.set_defaults(func=cmd_replay)
 
 
 CLIENT_FIELDS = ("served_model_name", "api_key")
 """The ServeSettings fields a replay against a server (--url) uses: the model name it asks for and the key."""
+REPLAY_HELP = {
+    "model": "The nested family to replay against (shipped name, directory, or random:llama2-7b, random:tiny); with --url: the "
+             "family the server serves (the prompts' tokenizer and position limit).",
+    "served_model_name": "With --url: the model name to ask the server for (default: the one its /v1/models lists).",
+    "api_key": "With --url: the server's key, sent as 'Authorization: Bearer KEY' (default: $LINEARIZE_API_KEY, else none).",
+}
+"""Help of the ServeSettings flags whose meaning differs in ``linearize replay``."""
 
 
 def settings_from_args(args) -> ServeSettings:

@@ -152,3 +152,17 @@ def test_replay_command_on_the_random_family(tmp_path):
 def test_load_family_builds_the_random_family():
     model, tokenizer, levels, device = load_family(ServeSettings(model="random:tiny", device="cpu"))
     assert levels.order == (0, 1, 2, 3) and device.type == "cpu" and len(tokenizer) == model.config.vocab_size
+
+
+def test_the_api_key_is_sent():
+    _, engine = tiny_engine()
+    server = Server(create_app(engine, build_tiny_tokenizer(), model_name="tiny", api_key="sekrit"))
+    try:
+        with pytest.raises(ValueError, match="answered 401"):
+            HTTPReplay(server.url, [], progress=False).connect()
+        client = HTTPReplay(server.url, [ReplayRequest(0.0, [5] * 8, 2, 0, 0)], api_key="sekrit", warm_up=(), progress=False)
+        client.connect()
+        records, _, _ = client.run()
+    finally:
+        server.close()
+    assert [(r.status, r.generated) for r in records] == [("ok", 2)]
