@@ -393,6 +393,12 @@ def check_args(args) -> None:
     if args.command == "compare" and args.reports:
         return
     names = model_names(args)
+    if args.command in ("serve", "replay"):  # these also build random families (random:NAME)
+        from ..serve.random_family import is_random, random_shape
+
+        for name in filter(is_random, names):
+            random_shape(name)
+        names = [name for name in names if not is_random(name)]
     if names:
         from ..names import check_model_name
 

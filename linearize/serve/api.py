@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -78,6 +78,16 @@ class _Sampling(BaseModel):
 
 class CompletionBody(_Sampling):
     prompt: str | list[int] | list[str]
+    """Text, a list of one text, or token ids (integers; checked against the vocabulary by the route)."""
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _token_ids_are_integers(cls, value: Any) -> Any:
+        if isinstance(value, list) and not all(isinstance(t, str) for t in value):
+            bad = next((t for t in value if isinstance(t, bool) or not isinstance(t, int)), None)
+            if bad is not None:
+                raise ValueError(f"a list prompt is token ids (integers) or one string; found {bad!r}")
+        return value
 
 
 class ChatMessage(BaseModel):
@@ -185,6 +195,9 @@ class Metrics:
         self.kv_bytes = Gauge(p + "kv_cache_bytes", "Bytes of softmax keys/values held", labels, registry=r).labels(model_name)
         self.state_bytes = Gauge(p + "state_bytes", "Bytes of converted layers' states held", labels, registry=r).labels(model_name)
         self.budget_bytes = Gauge(p + "memory_budget_bytes", "The memory budget in bytes", labels, registry=r).labels(model_name)
+        self.peak_bytes = Gauge(p + "memory_peak_bytes", "The most bytes of KV and states held at the end of a step", labels,
+                                registry=r).labels(model_name)
+        self.info = Gauge(p + "engine_info", "The engine's conversion policy (value 1)", [*labels, "policy"], registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token", labels, registry=r,
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)).labels(model_name)
         self.itl = Histogram(p + "inter_token_latency_seconds", "Time between output tokens", labels, registry=r,
@@ -209,6 +222,7 @@ class Metrics:
         kv, state = engine.held_after_step
         self.kv_bytes.set(kv)
         self.state_bytes.set(state)
+        self.peak_bytes.set(engine.peak_bytes)
         for name, metric in (("conversions", self.conversions), ("preemptions", self.preemptions)):
             delta = engine.counters[name] - self._seen[name]
             if delta:
@@ -247,6 +261,7 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | Non
     if engine.tokenizer is None:
         engine.tokenizer = tokenizer  # text deltas and stop strings
     metrics = Metrics(model_name)
+    metrics.info.labels(model_name, str(engine.policy)).set(1)
     loop = EngineLoop(engine, metrics)
     created = int(time.time())
 
@@ -324,8 +339,9 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | Non
             raise APIError(400, f"the prompt has {len(ids)} tokens; this server takes at most {most}", param="prompt",
                            code="context_length_exceeded")
         vocab = engine.runner.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise APIError(400, f"token ids must lie in 0..{vocab - 1}", param="prompt")
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is out of range: token ids must lie in 0..{vocab - 1}", param="prompt")
         if loop.waiting() >= limits.max_waiting:
             raise APIError(503, f"server busy: {limits.max_waiting} requests are waiting; retry later", type="server_overloaded")
 

@@ -1,5 +1,6 @@
 """Trace replay: request traces, DSLA-Serve's session augmentation, an open-loop replay against the
-engine, and the serving metrics of ``vllm bench serve`` plus the paper's normalised latency.
+engine in this process (or against a running server over HTTP: ``linearize.serve.client``), and the
+serving metrics of ``vllm bench serve`` plus the paper's normalised latency; one report for both.
 
 - Traces: the Azure LLM inference trace 2023 CSVs (TIMESTAMP, ContextTokens, GeneratedTokens; shipped,
   ``linearize.data.TRACES``) and Mooncake's JSONL (timestamp in ms, input_length, output_length).
@@ -7,9 +8,12 @@ engine, and the serving metrics of ``vllm bench serve`` plus the paper's normali
   turn's prompt is the session's history (every earlier turn's message and answer) followed by a new
   message of the trace's ContextTokens tokens; its output is forced to GeneratedTokens (ignore_eos).
   Prompts longer than ``max_prompt`` keep their most recent tokens. Arrival times stay the trace's.
-- Prompt text: token ids cut from a real corpus stream, so prompts have exactly the counts asked.
+- Prompt text: token ids cut from a real corpus stream, so prompts have exactly the counts asked
+  (a random family's: seeded random ids).
+- Warm-up: before anything is timed, prefill and decode at level 0, at the highest level the policy
+  can give and at one in between (a level's first converted step compiles kernels on a GPU).
 - Replay: open loop on the wall clock, arrival times divided by ``rate_scale``; every request either
-  completes or is rejected with a status, and each is counted.
+  completes or keeps the status it ended with (rejected, http NNN, timeout, ...), and each is counted.
 - Metrics (``vllm bench serve``'s definitions): TTFT; TPOT = (E2E - TTFT) / (output tokens - 1);
   ITL between consecutive tokens; E2E; the paper's normalised latency E2E / output tokens; mean,
   p50, p90, p99; throughput; goodput under SLOs.
@@ -24,17 +28,18 @@ import math
 import random
 import statistics
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
 from .engine import Engine
 from .sampling import SamplingParams
-from .settings import TRACE_NAMES, ReplaySettings, parse_slo  # noqa: F401 (re-exported; settings need no torch)
+from .settings import DEFAULT_POLICIES, TRACE_NAMES, ReplaySettings, parse_slo  # noqa: F401 (re-exported; settings need no torch)
 
 logger = logging.getLogger(__name__)
 
@@ -154,10 +159,20 @@ class RequestRecord:
     prompt_tokens: int
     output_tokens: int
     status: str = "ok"
+    """ok | rejected (by the engine's memory) | http NNN (the server's answer) | timeout | unfinished | error."""
     token_times: list[float] = field(default_factory=list)
+    """When tokens arrived: one per token in process, one per streamed chunk over HTTP."""
     finish: float | None = None
     level: int = 0
     preemptions: int = 0
+    generated: int | None = None
+    """Output tokens received (over HTTP: the final chunk's usage); None: one per token time."""
+    detail: str = ""
+    """The server's error message, if any."""
+
+    @property
+    def n_out(self) -> int:
+        return len(self.token_times) if self.generated is None else self.generated
 
     @property
     def ttft(self) -> float | None:
@@ -169,8 +184,8 @@ class RequestRecord:
 
     @property
     def tpot(self) -> float | None:
-        n = len(self.token_times)
-        return (self.e2e - self.ttft) / (n - 1) if n > 1 and self.e2e is not None else None
+        n = self.n_out
+        return (self.e2e - self.ttft) / (n - 1) if n > 1 and self.e2e is not None and self.ttft is not None else None
 
     @property
     def itls(self) -> list[float]:
@@ -178,26 +193,53 @@ class RequestRecord:
 
     @property
     def normalized(self) -> float | None:
-        return self.e2e / len(self.token_times) if self.token_times and self.e2e is not None else None
+        return self.e2e / self.n_out if self.n_out and self.e2e is not None else None
 
 
-def warm_up(engine: Engine, tokens: Sequence[int], lengths: Sequence[int] = (64, 700, 2000)) -> None:
-    """Run a few short requests at level 0 and at the policy's highest level through ``engine`` before
-    anything is timed (kernel compilation and autotuning, e.g. fla's Triton kernels on a fresh GPU),
-    then clear its records and counters."""
+WARM_UP_LENGTHS = (64, 700, 2000)
+"""Prompt lengths of the warm-up requests."""
+
+
+def warm_up_levels_of(cap: int) -> list[int]:
+    """The levels a warm-up runs for a policy whose highest level is ``cap``: 0, the middle, ``cap``."""
+    return sorted({0, cap // 2, cap})
+
+
+def warm_up(engine: Engine, tokens: Sequence[int], lengths: Sequence[int] = WARM_UP_LENGTHS) -> list[int]:
+    """Prefill and decode through ``engine`` at level 0, at the highest level its policy can give and
+    at one in between, before anything is timed (kernel compilation and autotuning, e.g. fla's Triton
+    kernels on a fresh GPU, happen on a level's first converted step); then clear its records and
+    counters. At each level, requests of ``lengths`` prompt tokens (cut from ``tokens``, repeated as
+    needed) run together: chunked prefill, then batched decode. Returns the levels run."""
     from .policy import StaticPolicy
 
     policy = engine.policy
-    for level in sorted({0, policy.level_cap(engine.levels)}):
+    levels = warm_up_levels_of(policy.level_cap(engine.levels))
+    for level in levels:
         engine.policy = StaticPolicy(level)
         for n in lengths:
             prompt = list(tokens[:n]) if len(tokens) >= n else (list(tokens) * (n // max(len(tokens), 1) + 1))[:n]
             engine.add_request(prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
-            engine.run()
+        engine.run()
     engine.policy = policy
     engine.finished.clear()
     engine.counters.clear()
     engine.peak_bytes = 0
+    return levels
+
+
+def warm_up_levels(model, levels, max_level: int | None = None, lengths: Sequence[int] = WARM_UP_LENGTHS) -> list[int]:
+    """``warm_up`` on a throwaway engine over ``model`` (no memory limit) whose policy may reach
+    ``max_level`` (default: every layer of the order): level 0, the middle and that top level."""
+    from .engine import EngineConfig
+    from .policy import StaticPolicy
+
+    cap = levels.max_level if max_level is None else min(max_level, levels.max_level)
+    vocab = model.config.vocab_size
+    engine = Engine(model, levels, EngineConfig(kv_budget=1 << 62, max_step_tokens=512), policy=StaticPolicy(cap))
+    done = warm_up(engine, [3 + i % max(vocab - 3, 1) for i in range(max(lengths))], lengths)
+    logger.info("warmed up levels %s", done)
+    return done
 
 
 def replay_engine(engine: Engine, requests: Sequence[ReplayRequest], *, rate_scale: float = 1.0, timeout: float | None = None,
@@ -232,7 +274,7 @@ def replay_engine(engine: Engine, requests: Sequence[ReplayRequest], *, rate_sca
             if out.finish_reason is not None:
                 rec.finish = stamp
                 request = engine.get(out.request_id)
-                rec.level, rec.preemptions = request.level, request.preemptions
+                rec.level, rec.preemptions, rec.generated = request.level, request.preemptions, len(request.output)
                 if out.finish_reason not in ("stop", "length"):
                     rec.status = out.finish_reason
                 bar.update(1)
@@ -259,11 +301,17 @@ def _stats(values: list[float]) -> dict[str, float | None]:
     return {"mean": statistics.fmean(v), "p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99)}
 
 
+def is_rejected(status: str) -> bool:
+    """Whether a record's status says the server refused it (the engine's memory, or an HTTP error answer)."""
+    return status == "rejected" or status.startswith("http ")
+
+
 def summarize(records: Sequence[RequestRecord], *, slo: dict[str, float] | None = None) -> dict[str, Any]:
-    """Aggregate metrics of one replay."""
+    """Aggregate metrics of one replay: every request is in ``statuses``; ``rejected`` counts those the
+    server refused, ``lost`` those that timed out, stayed unfinished or failed."""
     done = [r for r in records if r.status == "ok"]
     span = max((r.finish for r in done), default=0.0) - min((r.arrival for r in records), default=0.0)
-    out_tokens = sum(len(r.token_times) for r in done)
+    out_tokens = sum(r.n_out for r in done)
     slo = slo or {}
 
     def meets(r: RequestRecord) -> bool:
@@ -273,8 +321,9 @@ def summarize(records: Sequence[RequestRecord], *, slo: dict[str, float] | None 
     return {
         "requests": len(records),
         "completed": len(done),
-        "rejected": sum(r.status == "rejected" for r in records),
-        "lost": sum(r.status not in ("ok", "rejected") for r in records),
+        "rejected": sum(is_rejected(r.status) for r in records),
+        "lost": sum(r.status != "ok" and not is_rejected(r.status) for r in records),
+        "statuses": dict(sorted(Counter(r.status for r in records).items())),
         "duration_s": span,
         "request_throughput": len(done) / span if span > 0 else None,
         "output_throughput": out_tokens / span if span > 0 else None,
@@ -290,19 +339,40 @@ def summarize(records: Sequence[RequestRecord], *, slo: dict[str, float] | None 
     }
 
 
+Run = Callable[[], tuple[list[RequestRecord], list[dict[str, Any]], dict[str, Any]]]
+"""One policy's replay: () -> (records, timeline, what the server counted: peak_bytes, budget_bytes,
+conversions, and optionally preemptions and mean_level, which then replace the records' own)."""
+
+
 def run_replay(engine_factory, requests: Sequence[ReplayRequest], policies: Sequence[str], *, rate_scale: float = 1.0,
                slo: dict[str, float] | None = None, timeout: float | None = None, out_dir: str | Path | None = None,
                settings: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Replay the same requests once per policy (``engine_factory(policy) -> Engine``); the report
-    (JSON-able; with ``out_dir``: report.json, report.md and plots, written atomically)."""
-    result: dict[str, Any] = {"settings": {**(settings or {}), "rate_scale": rate_scale, "requests": len(requests)}, "policies": {}}
+    """Replay the same requests once per policy (``engine_factory(policy) -> Engine``) in this process;
+    the report (JSON-able; with ``out_dir``: report.json, report.md and plots, written atomically)."""
+
+    def run(policy: str) -> Run:
+        def replay() -> tuple[list[RequestRecord], list[dict[str, Any]], dict[str, Any]]:
+            engine = engine_factory(policy)
+            warm_up(engine, requests[0].prompt if requests else [1])
+            records, timeline = replay_engine(engine, requests, rate_scale=rate_scale, timeout=timeout)
+            return records, timeline, {"peak_bytes": engine.peak_bytes, "budget_bytes": engine.config.kv_budget,
+                                       "conversions": engine.counters["conversions"]}  # fmt: skip
+        return replay
+
+    return report_runs({policy: run(policy) for policy in policies}, n_requests=len(requests), rate_scale=rate_scale, slo=slo,
+                       out_dir=out_dir, settings=settings)  # fmt: skip
+
+
+def report_runs(runs: dict[str, Run], *, n_requests: int, rate_scale: float, slo: dict[str, float] | None = None,
+                out_dir: str | Path | None = None, settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run each policy's replay in turn and report them (in process or over HTTP): metrics, speed-up
+    against softmax when it ran, report.json / report.md after every policy and the plots at the end."""
+    result: dict[str, Any] = {"settings": {**(settings or {}), "rate_scale": rate_scale, "requests": n_requests}, "policies": {}}
     raw: dict[str, Any] = {}
-    for policy in policies:
-        engine = engine_factory(policy)
-        warm_up(engine, requests[0].prompt if requests else [1])
-        records, timeline = replay_engine(engine, requests, rate_scale=rate_scale, timeout=timeout)
+    for policy, run in runs.items():
+        records, timeline, counted = run()
         summary = summarize(records, slo=slo)
-        summary.update(peak_bytes=engine.peak_bytes, budget_bytes=engine.config.kv_budget, conversions=engine.counters["conversions"])
+        summary.update(counted)
         result["policies"][policy] = summary
         raw[policy] = {"records": [asdict(r) for r in records], "timeline": timeline}
         logger.info("%s: mean normalised latency %s", policy, summary["normalized_latency_s"]["mean"])
@@ -342,9 +412,14 @@ def replay_markdown(result: dict[str, Any]) -> str:
             f"| {policy} | {m['completed']} | {m['rejected']} | {m['lost']} | {f(m['normalized_latency_s']['mean'], 1e3)} "
             f"| {f(m['normalized_latency_s']['p99'], 1e3)} | {f(m.get('speedup_vs_softmax'))}x | {f(m['ttft_s']['mean'])} | {f(m['ttft_s']['p99'])} "
             f"| {f(m['tpot_s']['mean'], 1e3)} | {f(m['e2e_s']['mean'])} | {f(m['output_throughput'], 1, 1)} | {f(m['goodput'])} "
-            f"| {m['preemptions']} | {m['conversions']} | {f(m['mean_level'], 1, 1)} | {f(m['peak_bytes'] / m['budget_bytes'], 100, 0)}% |"
+            f"| {m['preemptions']} | {m['conversions']} | {f(m['mean_level'], 1, 1)} "
+            f"| {f(m['peak_bytes'] / m['budget_bytes'] if m.get('peak_bytes') is not None and m.get('budget_bytes') else None, 100, 0)}% |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _n_out(record: dict[str, Any]) -> int:
+    return len(record["token_times"]) if record.get("generated") is None else record["generated"]
 
 
 def plot_replay(raw: dict[str, Any], out: Path) -> None:
@@ -358,7 +433,7 @@ def plot_replay(raw: dict[str, Any], out: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for policy, data in raw.items():
-        norm = sorted(((r["finish"] - r["arrival"]) / max(len(r["token_times"]), 1)) * 1e3
+        norm = sorted(((r["finish"] - r["arrival"]) / max(_n_out(r), 1)) * 1e3
                       for r in data["records"] if r["status"] == "ok" and r["finish"] is not None)  # fmt: skip
         if norm:
             ax.plot(norm, [(i + 1) / len(norm) for i in range(len(norm))], label=policy)
@@ -370,7 +445,7 @@ def plot_replay(raw: dict[str, Any], out: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for policy, data in raw.items():
         done = [r for r in data["records"] if r["status"] == "ok" and r["finish"] is not None]
-        ax.scatter([r["prompt_tokens"] for r in done], [(r["finish"] - r["arrival"]) / max(len(r["token_times"]), 1) * 1e3 for r in done],
+        ax.scatter([r["prompt_tokens"] for r in done], [(r["finish"] - r["arrival"]) / max(_n_out(r), 1) * 1e3 for r in done],
                    s=6, alpha=0.6, label=policy)  # fmt: skip
     ax.set(xlabel="prompt tokens", ylabel="normalised latency (ms per output token)", yscale="log")
     ax.grid(True, alpha=0.3)

@@ -24,17 +24,25 @@ def budget_bytes(text: str, device) -> int:
 
 
 def load_family(settings: ServeSettings):
-    """(model, tokenizer, LevelMemory, device) of ``settings.model``; ValueError unless it is a nested family."""
+    """(model, tokenizer, LevelMemory, device) of ``settings.model`` (a saved family, or ``random:NAME``:
+    random weights of a named shape, ``linearize.serve.random_family``); ValueError unless it is a
+    nested family. On CUDA the model runs level 0, the middle and the top level it may serve once
+    before it returns (``warm_up_levels``): kernel compilation and autotuning happen here, not in
+    the first requests that reach a converted level."""
     import torch
 
     from ..api import load_model
     from ..spec import ConversionSpec
     from .levels import LevelMemory
+    from .random_family import build_random_family, is_random
 
     device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device cuda: no CUDA device is available here; use --device cpu")
-    model, tokenizer = load_model(settings.model, device=str(device))
+    if is_random(settings.model):
+        model, tokenizer = build_random_family(settings.model, device)
+    else:
+        model, tokenizer = load_model(settings.model, device=str(device))
     if tokenizer is None:
         raise ValueError(f"model {settings.model!r} has no tokenizer; the server needs one")
     spec = getattr(model.config, "linearize", None)
@@ -43,6 +51,10 @@ def load_family(settings: ServeSettings):
     levels = LevelMemory.from_spec(ConversionSpec.from_dict(spec), model.config, dtype_bytes=next(model.parameters()).element_size())
     if settings.max_level is not None and not 0 <= settings.max_level <= levels.max_level:
         raise ValueError(f"max-level must be in 0..{levels.max_level}, got {settings.max_level}")
+    if device.type == "cuda":
+        from .replay import warm_up_levels
+
+        warm_up_levels(model, levels, settings.max_level)
     return model, tokenizer, levels, device
 
 

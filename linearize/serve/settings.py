@@ -17,7 +17,8 @@ class ServeSettings:
     """What ``linearize serve`` runs (each field is the flag of the same name, dashes for underscores)."""
 
     model: str = DEFAULT_SERVE_MODEL
-    """A nested family (shipped name or directory): its conversion order gives the levels."""
+    """A nested family (shipped name or directory): its conversion order gives the levels; or random:llama2-7b, random:tiny
+    (random weights, for timing)."""
     served_model_name: str | None = None
     """The name clients use (default: model)."""
     host: str = "127.0.0.1"
@@ -59,6 +60,10 @@ class ServeSettings:
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         parse_bytes(self.kv_budget)
+        if str(self.model).startswith("random:"):
+            from .random_family import random_shape
+
+            random_shape(self.model)
 
 
 def parse_bytes(text: str) -> int | float:
@@ -87,6 +92,8 @@ def parse_bytes(text: str) -> int | float:
     return n
 
 
+DEFAULT_POLICIES = "softmax,static:25%,length-caps,memory"
+"""The policies an in-process replay compares by default."""
 TRACE_NAMES = {"azure-conv": "azure_llm_2023_conv.csv", "azure-code": "azure_llm_2023_code.csv"}
 """Shipped traces by name."""
 
@@ -97,8 +104,11 @@ class ReplaySettings:
 
     trace: str = "azure-conv"
     """A shipped trace (azure-conv, azure-code) or a path (.csv Azure 2023, .jsonl Mooncake)."""
-    policies: str = "softmax,static:25%,length-caps,memory"
-    """Comma-separated policies, each replayed on the same requests in one run."""
+    policies: str | None = None
+    """Comma-separated policies, each replayed on the same requests in one run (default: softmax,static:25%,length-caps,memory;
+    with --url: the server's one policy, named by its /metrics)."""
+    url: str | None = None
+    """Replay against a running server (http://HOST:PORT) through /v1/completions instead of an engine in this process."""
     rate_scale: float = 1.0
     """Arrival times are divided by this (2 = twice the trace's rate)."""
     start: int = 0
@@ -131,6 +141,16 @@ class ReplaySettings:
         if not self.turns_mean > 0:
             raise ValueError(f"turns-mean must be > 0, got {self.turns_mean}")
         parse_slo(self.slo)
+        if self.url is not None and not re.fullmatch(r"https?://[^/\s]+/?", self.url):
+            raise ValueError(f"url {self.url!r}: expected http://HOST:PORT (the server's root, without /v1)")
+        if self.policies is not None and not self.policy_list():
+            raise ValueError(f"policies {self.policies!r}: expected comma-separated policies, e.g. softmax,memory")
+        if self.url is not None and self.policies is not None and len(self.policy_list()) != 1:
+            raise ValueError(f"policies {self.policies!r}: a server runs one policy; with --url give at most one (its name in the report)")
+
+    def policy_list(self) -> list[str]:
+        """The policies to replay (in process: the default four unless given)."""
+        return [p.strip() for p in (self.policies or DEFAULT_POLICIES).split(",") if p.strip()]
 
     def trace_path(self) -> Path:
         from ..data import TRACES
