@@ -84,11 +84,14 @@ def build_random_family(name: str, device, *, seed: int = 0):
                          pad_token_id=None)  # fmt: skip
     previous = torch.get_default_dtype()
     rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
-    with rng, torch.device(device), contextlib.ExitStack() as stack:
+    with rng, contextlib.ExitStack() as stack:
         torch.set_default_dtype(dtype)  # parameters are created in the serving dtype: no second copy
         stack.callback(torch.set_default_dtype, previous)
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+        # outside the device context: the new layers draw their seeded initialisation from CPU
+        # generators, then move to the teacher's device
         convert(model, dsla_spec(shape.layers))
     model.config.linearize_base_model = name
     logger.info("built %s: %d parameters, %s on %s", name, sum(p.numel() for p in model.parameters()), dtype, device)
