@@ -199,6 +199,21 @@ def test_decode_path_sees_parameters_updated_between_tokens(name):
     assert not torch.allclose(fast[:, 5:][real[:, 5:]], before[:, 5:][real[:, 5:]], atol=1e-3)  # the update took effect
 
 
+def test_decode_path_runs_a_model_loaded_under_inference_mode():
+    """Parameters made under torch.inference_mode (a model loaded there, as the decode-speed
+    benchmark does) have no version counter; the decode path still keeps what it derives from them
+    and gives the reference ops' logits."""
+    with torch.inference_mode():
+        for spec in ({"attention": "hybrid", "window": 4}, {"attention": "dsla"}):
+            model = convert(tiny(), spec, None)
+            assert next(model.parameters()).is_inference()
+            ids, mask = padded_batch(model.config.vocab_size, [7, 7], seed=6)
+            fast, _ = _decode(model, ids, mask, 3)
+            with linearize.cache.reference_decoding():
+                ref, _ = _decode(model, ids, mask, 3)
+            torch.testing.assert_close(fast, ref, atol=2e-5, rtol=2e-5)
+
+
 @torch.no_grad()
 def test_decode_path_leaves_a_state_handed_out_unchanged():
     model = convert(tiny(), {"attention": "hybrid", "window": 3}, None)

@@ -297,8 +297,10 @@ def derived(module: nn.Module, name: str, sources: tuple[Tensor, ...], build: Ca
     """``build()``, kept on ``module`` under ``name`` until one of ``sources`` (the parameters it is
     made of) changes: another tensor, another dtype or an in-place update (its version counter).
     The decode path reads weights it would otherwise rebuild every token (fused feature-map and
-    gate weights, sigmoids of logits) this way; training updates are seen at the next call."""
-    key = tuple((t.data_ptr(), t._version, t.dtype) for t in sources)
+    gate weights, sigmoids of logits) this way; training updates are seen at the next call.
+    Inference tensors (parameters of a model loaded under ``torch.inference_mode``) keep no version
+    counter: nothing trains them, so their storage and dtype are the key."""
+    key = tuple((t.data_ptr(), t.dtype, None if t.is_inference() else t._version) for t in sources)
     store = module.__dict__.setdefault("_derived", {})
     hit = store.get(name)
     if hit is not None and hit[0] == key:
