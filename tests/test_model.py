@@ -40,6 +40,10 @@ VARIANTS = {
     "lola-nope-s0-C3": ({"attention": "lola", "window": 4, "sparse_cache": 0, "chunk": 3, "linear_rope": False}, None),
     "dsla": ({"attention": "dsla"}, None),
     "dsla-partial": ({"attention": "dsla", "layers": [0, 2]}, None),
+    "dsla-identity": ({"attention": "dsla", "feature_map": "identity"}, None),
+    "dsla-relu-rope": ({"attention": "dsla", "feature_map": "relu", "linear_rope": True}, None),
+    "dsla-recent_only": ({"attention": "dsla"}, "recent_only"),
+    "dsla-history_only": ({"attention": "dsla", "linear_rope": False}, "history_only"),
 }
 
 
@@ -157,6 +161,57 @@ def test_decode_path_matches_reference_ops_outputs_and_states(name, prefill):
         assert a.seen == b.seen
         for x, y in zip(a.state.tensors(), b.state.tensors(), strict=True):  # reading the state turns it canonical
             torch.testing.assert_close(x, y, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("name", ["hybrid-joint", "hybrid-gate-learned-rect", "dsla"])
+@torch.no_grad()
+def test_decode_path_sees_parameters_updated_between_tokens(name):
+    """The decode path keeps weights it derives (stacked feature maps and gates, mix factors) only
+    until a parameter changes: after an in-place update between two tokens it still gives the
+    reference ops' logits. (Not phi_k of a hybrid: the window keeps each key's features from when
+    it arrived, by design.)"""
+    spec, mode = VARIANTS[name]
+    updated = ("feature_map_q", "gate", "window_factor", "gamma") + (("feature_map_k",) if spec["attention"] == "dsla" else ())
+    model = convert(tiny(), spec, mode)
+    ids, mask = padded_batch(model.config.vocab_size, [8, 6], seed=5)
+    gen = torch.Generator().manual_seed(0)
+
+    def run():
+        cache, pos, logits = DynamicCache(), positions(mask), []
+        for t in range(ids.shape[1]):
+            if t == 4:  # as an optimiser step would, in place
+                for name_, p in model.named_parameters():
+                    if any(part in name_ for part in updated):
+                        p.add_(0.3 * torch.randn(p.shape, generator=gen))
+            logits.append(model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], position_ids=pos[:, t : t + 1],
+                                **cache_kwargs(cache), use_cache=True).logits)  # fmt: skip
+        return torch.cat(logits, dim=1)
+
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    before = model(ids, attention_mask=mask, position_ids=positions(mask)).logits  # (B, T, V) without the update
+    fast = run()
+    model.load_state_dict(state)
+    gen.manual_seed(0)
+    with linearize.cache.reference_decoding():
+        ref = run()
+    real = mask.bool()
+    torch.testing.assert_close(fast[real], ref[real], atol=2e-5, rtol=2e-5)
+    assert not torch.allclose(fast[:, 5:][real[:, 5:]], before[:, 5:][real[:, 5:]], atol=1e-3)  # the update took effect
+
+
+def test_decode_path_runs_a_model_loaded_under_inference_mode():
+    """Parameters made under torch.inference_mode (a model loaded there, as the decode-speed
+    benchmark does) have no version counter; the decode path still keeps what it derives from them
+    and gives the reference ops' logits."""
+    with torch.inference_mode():
+        for spec in ({"attention": "hybrid", "window": 4}, {"attention": "dsla"}):
+            model = convert(tiny(), spec, None)
+            assert next(model.parameters()).is_inference()
+            ids, mask = padded_batch(model.config.vocab_size, [7, 7], seed=6)
+            fast, _ = _decode(model, ids, mask, 3)
+            with linearize.cache.reference_decoding():
+                ref, _ = _decode(model, ids, mask, 3)
+            torch.testing.assert_close(fast, ref, atol=2e-5, rtol=2e-5)
 
 
 @torch.no_grad()

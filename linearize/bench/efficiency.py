@@ -367,6 +367,9 @@ def run_efficiency(
 # ----------------------------------------------------------------------------- decode speed by context
 
 DEFAULT_SPEED_CONTEXTS = (256, 1024, 4096)
+FLOOR_CONTEXT = 16
+"""The context of the reference's floor step: the part of a decode step every model shares
+(weights read, MLP, q/k/v/o projections, norms, lm_head) plus attention over this few tokens."""
 
 
 @torch.inference_mode()
@@ -378,6 +381,7 @@ def decode_speed(
     warmup: int = 2,
     device: str | torch.device | None = None,
     seed: int = 0,
+    floor_context: int | None = FLOOR_CONTEXT,
 ) -> dict[str, Any]:
     """Greedy decode tokens/s of several models (the first is the reference, e.g. the teacher) after
     each context length, measured in one run: all models are loaded first; at each context every
@@ -385,9 +389,15 @@ def decode_speed(
     ``warmup`` untimed steps, then the models take ``steps`` timed single-token steps in turn (one
     step each, round after round), so a slower spell of a shared machine hits them alike. The median
     step is the decode time, ``tokens_per_s`` its inverse; ``ratio``: tokens/s over the reference's at
-    that context."""
+    that context.
+
+    ``floor``: at each context the reference also steps after ``floor_context`` tokens (at most the
+    context), in the same rounds (None: not measured). That step is the part every model shares plus next to no attention,
+    so reference step / floor step (``bound``) is the most any converted model of the same
+    architecture could reach at that context through the same loop, were its attention free."""
     from ..api import load_model
 
+    check_int("floor_context", floor_context, 1, allow_none=True)
     threads = configure_cpu()
     models = {}
     for name in tqdm(names, desc="load", unit="model"):
@@ -398,7 +408,7 @@ def decode_speed(
             check_length(model, context + warmup + steps)
     first = next(iter(models.values()))
     dev = next(first.parameters()).device
-    rows = []
+    rows, floor = [], []
     with tqdm(total=len(contexts) * len(models), desc="decode speed", unit="run") as bar:
         for context in contexts:
             ids = _random_ids(first, 1, context, dev, seed)
@@ -408,10 +418,18 @@ def decode_speed(
                 steps_of[name] = _decoder(model, ids, warmup + steps)  # prefill into a fresh cache
                 prefill_s[name] = time.perf_counter() - start
                 _time_calls(steps_of[name], warmup, dev)
-            times: dict[str, list[float]] = {name: [] for name in models}
+            runs = dict(steps_of)
+            if floor_context is not None:  # the reference after a few tokens, stepping in the same rounds
+                runs[None] = _decoder(first, ids[:, :floor_context], warmup + steps)
+                _time_calls(runs[None], warmup, dev)
+            times: dict[str | None, list[float]] = {name: [] for name in runs}
             for _ in range(steps):  # one step of each model in turn: a slower spell of the machine hits all alike
-                for name in models:
-                    times[name] += _time_calls(steps_of[name], 1, dev)
+                for name, step in runs.items():
+                    times[name] += _time_calls(step, 1, dev)
+            if floor_context is not None:
+                floor_s, reference_s = statistics.median(times[None]), statistics.median(times[names[0]])
+                floor.append({"context": context, "floor_context": min(floor_context, context), "decode_s": floor_s,
+                              "tokens_per_s": 1 / floor_s, "bound": reference_s / floor_s})  # fmt: skip
             for name, model in models.items():
                 median = statistics.median(times[name])
                 spec = getattr(model.config, "linearize", None) or {}
@@ -421,7 +439,7 @@ def decode_speed(
                              "decode_s": median, "tokens_per_s": 1 / median})  # fmt: skip
                 logger.info("%s @ %d: %.1f ms/token (prefill %.2f s)", name, context, median * 1e3, prefill_s[name])
                 bar.update()
-            del steps_of
+            del steps_of, runs
     reference = {r["context"]: r["tokens_per_s"] for r in rows if r["model"] == names[0]}
     for r in rows:
         r["ratio"] = r["tokens_per_s"] / reference[r["context"]]
@@ -433,8 +451,10 @@ def decode_speed(
         "flush_denormal": True,
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-        "settings": {"contexts": list(contexts), "steps": steps, "warmup": warmup, "batch_size": 1, "seed": seed},
+        "settings": {"contexts": list(contexts), "steps": steps, "warmup": warmup, "batch_size": 1, "seed": seed,
+                     "floor_context": floor_context},
         "rows": rows,
+        "floor": floor,
     }
 
 
@@ -465,6 +485,19 @@ def speed_markdown(result: dict[str, Any]) -> str:
         "|---|" + "---:|" * len(contexts),
         *(f"| {name} | " + " | ".join(f"{by[name, c]['prefill_s']:.2f}" for c in contexts) + " |" for name in names),
     ]
+    if result.get("floor"):
+        floor = {f["context"]: f for f in result["floor"]}
+        lines += [
+            "",
+            f"Floor: {result['reference']} stepping after {result['floor'][0]['floor_context']} tokens in the same rounds "
+            "(the part every model shares, next to no attention); bound = its tokens/s over the reference's at "
+            "the context: the most a converted model could reach there were its attention free",
+            "",
+            "| | " + " | ".join(_tokens(c) for c in contexts) + " |",
+            "|---|" + "---:|" * len(contexts),
+            "| floor tok/s | " + " | ".join(f"{floor[c]['tokens_per_s']:.1f}" for c in contexts) + " |",
+            "| bound x | " + " | ".join(f"{floor[c]['bound']:.2f}" for c in contexts) + " |",
+        ]
     return "\n".join(lines) + "\n"
 
 

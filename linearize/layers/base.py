@@ -235,10 +235,12 @@ class ConvertedAttention(nn.Module):
         self.check_mode(mode)
         return self.attend_modes()[mode](p, x, valid, state)
 
-    def decode_step(self, p: Projection, x: Tensor, slot) -> Tensor | None:
-        """One new real token per row on the per-token decode path: its output (B, Hq, 1, Dv), with
-        ``slot`` (the layer's StateCacheLayer) advanced in place; None where this kind or mode has no
-        such path (the reference ops then run). Only called without gradients."""
+    def decode_step(self, x: Tensor, position_embeddings: tuple[Tensor, Tensor], slot) -> Tensor | None:
+        """One new real token per row (``x`` (B, 1, hidden)) on the per-token decode path: its output
+        (B, Hq, 1, Dv), with ``slot`` (the layer's StateCacheLayer) advanced in place; None where this
+        kind or mode has no such path (the reference ops then run; nothing is computed or changed
+        before None). The layer projects the token itself, so it skips what its path does not read
+        (e.g. RoPE when the linear part sees q/k before it). Only called without gradients."""
         return None
 
     # --- forward -----------------------------------------------------------------------------
@@ -252,14 +254,14 @@ class ConvertedAttention(nn.Module):
         if self.mode == "teacher":  # the cache reaches the teacher under the name the decoder layer gave it
             return self.teacher(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs)
         b, t, _ = hidden_states.shape
-        proj = self.project(hidden_states, position_embeddings)
         valid = key_padding_from_mask(attention_mask, t)
         cache = cache_argument(kwargs)
         slot = state_layer(cache, self.layer_idx) if cache is not None else None
         out = None
         if slot is not None and t == 1 and fast_decoding() and not torch.is_grad_enabled() and (valid is None or bool(valid.all())):
-            out = self.decode_step(proj, hidden_states, slot)
+            out = self.decode_step(hidden_states, position_embeddings, slot)
         if out is None:
+            proj = self.project(hidden_states, position_embeddings)
             out, state = self.attend(proj, hidden_states, valid, slot.state if slot is not None else None)
             if slot is not None:
                 slot.store(state, t)
@@ -274,8 +276,72 @@ class ConvertedAttention(nn.Module):
             return Projection(q, k, v, q_pre, k_pre)
         return Projection(q, k, v, q, k)
 
+    def project_linear(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """(q_lin (B, Hq, T, D), k_lin (B, Hkv, T, D), v (B, Hkv, T, D)): what a purely linear kind
+        reads (``project``'s q_lin, k_lin and v), without RoPE when the feature maps see q/k before it."""
+        if not self.separate_linear_inputs:
+            p = self.project(hidden_states, position_embeddings)
+            return p.q_lin, p.k_lin, p.v
+        b, t, _ = hidden_states.shape
+        d = self.head_dim
+        q = self.q_proj(hidden_states).view(b, t, -1, d).transpose(1, 2)  # (B, Hq, T, D)
+        k = self.k_proj(hidden_states).view(b, t, -1, d).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.v_proj(hidden_states).view(b, t, -1, d).transpose(1, 2)  # (B, Hkv, T, D)
+        return q, k, v
+
     def extra_repr(self) -> str:
         return f"layer={self.layer_idx}, attention={self.spec.attention}, mode={self.mode}"
+
+
+def derived(module: nn.Module, name: str, sources: tuple[Tensor, ...], build: Callable[[], Any]) -> Any:
+    """``build()``, kept on ``module`` under ``name`` until one of ``sources`` (the parameters it is
+    made of) changes: another tensor, another dtype or an in-place update (its version counter).
+    The decode path reads weights it would otherwise rebuild every token (fused feature-map and
+    gate weights, sigmoids of logits) this way; training updates are seen at the next call.
+    Inference tensors (parameters of a model loaded under ``torch.inference_mode``) keep no version
+    counter: nothing trains them, so their storage and dtype are the key."""
+    key = tuple((t.data_ptr(), t.dtype, None if t.is_inference() else t._version) for t in sources)
+    store = module.__dict__.setdefault("_derived", {})
+    hit = store.get(name)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    value = build()
+    store[name] = (key, value)
+    return value
+
+
+def _hedgehog_weights(phi_q: nn.Module, phi_k: nn.Module, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The two maps' weights stacked for ``token_features``: (2 Hq, D, f) and biases (2 Hq, 1, f),
+    queries' first."""
+    weight = torch.cat((phi_q.weight, phi_k.weight)).to(dtype).contiguous()  # (2 Hq, D, f)
+    bias = torch.cat((phi_q.bias, phi_k.bias))[:, None].to(dtype).contiguous()  # (2 Hq, 1, f)
+    return weight, bias
+
+
+def token_features(module: nn.Module, phi_q: nn.Module, phi_k: nn.Module, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+    """The feature maps of one token: ``phi_q(q)`` and ``phi_k(repeat_kv(k))`` as (B, Hq, F) each, for
+    q (B, Hq, 1, D) and k (B, Hkv, 1, D) (k's features for every query head of its KV head).
+
+    Two learned Hedgehog maps run as one batched projection and one softmax over both, from
+    weights stacked once (``derived``) and k's grouped view (no repeated copy of its heads); any
+    other maps are called as they are."""
+    from .feature_map import HedgehogFeatureMap
+
+    b, hq, _, d = q.shape
+    hkv = k.shape[1]
+    n_rep = hq // hkv
+    if not (isinstance(phi_q, HedgehogFeatureMap) and isinstance(phi_k, HedgehogFeatureMap)):
+        qf = phi_q(q).reshape(b, hq, -1)  # (B, Hq, F)
+        kf = (phi_k(k.repeat_interleave(n_rep, dim=1)) if n_rep > 1 else phi_k(k)).reshape(b, hq, -1)  # (B, Hq, F)
+        return qf, kf
+    weight, bias = derived(module, "hedgehog", (phi_q.weight, phi_q.bias, phi_k.weight, phi_k.bias),
+                           lambda: _hedgehog_weights(phi_q, phi_k, q.dtype))  # fmt: skip
+    if weight.dtype != q.dtype:
+        weight, bias = weight.to(q.dtype), bias.to(q.dtype)
+    x = torch.cat((q.reshape(b, hkv, n_rep, d), k.reshape(b, hkv, 1, d).expand(b, hkv, n_rep, d)), dim=1)  # (B, 2 Hkv, n_rep, D)
+    proj = torch.baddbmm(bias, x.view(b, 2 * hq, d).transpose(0, 1), weight)  # (2 Hq, B, f): q heads, then k per q head
+    feats = torch.stack((proj, -proj), dim=-2).softmax(dim=-1).view(2 * hq, b, -1).transpose(0, 1)  # (B, 2 Hq, 2f)
+    return feats[:, :hq], feats[:, hq:]
 
 
 def expect_state(state: BatchState | None, kind: type, module: ConvertedAttention):

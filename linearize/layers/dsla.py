@@ -5,13 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..checks import check_choice, check_int
 from ..ops.common import accumulation_dtype, repeat_kv
 from ..ops.dsla import DslaDecodeState, dsla_attention, dsla_decode_step, init_gate_bias, log_gate
 from ..ops.states import DslaState
-from .base import KERNELS, STATE_BYTES, AttentionKind, Attend, ConvertedAttention, SpecError, expect_state, head_sizes, resolve_kernel
+from .base import (KERNELS, STATE_BYTES, AttentionKind, Attend, ConvertedAttention, SpecError, derived, expect_state, head_sizes,
+                   resolve_kernel, token_features)
 from .feature_map import FeatureMapOptions, feature_map_pair
 
 
@@ -134,21 +136,50 @@ class DslaAttention(ConvertedAttention):
 
         return dsla
 
-    def decode_step(self, p, x, slot):
+    def decode_step(self, x, position_embeddings, slot):
         if self.mode not in self.GAMMA:
             return None
-        q, k, v, log_h, log_r, gamma, scale = self._inputs(p, x, self.GAMMA[self.mode])
+        q, k, v = self.project_linear(x, position_embeddings)  # (B, Hq|Hkv, 1, D): no RoPE unless linear_rope
+        b, hkv = k.shape[:2]
         ds = slot.decode_state
         if not isinstance(ds, DslaDecodeState):
             state = expect_state(slot.state, DslaState, self)
             if state is None:
-                b, h, _, dk = q.shape
-                zeros = torch.zeros(b, h, dk, v.shape[-1] + self.normalize, device=q.device, dtype=accumulation_dtype(q.dtype))
+                zeros = torch.zeros(b, self.num_heads, self.features, v.shape[-1] + self.normalize, device=q.device,
+                                    dtype=accumulation_dtype(q.dtype))  # fmt: skip
                 state = DslaState(history=zeros, recent=zeros.clone())
-            ds = DslaDecodeState.from_state(state)
-        out = dsla_decode_step(ds, q, k, v, log_h, log_r, gamma, scale=scale, normalize=self.normalize)
+            ds = DslaDecodeState.from_state(state, hkv, self.normalize)
+        dt = ds.states.dtype
+        if self.normalize:
+            qf, kf = token_features(self, self.feature_map_q, self.feature_map_k, q, k)  # (B, Hq, F) each
+        else:
+            qf, kf = q.reshape(b, self.num_heads, -1), k.expand(b, hkv, self.num_heads // hkv, self.head_dim)
+        if qf.dtype != dt:
+            qf, kf = qf.to(dt), kf.to(dt)
+        decay = self.decode_gates(x, dt)  # (B, 2, Hq, F)
+        weights = derived(self, f"mix_{self.mode}", (self.gamma_logit,), lambda: self._mix_weights(dt))
+        out = dsla_decode_step(ds, qf, kf, v, decay, weights, normalize=self.normalize)
         slot.advance(ds, 1)
         return out
+
+    def decode_gates(self, x: Tensor, dtype: torch.dtype) -> Tensor:
+        """(B, 2, Hq, F) gate values alpha = exp(log alpha) of one token x (B, 1, hidden), history
+        first: both gates' low-rank projections as two matmuls (down projections side by side, up
+        projections block-diagonal, stacked once), one log-sigmoid and one exp for both."""
+        h, r = self.gate_history, self.gate_recent
+        down, up, bias = derived(self, "gates", tuple(t for g in (h, r) for t in (g.down.weight, g.up.weight, g.up.bias)),
+                                 lambda: (torch.cat((h.down.weight, r.down.weight)), torch.block_diag(h.up.weight, r.up.weight),
+                                          torch.cat((h.up.bias, r.up.bias))))  # fmt: skip
+        z = F.linear(F.linear(x.to(down.dtype), down), up, bias)  # (B, 1, 2 Hq F)
+        alpha = log_gate(z).exp_()
+        return alpha.view(x.shape[0], 2, self.num_heads, self.features).to(dtype)
+
+    def _mix_weights(self, dtype: torch.dtype) -> Tensor:
+        """(gamma, 1 - gamma) of this layer's mode, times the read's scale without a normaliser."""
+        fixed = self.GAMMA[self.mode]
+        gamma = self.gamma() if fixed is None else torch.tensor(fixed, device=self.gamma_logit.device)
+        scale = 1.0 if self.normalize else self.scaling
+        return (torch.stack((gamma, 1 - gamma)) * scale).to(dtype)
 
 
 def dsla_memory(options: DslaOptions, config, dtype_bytes: int) -> tuple[int, int]:

@@ -11,7 +11,8 @@ from ..checks import check_choice, check_int
 from ..ops.common import accumulation_dtype
 from ..ops.hybrid import HybridDecodeState, hybrid_attention, hybrid_attention_weights, hybrid_decode_step, hybrid_state_empty
 from ..ops.states import HybridState
-from .base import KERNELS, STATE_BYTES, AttentionKind, Attend, ConvertedAttention, Projection, SpecError, expect_state, head_sizes, resolve_kernel
+from .base import (KERNELS, STATE_BYTES, AttentionKind, Attend, ConvertedAttention, Projection, SpecError, derived, expect_state,
+                   head_sizes, resolve_kernel, token_features)
 from .feature_map import FeatureMapOptions, feature_map_pair
 
 MIXES = ("joint", "gate")
@@ -147,10 +148,11 @@ class HybridAttention(WindowedLinearAttention):
 
     BRANCHES = {"hybrid": "both", "swa_only": "window", "la_only": "linear"}
 
-    def decode_step(self, p, x, slot):
+    def decode_step(self, x, position_embeddings, slot):
         branches = self.BRANCHES.get(self.mode)
         if branches is None or (self.window_dropout is not None and bool(self.window_dropout.any())):
             return None
+        p = self.project(x, position_embeddings)
         ds = slot.decode_state
         if not isinstance(ds, HybridDecodeState):
             state = expect_state(slot.state, HybridState, self)
@@ -161,11 +163,14 @@ class HybridAttention(WindowedLinearAttention):
                                            dtype=accumulation_dtype(p.v.dtype), linear_keys=p.separate)  # fmt: skip
             ds = HybridDecodeState.from_state(state, self.feature_map_k, self.num_heads)
         o = self.options
-        out = hybrid_decode_step(
-            ds, p.q, p.k, p.v, phi_q=self.feature_map_q, phi_k=self.feature_map_k, mix=o.mix, overlap=o.overlap,
-            window_factor=self.window_factor() if o.mix == "joint" else None, gate=self.gate() if o.mix == "gate" else None,
-            branches=branches, scale=self.scaling, **self.linear_inputs(p),
-        )  # fmt: skip
+        qf, kf = token_features(self, self.feature_map_q, self.feature_map_k, p.q_lin, p.k_lin)  # (B, Hq, F) each
+        dt = ds.keys.dtype
+        if o.mix == "joint":
+            mix = {"window_factor": derived(self, "window_factor", (self.window_factor_logit,), lambda: self.window_factor().to(dt))}
+        else:
+            mix = {"gate": derived(self, "gate", (self.gate_logit,), lambda: self.gate().to(dt))}
+        out = hybrid_decode_step(ds, p.q, p.k, p.v, qf, kf, mix=o.mix, overlap=o.overlap, branches=branches,
+                                 scale=self.scaling, k_lin=p.k_lin if p.separate else None, **mix)  # fmt: skip
         slot.advance(ds, 1)
         return out
 

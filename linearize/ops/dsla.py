@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .common import accumulation_dtype, default_valid, gqa_groups, repeat_kv, safe_divide
+from .common import EMPTY_DENOMINATOR, accumulation_dtype, default_valid, gqa_groups, repeat_kv, safe_divide
 from .naive import dsla_attention_reference, gla_reference  # noqa: F401 (the specification)
 from .states import DslaState
 
@@ -124,14 +124,21 @@ def dsla_attention(
 @dataclass
 class DslaDecodeState:
     """A DslaState as per-token decoding updates it in place: both states stacked in one tensor
-    (2, B, Hq, Dk, Dv [+ 1]), history first, so one operation decays and writes both. It starts as a
-    copy (a state handed out earlier is never changed); ``canonical()`` gives the DslaState."""
+    (2, B, Hq, Dk, Dv [+ 1]), history first, so one operation decays and writes both, and a
+    (B, Hkv, Dv [+ 1]) buffer that takes each token's values beside the normaliser's column of
+    ones. It starts as a copy (a state handed out earlier is never changed); ``canonical()`` gives
+    the DslaState."""
 
     states: Tensor
+    values: Tensor
 
     @classmethod
-    def from_state(cls, state: DslaState) -> "DslaDecodeState":
-        return cls(torch.stack((state.history, state.recent)))
+    def from_state(cls, state: DslaState, kv_heads: int, normalize: bool) -> "DslaDecodeState":
+        states = torch.stack((state.history, state.recent))  # (2, B, Hq, Dk, Dv [+ 1])
+        values = states.new_zeros(states.shape[1], kv_heads, states.shape[-1])  # (B, Hkv, Dv [+ 1])
+        if normalize:
+            values[..., -1] = 1.0
+        return cls(states, values)
 
     def canonical(self) -> DslaState:
         return DslaState(history=self.states[0], recent=self.states[1])
@@ -139,29 +146,35 @@ class DslaDecodeState:
 
 def dsla_decode_step(
     state: DslaDecodeState,
-    q: Tensor,
-    k: Tensor,
+    qf: Tensor,
+    kf: Tensor,
     v: Tensor,
-    log_alpha_history: Tensor,
-    log_alpha_recent: Tensor,
-    gamma: Tensor,
+    decay: Tensor,
+    weights: Tensor,
     *,
-    scale: float | None = None,
     normalize: bool = False,
 ) -> Tensor:
-    """One new real token per row (T = 1, no padding; arguments as ``dsla_attention``): the output
-    (B, Hq, 1, Dv) in q's dtype, both states decayed and written in place. The same numbers as
-    ``dsla_attention`` on that token (its recurrent form; tested against it)."""
-    n_rep = gqa_groups(q, k)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    """One new real token per row (T = 1, no padding): the output (B, Hq, 1, Dv) in v's dtype, both
+    states decayed and written in place. ``qf`` (B, Hq, Dk) and ``kf`` (B, Hq, Dk) are the query
+    and the key as the states see them (feature-mapped when ``normalize``; the key for every query
+    head of its KV head), v (B, Hkv, 1, Dv); ``decay`` (B, 2, Hq, Dk) the gates alpha = exp(log
+    alpha), history first; ``weights`` (2,) the mix (gamma, 1 - gamma), times the scale without
+    ``normalize``. The same numbers as ``dsla_attention`` on that token (its recurrent form, every
+    operation once for both states: no concatenation, no repeated KV heads; tested against it)."""
     s = state.states  # (2, B, Hq, Dk, Dv [+ 1])
-    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, Hq, 1, Dk|Dv)
-    v = _with_ones(v) if normalize else v
-    write = k.transpose(-1, -2).to(s.dtype) * v.to(s.dtype)  # (B, Hq, Dk, Dv [+ 1]): k v^T
-    decay = torch.stack((log_alpha_history, log_alpha_recent)).to(s.dtype).exp_().transpose(-1, -2)  # (2, B, Hq, Dk, 1)
-    torch.addcmul(write, decay, s, out=s)  # S = diag(alpha) S + k v^T, both states at once
-    o = torch.matmul(q.to(s.dtype) * scale, s)  # (2, B, Hq, 1, Dv [+ 1])
-    return _mix(o[0], o[1], gamma, q, normalize)
+    _, b, hq, dk, width = s.shape
+    hkv, dv = state.values.shape[1], v.shape[-1]
+    state.values[..., :dv] = v.view(b, hkv, dv)
+    write = kf.reshape(b, hkv, hq // hkv, dk, 1) * state.values.view(b, hkv, 1, 1, width)  # (B, Hkv, n_rep, Dk, Dv [+ 1]): k v^T
+    torch.addcmul(write.view(b, hq, dk, width), decay.transpose(0, 1)[..., None], s, out=s)  # S = diag(alpha) S + k v^T, both
+    o = torch.matmul(qf.reshape(1, b, hq, 1, dk), s)  # (2, B, Hq, 1, Dv [+ 1]): both states' reads
+    weights = weights.view(2, 1, 1, 1, 1)
+    if normalize:  # each state's read over its normaliser, 0 where that is empty (as safe_divide)
+        den = o[..., dv:]
+        weights = torch.where(den > EMPTY_DENOMINATOR, weights / den, 0.0)  # (2, B, Hq, 1, 1)
+        o = o[..., :dv]
+    out = torch.addcmul(o[1] * weights[1], o[0], weights[0])  # (B, Hq, 1, Dv)
+    return out if out.dtype == v.dtype else out.to(v.dtype)
 
 
 def _with_ones(v: Tensor) -> Tensor:

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .common import FeatureFn, accumulation_dtype, default_valid, gather_tokens, gqa_groups, repeat_kv, safe_divide
+from .common import EMPTY_DENOMINATOR, FeatureFn, accumulation_dtype, default_valid, gather_tokens, gqa_groups, repeat_kv, safe_divide
 from .linear_attn import linear_attention_numden
 from .naive import hybrid_attention_reference  # noqa: F401 (the specification)
 from .states import HybridState, LinearState, WindowState
@@ -454,8 +454,10 @@ class HybridDecodeState:
 
 
 def _read(x: Tensor) -> Tensor:
-    """[numerator, denominator] in the last axis -> their safe ratio."""
-    return safe_divide(x[..., :-1], x[..., -1])
+    """[numerator, denominator] in the last axis -> their ratio, 0 where the denominator is at most
+    EMPTY_DENOMINATOR (``safe_divide``'s values; decoding takes no gradients)."""
+    den = x[..., -1:]
+    return torch.where(den > EMPTY_DENOMINATOR, x[..., :-1] / den, 0.0)
 
 
 def hybrid_decode_step(
@@ -463,22 +465,25 @@ def hybrid_decode_step(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    qf: Tensor,
+    kf: Tensor,
     *,
-    phi_q: FeatureFn,
-    phi_k: FeatureFn,
     mix: str = "joint",
     overlap: bool = False,
     window_factor: Tensor | None = None,
     gate: Tensor | None = None,
     branches: str = "both",
     scale: float | None = None,
-    q_lin: Tensor | None = None,
     k_lin: Tensor | None = None,
 ) -> Tensor:
     """One new real token per row (q (B, Hq, 1, D), k/v (B, Hkv, 1, D), no padding): the output
-    (B, Hq, 1, Dv) in v's dtype, ``state`` updated in place. The same numbers as ``hybrid_attention``
-    on that token (its per-token specialisation: no concatenation, no repeated KV heads, each key's
-    features computed once); tested against it."""
+    (B, Hq, 1, Dv) in v's dtype, ``state`` updated in place. ``qf`` (B, Hq, F) is phi_q of the query
+    (of q_lin, when the feature maps see other inputs), ``kf`` (B, Hq, F) phi_k of the key (k_lin)
+    for every query head of its KV head; ``k_lin`` (B, Hkv, 1, D) is kept for the window's
+    ``linear_keys`` when the state has them. ``window_factor`` (joint mix) and ``gate`` (gate mix) are
+    (Hq,) in the state's dtype (None: 1 and 0.5). The same numbers as ``hybrid_attention`` on that
+    token (its per-token specialisation: no concatenation, no repeated KV heads, each key's
+    features computed once, when it arrives); tested against it."""
     b, hq, _, d = q.shape
     bk, w, _ = state.keys.shape
     n_rep, dt, dv = hq // (bk // b), state.keys.dtype, v.shape[-1]
@@ -487,34 +492,37 @@ def hybrid_decode_step(
     # The oldest slot leaves the window: its features (zero for an empty slot) join [S | z].
     state.linear.view(bk, -1, dv + 1).baddbmm_(state.features[:, i : i + 1].transpose(1, 2), state.values[:, i : i + 1])
     # The new token takes its slot.
-    k_feat = k if k_lin is None else k_lin
     state.keys[:, i] = k.reshape(bk, d)
     if state.linear_keys is not None:
-        state.linear_keys[:, i] = k_feat.reshape(bk, d)
+        state.linear_keys[:, i] = (k if k_lin is None else k_lin).reshape(bk, d)
     state.values[:, i, :dv] = v.reshape(bk, dv)
     if not state.full:
         state.values[:, i, dv] = 1.0
         state.valid[:, i] = True
-    state.features[:, i] = phi_k(repeat_kv(k_feat, n_rep)).reshape(bk, -1)
+    state.features[:, i] = kf.reshape(bk, -1)
     state.steps += 1
 
-    qf = phi_q(q if q_lin is None else q_lin).to(dt).view(b * hq, 1, -1)  # (B Hq, 1, F)
-    lin = torch.bmm(qf, state.linear).view(b, hq, 1, dv + 1)  # [phi(q) S, phi(q) z]
+    qf = qf.reshape(b * hq, 1, -1)  # (B Hq, 1, F)
+    if qf.dtype != dt:
+        qf = qf.to(dt)
+    lin = torch.bmm(qf, state.linear).view(b, hq, dv + 1)  # [phi(q) S, phi(q) z]
     if overlap or branches == "linear":  # the window tokens' linear part
         a = torch.einsum("brf,bwrf->brw", qf.view(bk, n_rep, -1), state.features.view(bk, w, n_rep, -1))  # (bk, n_rep, W)
-        lin = lin + torch.bmm(a, state.values).view(b, hq, 1, dv + 1)
+        lin = lin + torch.bmm(a, state.values).view(b, hq, dv + 1)
     if branches == "linear":
-        return _read(lin).to(v.dtype)
-    scores = torch.bmm(q.reshape(bk, n_rep, d).to(dt), state.keys.transpose(1, 2)).mul_(scale)  # (bk, n_rep, W)
+        return _read(lin).view(b, hq, 1, dv).to(v.dtype)
+    qs = q.reshape(bk, n_rep, d)
+    scores = torch.bmm(qs if qs.dtype == dt else qs.to(dt), state.keys.transpose(1, 2)).mul_(scale)  # (bk, n_rep, W)
     if not state.full:
         scores.masked_fill_(~state.valid[:, None, None, :].expand(b, bk // b, 1, w).reshape(bk, 1, w), float("-inf"))
         state.full = bool(state.valid.all())
     e = scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()  # the new token is in the window: the max is finite
-    sw = torch.bmm(e, state.values).view(b, hq, 1, dv + 1)  # [sum e v, sum e]
+    sw = torch.bmm(e, state.values).view(b, hq, dv + 1)  # [sum e v, sum e]
     if branches == "window":
-        return _read(sw).to(v.dtype)
-    if mix == "joint":  # the linear term is not rescaled by exp(-m_t), as in hybrid_attention
-        fq = _per_head(window_factor, hq, "window_factor", 1.0, sw).view(1, hq, 1, 1)
-        return _read(torch.addcmul(lin, fq, sw)).to(v.dtype)
-    g = _per_head(gate, hq, "gate", 0.5, sw).view(1, hq, 1, 1)
-    return (g * _read(sw) + (1 - g) * _read(lin)).to(v.dtype)
+        out = _read(sw)
+    elif mix == "joint":  # the linear term is not rescaled by exp(-m_t), as in hybrid_attention
+        out = _read(lin + sw if window_factor is None else torch.addcmul(lin, window_factor.view(hq, 1), sw))
+    else:
+        g = torch.full((hq, 1), 0.5, dtype=dt, device=sw.device) if gate is None else gate.view(hq, 1)
+        out = torch.lerp(_read(lin), _read(sw), g)  # g SWA + (1 - g) LA
+    return out.view(b, hq, 1, dv).to(v.dtype)

@@ -92,3 +92,16 @@ def test_decode_speed_table_reports_every_model_and_context(tmp_path):
     markdown = speed_markdown(result)
     assert "| 8 tok/s | x | 16 tok/s | x |" in markdown and names[1] in markdown
     assert {p.name for p in (tmp_path / "out").iterdir()} == {"speed.json", "speed.md", "speed.png"}
+    # the reference's floor step after a few tokens, in the same rounds, and the bound it sets per context
+    assert [f["context"] for f in result["floor"]] == [8, 16] and [f["floor_context"] for f in result["floor"]] == [8, 16]
+    reference = {r["context"]: r["decode_s"] for r in result["rows"] if r["model"] == names[0]}
+    assert all(f["bound"] == pytest.approx(reference[f["context"]] / f["decode_s"]) for f in result["floor"])
+    assert "| bound x |" in markdown
+    assert "floor" not in speed_markdown({**result, "floor": []}).lower()
+
+
+def test_decode_speed_rejects_a_bad_floor_context():
+    from linearize.bench.efficiency import decode_speed
+
+    with pytest.raises(ValueError, match="floor_context"):
+        decode_speed(["unused"], [8], floor_context=0)
