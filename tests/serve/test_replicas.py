@@ -15,12 +15,16 @@ from linearize.spec import ConversionSpec
 pytestmark = pytest.mark.slow  # starts a Ray cluster
 
 
-def test_two_replicas_answer_behind_one_endpoint(tmp_path):
+def test_two_replicas_answer_behind_one_endpoint(tmp_path, monkeypatch):
     ray = pytest.importorskip("ray")
     from ray import serve
 
     from linearize.serve.server import ray_application
 
+    # Ray Serve gives its HTTP proxy 5 s to report ready (three misses and it is restarted): on a loaded
+    # 2-core machine that start alone can take longer. The processes Ray starts inherit these.
+    monkeypatch.setenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+    monkeypatch.setenv("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
     model = build_tiny_llama(0, num_hidden_layers=4)
     convert(model, ConversionSpec.from_dict({"attention": "dsla", "order": [2, 0, 3, 1]}))
     model.save_pretrained(tmp_path / "tiny")
