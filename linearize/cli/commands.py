@@ -133,7 +133,7 @@ def cmd_sensitivity(args) -> int:
         recall_probes,
         save_order,
         sensitivity_report,
-        trained_loss_increase,
+        trained_sensitivity,
     )
 
     if args.recall_weight > 0 and 2 * args.recall_passage >= args.seq_len:
@@ -146,27 +146,19 @@ def cmd_sensitivity(args) -> int:
     batches = [data.heldout[i * args.batch_size:(i + 1) * args.batch_size] for i in range(args.batches)]
     probes = (recall_probes(data.heldout, passage=args.recall_passage, batch_size=args.batch_size, max_probes=args.batches * args.batch_size)
               if args.recall_weight > 0 else None)
-    entropy = attention_entropy(model, batches)
-    recall = None
     if getattr(model.config, "linearize", None) is not None:  # a trained conversion: measure its own layers
-        increase = trained_loss_increase(model, batches)
-        layers = sorted(increase)
-        if probes is not None:
-            by_layer = trained_loss_increase(model, probes)
-            recall = [by_layer[i] for i in layers]
-        report = sensitivity_report([entropy[i] for i in layers], [increase[i] for i in layers], layers,
-                                    recall=recall, recall_weight=args.recall_weight)
+        report = trained_sensitivity(model, batches, probes, recall_weight=args.recall_weight)
     else:
         from ..spec import ConversionSpec
 
         spec = spec_from_args(args) or ConversionSpec(attention="dsla")
-        if probes is not None:
-            recall = loss_increase(model, spec, probes)
-        report = sensitivity_report(entropy, loss_increase(model, spec, batches), recall=recall, recall_weight=args.recall_weight)
+        recall = None if probes is None else loss_increase(model, spec, probes)
+        report = sensitivity_report(attention_entropy(model, batches), loss_increase(model, spec, batches), recall=recall,
+                                    recall_weight=args.recall_weight)
     out = Path(args.out)
     save_order(report, out / "sensitivity.json")
     plot_sensitivity(report, out / "sensitivity.png")
-    extra = recall is not None
+    extra = "recall_weight" in report
     print(f"{'layer':>5}  {'entropy':>8}  {'loss increase':>13}" + (f"  {'recall increase':>15}  {'score':>8}" if extra else ""))
     for row in report["layers"]:
         print(f"{row['layer']:>5}  {row['entropy']:>8.3f}  {row['loss_increase']:>13.4f}"

@@ -199,7 +199,7 @@ def _run_finetune(config: TrainConfig, model, data, evaluate, common, world: Wor
 
 def _run_chained(config: TrainConfig, model, data, layers, evaluate, common, eval_batch, device) -> dict[str, Any]:
     """Sensitivity order, then step k trains only layer pi_k with pi_1..pi_{k-1} converted and frozen."""
-    from .sensitivity import attention_entropy, recall_probes, sensitivity_report, trained_loss_increase
+    from .sensitivity import recall_probes, trained_sensitivity
 
     c = config.chained
     spec = ConversionSpec.from_dict(model.config.linearize)
@@ -208,17 +208,10 @@ def _run_chained(config: TrainConfig, model, data, layers, evaluate, common, eva
     if c.order_from == "given":
         order = [int(i) for i in c.order]
     else:
-        entropy = attention_entropy(model, heldout)
-        increase = trained_loss_increase(model, heldout)
-        recall = None
-        if c.recall_weight > 0:
-            probes = recall_probes(data.heldout, passage=c.recall_passage, batch_size=eval_batch,
-                                   max_probes=c.sensitivity_batches * eval_batch)
-            recall = trained_loss_increase(model, [{k: v.to(device) for k, v in b.items()} for b in probes])
-            recall = [recall[i] for i in layers]
-        report = sensitivity_report([entropy[i] for i in layers], [increase[i] for i in layers], layers,
-                                    recall=recall, recall_weight=c.recall_weight)
-        order = report["order"] if c.order_from == "measured" else sorted(layers, key=lambda i: (entropy[i], i))
+        probes = (recall_probes(data.heldout, passage=c.recall_passage, batch_size=eval_batch, max_probes=c.sensitivity_batches * eval_batch)
+                  if c.recall_weight > 0 else None)
+        report = trained_sensitivity(model, heldout, probes, recall_weight=c.recall_weight)
+        order = report["order"] if c.order_from == "measured" else [r["layer"] for r in sorted(report["layers"], key=lambda r: (r["entropy"], r["layer"]))]
     order = [i for i in order if i in layers]
     steps = []
     for k, layer in enumerate(order, start=1):

@@ -306,6 +306,23 @@ def trained_loss_increase(model: PreTrainedModel, batches: Iterable[Batch]) -> d
         return out
 
 
+def trained_sensitivity(model: PreTrainedModel, batches: Iterable[Batch], probes: Iterable[Batch] | None = None,
+                        recall_weight: float = 0.0) -> dict[str, Any]:
+    """``sensitivity_report`` of a converted model's own (trained) layers: attention entropy and
+    ``trained_loss_increase`` on ``batches``, and with ``probes`` (``recall_probes``) each layer's
+    recall increase, weighted by ``recall_weight`` in the order."""
+    batches = list(batches)
+    entropy = attention_entropy(model, batches)
+    increase = trained_loss_increase(model, batches)
+    layers = sorted(increase)
+    recall = None
+    if probes is not None:
+        by_layer = trained_loss_increase(model, probes)
+        recall = [by_layer[i] for i in layers]
+    return sensitivity_report([entropy[i] for i in layers], [increase[i] for i in layers], layers,
+                              recall=recall, recall_weight=recall_weight)
+
+
 def _average_ranks(values: Sequence[float]) -> list[float]:
     order = sorted(range(len(values)), key=lambda k: values[k])
     ranks = [0.0] * len(values)
@@ -427,4 +444,5 @@ __all__ = [
     "save_order",
     "sensitivity_report",
     "spearman",
+    "trained_sensitivity",
 ]

@@ -271,3 +271,13 @@ def test_recall_probe_passage_must_leave_a_gap_in_the_rows():
     with pytest.raises(ConfigError, match="recall_weight"):
         load_recipe("dsla-chained", {"chained.recall_weight": -0.1})
     assert load_recipe("dsla-chained", {"data.seq_len": 128, "chained.recall_weight": 0}).chained.recall_weight == 0
+
+
+@pytest.mark.slow
+def test_entropy_order_sorts_the_layers_by_attention_entropy(tiny_model_dir, tiny_corpus, tmp_path):
+    overrides = tiny_overrides(tiny_model_dir, tiny_corpus, tmp_path, **{"chained.order_from": "entropy", "transfer.max_steps": 1})
+    overrides.pop("spec.window")
+    chained = run(load_recipe("dsla-chained", overrides))["stages"]["chained"]
+    rows = chained["sensitivity"]["layers"]
+    assert chained["order"] == [r["layer"] for r in sorted(rows, key=lambda r: (r["entropy"], r["layer"]))]
+    assert sorted(chained["order"]) == [0, 1, 2]
