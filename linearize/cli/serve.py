@@ -31,7 +31,7 @@ def from_args(cls, args):
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if getattr(args, f.name, None) is not None})
 
 
-ENGINE_FIELDS = ("model", "kv_budget", "max_level", "high_water", "low_water", "max_step_tokens", "max_running", "device")
+ENGINE_FIELDS = ("model", "kv_budget", "max_level", "high_water", "low_water", "max_step_tokens", "max_running", "runner", "device")
 """The ServeSettings fields a replay uses (its engine)."""
 
 

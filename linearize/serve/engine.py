@@ -30,12 +30,14 @@ import torch
 
 from .levels import LevelMemory
 from .policy import MemoryView, Policy, RequestView, SoftmaxPolicy
+from .pool import PooledRunner, PooledSequence
 from .runner import Runner, Sequence
 from .sampling import SamplingParams, StopChecker, make_generator, sample
 
 logger = logging.getLogger(__name__)
 
 FINISH_REASONS = ("stop", "length", "abort", "rejected")
+RUNNERS = ("pooled", "reference")
 
 
 @dataclass
@@ -48,7 +50,7 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     output: list[int] = field(default_factory=list)
     level: int = 0
-    seq: Sequence | None = None
+    seq: Sequence | PooledSequence | None = None
     finish_reason: str | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -107,12 +109,18 @@ class EngineConfig:
     """Tokens one step processes: decodes first, prefill chunks with the rest."""
     max_running: int = 64
     """Requests decoding together at most."""
+    runner: str = "pooled"
+    """pooled: every request's memory in per-layer slot pools (one gather and one attention call per
+    layer and group); reference: per-request states merged for every layer (the plain form it is
+    tested against)."""
 
     def __post_init__(self) -> None:
         for name in ("kv_budget", "max_step_tokens", "max_running"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
 
 
 class Engine:
@@ -120,7 +128,7 @@ class Engine:
 
     def __init__(self, model, levels: LevelMemory, config: EngineConfig, *, policy: Policy | None = None, tokenizer=None,
                  eos_token_ids: Iterable[int] | None = None):
-        self.runner = Runner(model, levels)
+        self.runner = PooledRunner(model, levels, config.max_running) if config.runner == "pooled" else Runner(model, levels)
         self.levels, self.config = levels, config
         self.policy = policy or SoftmaxPolicy()
         self.tokenizer = tokenizer
@@ -212,7 +220,7 @@ class Engine:
             logger.info("request %s: level %d -> %d at %d tokens (recompute)", rid, request.level, level, request.target)
             self.counters["conversions"] += level - request.level
             request.level, request.raises = level, request.raises + 1
-            request.seq = None  # rebuilt from its tokens at the new level by the next prefill chunks
+            self._drop_memory(request)  # rebuilt from its tokens at the new level by the next prefill chunks
 
     def _decoding(self) -> list[Request]:
         return [r for r in self.running if r.prefilled and r.output][: self.config.max_step_tokens]
@@ -242,7 +250,7 @@ class Engine:
     def _preempt(self, request: Request) -> None:
         logger.info("preempting request %s (%d tokens held, level %d)", request.id, request.held, request.level)
         self.running.remove(request)
-        request.seq = None
+        self._drop_memory(request)
         request.preemptions += 1
         self.counters["preemptions"] += 1
         self.waiting.appendleft(request)
@@ -340,9 +348,15 @@ class Engine:
     def _finish(self, request: Request, reason: str) -> None:
         request.finish_reason = reason
         request.finish_time = time.monotonic()
-        request.seq = None
+        self._drop_memory(request)
         self.finished[request.id] = request
         self.counters[f"finished_{reason}"] += 1
+
+    def _drop_memory(self, request: Request) -> None:
+        """Free what a request holds (its slot goes back to the pools)."""
+        if request.seq is not None and isinstance(self.runner, PooledRunner):
+            self.runner.release(request.seq)
+        request.seq = None
 
     # --- convenience ------------------------------------------------------------------------
     def run(self, max_steps: int | None = None) -> dict[str, Request]:

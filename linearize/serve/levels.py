@@ -51,6 +51,13 @@ class LevelMemory:
         converted = self.converted_layers(level)
         return sum((self.converted[i] if i in converted else m).at(tokens) for i, m in enumerate(self.softmax))
 
+    def bytes_by_kind(self, level: int, tokens: int) -> tuple[int, int]:
+        """(bytes of softmax keys and values, bytes of converted layers' states) of a request at ``level``
+        with ``tokens`` of context."""
+        converted = self.converted_layers(level)
+        kv = sum(m.at(tokens) for i, m in enumerate(self.softmax) if i not in converted)
+        return kv, sum(self.converted[i].at(tokens) for i in converted)
+
     def saving(self, level: int, tokens: int) -> int:
         """Bytes freed by raising a request at ``tokens`` of context from ``level`` to ``level + 1``
         (negative when its context is shorter than the converted layer's state)."""

@@ -355,8 +355,10 @@ def run_replay(engine_factory, requests: Sequence[ReplayRequest], policies: Sequ
             engine = engine_factory(policy)
             warm_up(engine, requests[0].prompt if requests else [1])
             records, timeline = replay_engine(engine, requests, rate_scale=rate_scale, timeout=timeout)
+            arena = getattr(engine.runner, "arena_bytes", None)
             return records, timeline, {"peak_bytes": engine.peak_bytes, "budget_bytes": engine.config.kv_budget,
-                                       "conversions": engine.counters["conversions"]}  # fmt: skip
+                                       "conversions": engine.counters["conversions"],
+                                       "arena_bytes": arena() if arena is not None else None}  # fmt: skip
         return replay
 
     return report_runs({policy: run(policy) for policy in policies}, n_requests=len(requests), rate_scale=rate_scale, slo=slo,

@@ -39,6 +39,8 @@ class ServeSettings:
     """Tokens per engine step: decodes first, then prefill chunks."""
     max_running: int = 64
     """Requests decoding together at most."""
+    runner: str = "pooled"
+    """pooled: requests' memory in per-layer slot pools; reference: per-request states merged every layer (slow, plain)."""
     max_prompt_tokens: int = 8192
     """Longer prompts get 400."""
     max_waiting: int = 256
@@ -59,6 +61,8 @@ class ServeSettings:
                 raise ValueError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.runner not in ("pooled", "reference"):
+            raise ValueError(f"runner must be pooled or reference, got {self.runner!r}")
         parse_bytes(self.kv_budget)
         if str(self.model).startswith("random:"):
             from .random_family import random_shape

@@ -1,0 +1,269 @@
+"""The pooled runner: every request's per-layer memory in one preallocated tensor per layer, row = its slot.
+
+The reference runner (``runner.Runner``) keeps each request's states as separate tensors and merges
+them into a batch for every layer (a copy of every row, left padding, a host sync per row) and runs
+the reference softmax (float32 scores). The pooled runner gives the same results (tested against it)
+with the work done once per layer and group of rows:
+
+- softmax layers: keys and values (slots, kv_heads, capacity, head_dim) in the model's dtype. A
+  request holding n tokens has them at positions 0..n-1 of its slot. A call writes its new tokens at
+  n..n+T-1 with one indexed copy, then attends over the first max(n)+T positions of the slots from
+  its lowest to its highest (a view, no copy; slots in that span that are not in the call attend to
+  their position 0 and are dropped), or over a gathered copy of its rows when that span is more
+  than three times the rows (a copy costs a write and a read); one ``scaled_dot_product_attention``
+  call with the query heads of a KV head folded into the query axis, so grouped heads are never
+  repeated. Free slots are handed out lowest first, which keeps the span of running requests short;
+- converted layers: the kind's state with the slot on dim 0; a group's rows are gathered, advanced
+  by the layer's ``attend`` and written back with ``index_copy_``.
+
+The arena grows (slots or capacity doubled, one copy) when a request needs more; freed slots are
+reused without clearing (a slot's stale positions are masked; a first chunk starts from no state).
+What a request holds is counted by the level formula (``LevelMemory``: the bytes its states would
+hold alone); ``arena_bytes`` is what the pools have allocated.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..layers.base import ConvertedAttention, project_qkv
+from ..modeling import decoder_layers
+from .levels import LevelMemory
+
+MIN_SLOTS = 4
+MIN_CAPACITY = 256
+
+
+@dataclass(eq=False)
+class PooledSequence:
+    """One request's place in the pools: its slot, the tokens it holds and its conversion level."""
+
+    slot: int
+    levels: LevelMemory = field(repr=False)
+    level: int = 0
+    position: int = 0
+
+    def nbytes_by_kind(self) -> tuple[int, int]:
+        """(bytes of softmax keys and values, bytes of converted layers' states) this request holds."""
+        return self.levels.bytes_by_kind(self.level, self.position)
+
+    def nbytes(self) -> int:
+        return sum(self.nbytes_by_kind())
+
+
+@dataclass
+class PooledRunner:
+    """Runs a nested family (its ``order`` in ``levels``) row by row at each row's level, on slot pools."""
+
+    model: torch.nn.Module
+    levels: LevelMemory
+    max_slots: int | None = None
+    """Requests the pools may hold at once (None: no limit); the arena never grows past it."""
+    _layers: list = field(init=False, repr=False)
+    _keys: list = field(init=False, repr=False)
+    _values: list = field(init=False, repr=False)
+    _states: dict = field(init=False, repr=False)
+    _free: list = field(init=False, repr=False)
+    _slots: int = field(init=False, default=0)
+    _capacity: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self._layers = list(decoder_layers(self.model))
+        for i in self.levels.order:
+            if not isinstance(self._layers[i].self_attn, ConvertedAttention):
+                raise ValueError(f"layer {i} is in the conversion order but is not converted")
+        self._keys = [None] * len(self._layers)
+        self._values = [None] * len(self._layers)
+        self._states = {}
+        self._free = []
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._layers)
+
+    # --- slots ---------------------------------------------------------------------------------
+    def new_sequence(self, level: int = 0) -> PooledSequence:
+        level = self.levels.check_level(level)
+        if not self._free:
+            if self.max_slots is not None and self._slots >= self.max_slots:
+                raise RuntimeError(f"all {self.max_slots} slots are taken: release a sequence first")
+            grown = max(MIN_SLOTS, 2 * self._slots)
+            self._grow(slots=grown if self.max_slots is None else min(grown, self.max_slots))
+        return PooledSequence(heapq.heappop(self._free), self.levels, level, 0)
+
+    def release(self, seq: PooledSequence | None) -> None:
+        """Give a request's slot back (its memory is free for the next request)."""
+        if seq is not None and seq.slot >= 0:
+            heapq.heappush(self._free, seq.slot)
+            seq.slot = -1
+
+    def arena_bytes(self) -> int:
+        """Bytes the pools have allocated (every slot at full capacity)."""
+        tensors = [t for t in self._keys + self._values if t is not None]
+        tensors += [t for s in self._states.values() for t in s.tensors()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _grow(self, slots: int | None = None, capacity: int | None = None) -> None:
+        """Enlarge the arena to ``slots`` rows and ``capacity`` tokens per row (copies what is held)."""
+        new_slots = max(self._slots, slots or 0)
+        new_capacity = max(self._capacity, capacity or 0, MIN_CAPACITY)
+        if new_slots == self._slots and new_capacity == self._capacity:
+            return
+        for pool in (self._keys, self._values):
+            for i, t in enumerate(pool):
+                if t is not None:
+                    grown = t.new_zeros(new_slots, t.shape[1], new_capacity, t.shape[3])
+                    grown[: t.shape[0], :, : t.shape[2]] = t
+                    pool[i] = grown
+        for i, state in self._states.items():
+            self._states[i] = state._map(lambda t: torch.cat([t, t.new_zeros(new_slots - t.shape[0], *t.shape[1:])]))
+        for slot in range(self._slots, new_slots):
+            heapq.heappush(self._free, slot)
+        self._slots, self._capacity = new_slots, new_capacity
+
+    # --- forward -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, seqs: list[PooledSequence], ids: Tensor) -> Tensor:
+        """Feed ``ids`` (B, T) to the B sequences (row b continues ``seqs[b]``); returns the logits of
+        each row's last position (B, vocab), float32. Every sequence's position advances by T."""
+        if ids.dim() != 2 or ids.shape[0] != len(seqs):
+            raise ValueError(f"ids must be (rows, tokens) with one row per sequence; got {tuple(ids.shape)} for {len(seqs)} sequences")
+        if any(s.slot < 0 for s in seqs):
+            raise ValueError("a released sequence cannot run again: take a new one")
+        model = self.model.model
+        b, t = ids.shape
+        device = ids.device
+        need = max(s.position for s in seqs) + t
+        if need > self._capacity:
+            limit = getattr(self.model.config, "max_position_embeddings", None) or need
+            self._grow(capacity=max(need, min(2 * self._capacity, limit)))
+        x = model.embed_tokens(ids)  # (B, T, hidden)
+        start = torch.tensor([s.position for s in seqs], device=device)  # (B,)
+        positions = start[:, None] + torch.arange(t, device=device)  # (B, T)
+        cos, sin = model.rotary_emb(x, positions)
+        converted_rows = [self.levels.converted_layers(s.level) for s in seqs]
+        groups: dict[tuple[int, ...], _Group] = {}
+        for i, layer in enumerate(self._layers):
+            h = layer.input_layernorm(x)
+            split = ([r for r in range(b) if i in converted_rows[r]], [r for r in range(b) if i not in converted_rows[r]])
+            if not split[0] or not split[1]:  # one group: no gather of the hidden states
+                rows = tuple(range(b))
+                group = groups.get(rows) or groups.setdefault(rows, _Group.make(rows, seqs, positions, t, device))
+                out = self._attention(layer.self_attn, h, (cos, sin), group, i, converted=bool(split[0]))
+            else:
+                out = torch.empty_like(h)
+                for converted, part in zip((True, False), split):
+                    rows = tuple(part)
+                    group = groups.get(rows) or groups.setdefault(rows, _Group.make(rows, seqs, positions, t, device))
+                    o = self._attention(layer.self_attn, h[group.rows], (cos[group.rows], sin[group.rows]), group, i, converted)
+                    out.index_copy_(0, group.rows, o)
+            x = x + out
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        for s in seqs:
+            s.position += t
+        return self.model.lm_head(model.norm(x[:, -1])).float()  # (B, vocab)
+
+    def _attention(self, attn, h: Tensor, pe: tuple[Tensor, Tensor], group: "_Group", i: int, converted: bool) -> Tensor:
+        b, t, _ = h.shape
+        if converted:
+            o = self._converted(attn, h, pe, group, i)
+        else:
+            o = self._softmax(attn, h, pe, group, i)
+        return attn.o_proj(o.transpose(1, 2).reshape(b, t, -1).to(h.dtype))
+
+    def _converted(self, attn, h: Tensor, pe: tuple[Tensor, Tensor], group: "_Group", i: int) -> Tensor:
+        pool = self._states.get(i)
+        if group.all_fresh or pool is None:
+            state = None
+        else:
+            state = pool.select(group.slots)
+            if group.fresh is not None:  # rows starting now begin from an empty (zero) state
+                state = state._map(lambda x: x.index_fill_(0, group.fresh, 0))
+        p = attn.project(h, pe)
+        o, new = attn.attend(p, h, None, state, mode="hybrid")
+        if pool is None:
+            pool = self._states[i] = new._map(lambda x: x.new_zeros(self._slots, *x.shape[1:]))
+        for dst, src in zip(pool.tensors(), new.tensors()):
+            dst.index_copy_(0, group.slots, src.to(dst.dtype))
+        return o
+
+    def _softmax(self, attn, h: Tensor, pe: tuple[Tensor, Tensor], group: "_Group", i: int) -> Tensor:
+        q, k, v, _, _ = project_qkv(attn, h, pe)  # q (B, Hq, T, D), k/v (B, Hkv, T, D)
+        if self._keys[i] is None:
+            self._keys[i] = k.new_zeros(self._slots, k.shape[1], self._capacity, k.shape[3])
+            self._values[i] = v.new_zeros(self._slots, v.shape[1], self._capacity, v.shape[3])
+        keys, values = self._keys[i], self._values[i]
+        b, hkv, t, d = k.shape
+        # write the new tokens at their positions: keys[slot_b, :, start_b + j] = k[b, :, j]
+        keys[group.write_slots, :, group.write_positions] = k.transpose(1, 2).reshape(b * t, hkv, d)
+        values[group.write_slots, :, group.write_positions] = v.transpose(1, 2).reshape(b * t, hkv, v.shape[3])
+        n, n_rep = group.length, q.shape[1] // hkv
+        qf = q.reshape(b, hkv, n_rep * t, d)  # query heads of one KV head folded into the query axis
+        if group.gather:
+            keys, values = keys[group.slots, :, :n], values[group.slots, :, :n]  # (B, Hkv, n, D) copies
+        else:
+            keys, values = keys[group.lo : group.lo + group.span, :, :n], values[group.lo : group.lo + group.span, :, :n]  # views
+            if group.span_index is not None:  # rows placed in the span; the span's other slots idle
+                qf = qf.new_zeros(group.span, *qf.shape[1:]).index_copy_(0, group.span_index, qf)
+        o = F.scaled_dot_product_attention(qf, keys, values, attn_mask=group.mask(n_rep), scale=attn.scaling)
+        if group.span_index is not None and not group.gather:
+            o = o.index_select(0, group.span_index)
+        return o.reshape(b, hkv * n_rep, t, values.shape[3])
+
+
+@dataclass
+class _Group:
+    """Index tensors of one group of rows for one forward call (shared by every layer it meets)."""
+
+    rows: Tensor  # (G,) rows of the call
+    slots: Tensor  # (G,) their slots
+    lo: int  # lowest slot
+    span: int  # highest - lowest + 1
+    gather: bool  # attend over gathered copies of the rows (else over the span's view)
+    span_index: Tensor | None  # (G,) each row's place in the span, unless the rows are the span in order
+    write_slots: Tensor  # (G * T,)
+    write_positions: Tensor  # (G * T,)
+    length: int  # positions attended: max(start) + T
+    allowed: Tensor  # (G or span, T, length) bool: key j visible to query t of row g (span rows: the span's)
+    fresh: Tensor | None  # rows (within the group) that hold nothing yet, when some do
+    all_fresh: bool
+    _masks: dict = field(default_factory=dict)
+
+    @classmethod
+    def make(cls, rows: tuple[int, ...], seqs, positions: Tensor, t: int, device) -> "_Group":
+        starts = [seqs[r].position for r in rows]
+        slots = [seqs[r].slot for r in rows]
+        length = max(starts) + t
+        idx = torch.tensor(rows, device=device)
+        pos = positions.index_select(0, idx)  # (G, T)
+        allowed = torch.arange(length, device=device)[None, None, :] <= pos[:, :, None]  # (G, T, length)
+        fresh = [g for g, n in enumerate(starts) if n == 0]
+        slot_t = torch.tensor(slots, device=device)
+        lo, span = min(slots), max(slots) - min(slots) + 1
+        gather = span > 3 * len(rows)
+        in_order = slots == list(range(lo, lo + len(rows)))
+        span_index = None if in_order or gather else slot_t - lo
+        if span_index is not None:  # idle slots of the span see their position 0 only (no empty rows)
+            idle = torch.zeros(span, t, length, dtype=torch.bool, device=device)
+            idle[:, :, 0] = True
+            allowed = idle.index_copy_(0, span_index, allowed)
+        return cls(
+            rows=idx, slots=slot_t, lo=lo, span=span, gather=gather, span_index=span_index,
+            write_slots=slot_t.repeat_interleave(t), write_positions=pos.reshape(-1),
+            length=length, allowed=allowed,
+            fresh=torch.tensor(fresh, device=device) if fresh and len(fresh) < len(rows) else None,
+            all_fresh=len(fresh) == len(rows),
+        )  # fmt: skip
+
+    def mask(self, n_rep: int) -> Tensor:
+        """(G or span, 1, n_rep * T, length): the mask for queries folded as (head in group, token)."""
+        m = self._masks.get(n_rep)
+        if m is None:
+            m = self._masks[n_rep] = self.allowed.repeat(1, n_rep, 1)[:, None]
+        return m
+

@@ -1,0 +1,171 @@
+"""The pooled runner gives what the reference runner gives: logits, positions and bytes, through slot
+reuse and arena growth; the engine gives the same tokens on either."""
+
+import pytest
+import torch
+
+from linearize.convert import convert
+from linearize.hub import build_tiny_llama
+from linearize.serve.engine import Engine, EngineConfig
+from linearize.serve.levels import LevelMemory
+from linearize.serve.policy import parse_policy
+from linearize.serve.pool import MIN_CAPACITY, MIN_SLOTS, PooledRunner
+from linearize.serve.runner import Runner
+from linearize.serve.sampling import SamplingParams
+from linearize.spec import ConversionSpec
+
+ORDER = [2, 0, 3]  # layer 1 is never converted
+
+
+def family():
+    model = build_tiny_llama(0, num_hidden_layers=4)  # 4 query heads on 2 KV heads: grouped
+    spec = ConversionSpec.from_dict({"attention": "dsla", "layers": ORDER, "order": ORDER})
+    convert(model, spec)
+    return model, LevelMemory.from_spec(spec, model.config, dtype_bytes=4)
+
+
+def run_both(model, levels, prompts, level_of, steps, gen, *, pooled=None):
+    """Prefill each prompt (chunks of 8) on both runners, then decode ``steps`` forced tokens for all
+    rows in one batch; returns the max |difference| of logits seen, and the two sequences lists."""
+    ref, pool = Runner(model, levels), pooled or PooledRunner(model, levels)
+    rs = [ref.new_sequence(level) for level in level_of]
+    ps = [pool.new_sequence(level) for level in level_of]
+    worst = 0.0
+    for r, p, prompt in zip(rs, ps, prompts):
+        for chunk in prompt.split(8):
+            worst = max(worst, (ref.forward([r], chunk[None]) - pool.forward([p], chunk[None])).abs().max().item())
+    for _ in range(steps):
+        ids = torch.randint(3, 128, (len(rs), 1), generator=gen)
+        worst = max(worst, (ref.forward(rs, ids) - pool.forward(ps, ids)).abs().max().item())
+    return worst, rs, ps, pool
+
+
+def test_pooled_equals_reference_across_levels_chunks_and_growth():
+    model, levels = family()
+    gen = torch.Generator().manual_seed(0)
+    level_of = [0, 2, 3, 1, 0, 3]  # more rows than the first arena's slots
+    lengths = [9, 4, 13, MIN_CAPACITY + 40, 1, 7]  # one prompt past the first capacity
+    prompts = [torch.randint(3, 128, (n,), generator=gen) for n in lengths]
+    assert len(level_of) > MIN_SLOTS
+    worst, rs, ps, pool = run_both(model, levels, prompts, level_of, 6, gen)
+    assert worst < 1e-5
+    assert [p.position for p in ps] == [r.position for r in rs] == [n + 6 for n in lengths]
+    assert [p.nbytes() for p in ps] == [r.nbytes() for r in rs]
+    assert [p.nbytes_by_kind() for p in ps] == [r.nbytes_by_kind() for r in rs]
+    assert pool.arena_bytes() > 0
+
+
+def test_a_reused_slot_starts_clean():
+    """A released slot's stale keys and states must not leak into the next request that takes it."""
+    model, levels = family()
+    gen = torch.Generator().manual_seed(1)
+    pool = PooledRunner(model, levels)
+    for level in (3, 0, 2):  # fill every layer's pools with one request's memory, then free it
+        s = pool.new_sequence(level)
+        pool.forward([s], torch.randint(3, 128, (1, 30), generator=gen))
+        pool.release(s)
+    prompts = [torch.randint(3, 128, (n,), generator=gen) for n in (5, 11)]
+    worst, *_ = run_both(model, levels, prompts, [2, 0], 4, gen, pooled=pool)
+    assert worst < 1e-5
+
+
+@pytest.mark.parametrize("keep", [(5, 2, 3), (9, 0), (4, 6, 1, 7)])
+def test_rows_out_of_slot_order_with_gaps_between_them(keep):
+    """Rows whose slots are not 0..B-1 in order: the span view with idle slots (a few gaps) and the
+    gathered copy (a span more than three times the rows) both give the reference logits."""
+    model, levels = family()
+    gen = torch.Generator().manual_seed(3)
+    ref, pool = Runner(model, levels), PooledRunner(model, levels)
+    taken = [pool.new_sequence(0) for _ in range(max(keep) + 1)]
+    for s in taken:
+        pool.release(s)
+    slots = [pool.new_sequence(0) for _ in range(max(keep) + 1)]  # lowest first: slot k at index k
+    assert [s.slot for s in slots] == list(range(max(keep) + 1))
+    for s in slots:
+        if s.slot not in keep:
+            pool.release(s)
+    level_of = [(2, 0, 3, 1)[j % 4] for j in range(len(keep))]
+    ps = []
+    for slot, level in zip(keep, level_of):
+        s = slots[slot]
+        s.level = level
+        ps.append(s)
+    rs = [ref.new_sequence(level) for level in level_of]
+    worst = 0.0
+    for r, p, n in zip(rs, ps, (7, 12, 3, 9)):
+        ids = torch.randint(3, 128, (1, n), generator=gen)
+        worst = max(worst, (ref.forward([r], ids) - pool.forward([p], ids)).abs().max().item())
+    for _ in range(4):
+        ids = torch.randint(3, 128, (len(rs), 1), generator=gen)
+        worst = max(worst, (ref.forward(rs, ids) - pool.forward(ps, ids)).abs().max().item())
+    assert worst < 1e-5
+
+
+def test_the_arena_stops_at_its_slot_limit():
+    model, levels = family()
+    pool = PooledRunner(model, levels, max_slots=5)
+    held = [pool.new_sequence() for _ in range(5)]
+    with pytest.raises(RuntimeError, match="all 5 slots are taken"):
+        pool.new_sequence()
+    pool.release(held[2])
+    assert pool.new_sequence().slot == 2
+
+
+def test_released_sequences_cannot_run_and_bad_rows_are_refused():
+    model, levels = family()
+    pool = PooledRunner(model, levels)
+    s = pool.new_sequence(1)
+    pool.release(s)
+    with pytest.raises(ValueError, match="released sequence"):
+        pool.forward([s], torch.zeros(1, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="one row per sequence"):
+        pool.forward([pool.new_sequence()], torch.zeros(2, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"level must be an integer in 0\.\.3"):
+        pool.new_sequence(4)
+
+
+@pytest.mark.parametrize("policy", ["softmax", "static:2", "length-caps"])
+def test_engine_gives_the_same_tokens_on_either_runner(policy):
+    model, levels = family()
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (5, 40, 17, 3, 29)]
+    outputs = {}
+    for runner in ("reference", "pooled"):
+        engine = Engine(model, levels, EngineConfig(kv_budget=10**9, max_step_tokens=24, runner=runner),
+                        policy=parse_policy(policy, levels))  # fmt: skip
+        ids = [engine.add_request(p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)) for p in prompts]
+        done = engine.run()
+        outputs[runner] = [done[i].output for i in ids]
+    assert outputs["pooled"] == outputs["reference"]
+
+
+def test_engine_frees_slots_and_refuses_unknown_runners():
+    model, levels = family()
+    engine = Engine(model, levels, EngineConfig(kv_budget=10**9, max_step_tokens=16))
+    for n in (6, 9, 4):
+        engine.add_request(list(range(3, 3 + n)), SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.run()
+    runner = engine.runner
+    assert isinstance(runner, PooledRunner) and sorted(runner._free) == list(range(runner._slots))
+    with pytest.raises(ValueError, match="runner must be one of pooled, reference, got 'paged'"):
+        EngineConfig(kv_budget=1, runner="paged")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_pooled_equals_reference_on_cuda():
+    """On CUDA the pooled runner's softmax runs on the fused SDPA kernels and DSLA on fla's."""
+    model, levels = family()
+    model.cuda()
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 128, (n,), generator=gen).cuda() for n in (9, 300, 4, 13, 1)]
+    ref, pool = Runner(model, levels), PooledRunner(model, levels)
+    rs = [ref.new_sequence(level) for level in (0, 3, 2, 1, 0)]
+    ps = [pool.new_sequence(level) for level in (0, 3, 2, 1, 0)]
+    worst = 0.0
+    for r, p, prompt in zip(rs, ps, prompts):
+        for chunk in prompt.split(64):
+            worst = max(worst, (ref.forward([r], chunk[None]) - pool.forward([p], chunk[None])).abs().max().item())
+    for _ in range(4):
+        ids = torch.randint(3, 128, (len(rs), 1), generator=gen).cuda()
+        worst = max(worst, (ref.forward(rs, ids) - pool.forward(ps, ids)).abs().max().item())
+    assert worst < 2e-3
