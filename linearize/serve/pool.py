@@ -12,7 +12,9 @@ with the work done once per layer and group of rows:
   their position 0 and are dropped), or over a gathered copy of its rows when that span is more
   than three times the rows (a copy costs a write and a read); one ``scaled_dot_product_attention``
   call with the query heads of a KV head folded into the query axis, so grouped heads are never
-  repeated. Free slots are handed out lowest first, which keeps the span of running requests short;
+  repeated. cuDNN's attention is left out of that call's backends: it builds a graph for every new
+  key length, i.e. for every decode step (tens of ms each on an H200); flash, memory-efficient and
+  math attention take any length. Free slots are handed out lowest first, which keeps the span of running requests short;
 - converted layers: the kind's state with the slot on dim 0; a group's rows are gathered, advanced
   by the layer's ``attend`` and written back with ``index_copy_``.
 
@@ -30,11 +32,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..layers.base import ConvertedAttention, project_qkv
 from ..modeling import decoder_layers
 from .levels import LevelMemory
 
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""The attention backends the pooled runner lets SDPA choose from (not cuDNN: a graph per key length)."""
 MIN_SLOTS = 4
 MIN_CAPACITY = 256
 
@@ -210,7 +215,8 @@ class PooledRunner:
             keys, values = keys[group.lo : group.lo + group.span, :, :n], values[group.lo : group.lo + group.span, :, :n]  # views
             if group.span_index is not None:  # rows placed in the span; the span's other slots idle
                 qf = qf.new_zeros(group.span, *qf.shape[1:]).index_copy_(0, group.span_index, qf)
-        o = F.scaled_dot_product_attention(qf, keys, values, attn_mask=group.mask(n_rep), scale=attn.scaling)
+        with sdpa_kernel(SDPA_BACKENDS):
+            o = F.scaled_dot_product_attention(qf, keys, values, attn_mask=group.mask(n_rep), scale=attn.scaling)
         if group.span_index is not None and not group.gather:
             o = o.index_select(0, group.span_index)
         return o.reshape(b, hkv * n_rep, t, values.shape[3])

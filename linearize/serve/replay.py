@@ -339,6 +339,14 @@ def summarize(records: Sequence[RequestRecord], *, slo: dict[str, float] | None 
     }
 
 
+def step_stats(timeline: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Engine steps of an in-process replay (one timeline sample per step): how many, their durations
+    (seconds between consecutive steps' ends: mean, p50, p90, p99) and the mean number of running requests."""
+    times = [p["t"] for p in timeline]
+    return {"steps": len(times), "duration_s": _stats([b - a for a, b in zip(times, times[1:])]),
+            "mean_running": statistics.fmean([p["running"] for p in timeline]) if timeline else None}  # fmt: skip
+
+
 Run = Callable[[], tuple[list[RequestRecord], list[dict[str, Any]], dict[str, Any]]]
 """One policy's replay: () -> (records, timeline, what the server counted: peak_bytes, budget_bytes,
 conversions, and optionally preemptions and mean_level, which then replace the records' own)."""
@@ -358,7 +366,8 @@ def run_replay(engine_factory, requests: Sequence[ReplayRequest], policies: Sequ
             arena = getattr(engine.runner, "arena_bytes", None)
             return records, timeline, {"peak_bytes": engine.peak_bytes, "budget_bytes": engine.config.kv_budget,
                                        "conversions": engine.counters["conversions"],
-                                       "arena_bytes": arena() if arena is not None else None}  # fmt: skip
+                                       "arena_bytes": arena() if arena is not None else None,
+                                       "engine_steps": step_stats(timeline)}  # fmt: skip
         return replay
 
     return report_runs({policy: run(policy) for policy in policies}, n_requests=len(requests), rate_scale=rate_scale, slo=slo,
@@ -417,6 +426,16 @@ def replay_markdown(result: dict[str, Any]) -> str:
             f"| {m['preemptions']} | {m['conversions']} | {f(m['mean_level'], 1, 1)} "
             f"| {f(m['peak_bytes'] / m['budget_bytes'] if m.get('peak_bytes') is not None and m.get('budget_bytes') else None, 100, 0)}% |"
         )
+    stepped = {p: m for p, m in result["policies"].items() if m.get("engine_steps")}
+    if stepped:
+        lines += ["", "Engine steps (in process): time between consecutive steps' ends, with the requests running.", "",
+                  "| policy | steps | mean (ms) | p50 | p90 | p99 | mean running | pools allocated (GiB) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for policy, m in stepped.items():
+            st, d = m["engine_steps"], m["engine_steps"]["duration_s"]
+            arena = m.get("arena_bytes")
+            lines.append(f"| {policy} | {st['steps']} | {f(d['mean'], 1e3, 1)} | {f(d['p50'], 1e3, 1)} | {f(d['p90'], 1e3, 1)} "
+                         f"| {f(d['p99'], 1e3, 1)} | {f(st['mean_running'], 1, 1)} | {f(arena / 2**30 if arena else None, 1, 2)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -86,10 +86,14 @@ def test_replay_every_policy_loses_nothing(tmp_path):
         assert m["lost"] == 0 and m["completed"] + m["rejected"] == 10, policy
         assert m["peak_bytes"] <= m["budget_bytes"]
         assert m["normalized_latency_s"]["mean"] > 0
+        steps = m["engine_steps"]
+        assert steps["steps"] > 1 and steps["duration_s"]["p50"] > 0 and steps["mean_running"] > 0
+        assert m["arena_bytes"] > 0
     assert result["policies"]["softmax"]["speedup_vs_softmax"] == pytest.approx(1.0)
     for name in ("report.json", "report.md", "latency_cdf.png", "latency_vs_length.png", "memory_levels.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert "| memory |" in (tmp_path / "report.md").read_text()
+    assert "Engine steps (in process)" in (tmp_path / "report.md").read_text()
 
 
 @pytest.mark.slow
