@@ -242,10 +242,17 @@ def warm_up_levels(model, levels, max_level: int | None = None, lengths: Sequenc
     return done
 
 
+PROFILE_FROM_STEP = 20
+"""The engine step a profile starts at (the first steps of a replay are prefills only)."""
+
+
 def replay_engine(engine: Engine, requests: Sequence[ReplayRequest], *, rate_scale: float = 1.0, timeout: float | None = None,
-                  progress: bool = True) -> tuple[list[RequestRecord], list[dict[str, Any]]]:
+                  progress: bool = True, profile_steps: int = 0,
+                  profile_out: Path | None = None) -> tuple[list[RequestRecord], list[dict[str, Any]]]:
     """Replay ``requests`` open loop against ``engine`` in this process; (records, timeline samples of
-    memory and levels). Arrivals at ``arrival / rate_scale`` seconds after the start."""
+    memory and levels). Arrivals at ``arrival / rate_scale`` seconds after the start. With
+    ``profile_steps``, steps PROFILE_FROM_STEP.. of the replay run under torch.profiler and its
+    operator table goes to ``profile_out``."""
     if rate_scale <= 0:
         raise ValueError(f"rate_scale must be > 0, got {rate_scale}")
     records = [RequestRecord(r.arrival / rate_scale, len(r.prompt), r.output_tokens) for r in requests]
@@ -254,6 +261,7 @@ def replay_engine(engine: Engine, requests: Sequence[ReplayRequest], *, rate_sca
     start = time.monotonic()
     nxt = 0
     bar = tqdm(total=len(requests), desc=f"replay {engine.policy}", unit="req", disable=not progress)
+    profiler, steps = None, 0
     while nxt < len(requests) or engine.has_work():
         now = time.monotonic() - start
         if timeout is not None and now > timeout:
@@ -266,7 +274,13 @@ def replay_engine(engine: Engine, requests: Sequence[ReplayRequest], *, rate_sca
         if not engine.has_work():
             time.sleep(min(0.01, max(0.0, records[nxt].arrival - now)))
             continue
+        if profile_steps and steps == PROFILE_FROM_STEP:
+            profiler = _start_profiler(engine.device)
         outputs = engine.step()
+        steps += 1
+        if profiler is not None and steps == PROFILE_FROM_STEP + profile_steps:
+            _write_profile(profiler, profile_out, steps=profile_steps)
+            profiler = None
         stamp = time.monotonic() - start
         for out in outputs:
             rec = records[ids[out.request_id]]
@@ -281,10 +295,38 @@ def replay_engine(engine: Engine, requests: Sequence[ReplayRequest], *, rate_sca
         timeline.append({"t": stamp, "bytes": sum(engine.held_after_step), "running": len(engine.running), "waiting": len(engine.waiting),
                          "mean_level": statistics.fmean([r.level for r in engine.running]) if engine.running else 0.0})
     bar.close()
+    if profiler is not None:  # the replay ended first: what was profiled
+        _write_profile(profiler, profile_out, steps=steps - PROFILE_FROM_STEP)
     for rec in records:
         if rec.finish is None:
             rec.status = "unfinished"
     return records, timeline
+
+
+def _start_profiler(device: torch.device):
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    profiler = profile(activities=activities)
+    profiler.__enter__()
+    return profiler
+
+
+def _write_profile(profiler, out: Path | None, *, steps: int) -> None:
+    """Operators of the profiled steps by self CPU time and (on CUDA) by self device time, to ``out``."""
+    from ..io import atomic_write_text
+
+    profiler.__exit__(None, None, None)
+    if out is None:
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    events = profiler.key_averages()
+    parts = [f"# {steps} engine steps under torch.profiler\n", "## by self CPU time\n",
+             events.table(sort_by="self_cpu_time_total", row_limit=40)]  # fmt: skip
+    if any(getattr(e, "self_device_time_total", 0) for e in events):
+        parts += ["\n## by self device time\n", events.table(sort_by="self_device_time_total", row_limit=40)]
+    atomic_write_text(out, "\n".join(parts))
+    logger.info("profile of %d steps: %s", steps, out)
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -339,6 +381,11 @@ def summarize(records: Sequence[RequestRecord], *, slo: dict[str, float] | None 
     }
 
 
+def _file_name(policy: str) -> str:
+    """A policy's name as a file name part ('static:25%' -> 'static-25pct')."""
+    return policy.replace(":", "-").replace("%", "pct")
+
+
 def step_stats(timeline: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Engine steps of an in-process replay (one timeline sample per step): how many, their durations
     (seconds between consecutive steps' ends: mean, p50, p90, p99) and the mean number of running requests."""
@@ -354,7 +401,7 @@ conversions, and optionally preemptions and mean_level, which then replace the r
 
 def run_replay(engine_factory, requests: Sequence[ReplayRequest], policies: Sequence[str], *, rate_scale: float = 1.0,
                slo: dict[str, float] | None = None, timeout: float | None = None, out_dir: str | Path | None = None,
-               settings: dict[str, Any] | None = None) -> dict[str, Any]:
+               settings: dict[str, Any] | None = None, profile_steps: int = 0) -> dict[str, Any]:
     """Replay the same requests once per policy (``engine_factory(policy) -> Engine``) in this process;
     the report (JSON-able; with ``out_dir``: report.json, report.md and plots, written atomically)."""
 
@@ -362,7 +409,9 @@ def run_replay(engine_factory, requests: Sequence[ReplayRequest], policies: Sequ
         def replay() -> tuple[list[RequestRecord], list[dict[str, Any]], dict[str, Any]]:
             engine = engine_factory(policy)
             warm_up(engine, requests[0].prompt if requests else [1])
-            records, timeline = replay_engine(engine, requests, rate_scale=rate_scale, timeout=timeout)
+            profile_out = Path(out_dir) / f"profile_{_file_name(policy)}.txt" if profile_steps and out_dir is not None else None
+            records, timeline = replay_engine(engine, requests, rate_scale=rate_scale, timeout=timeout, profile_steps=profile_steps,
+                                              profile_out=profile_out)  # fmt: skip
             arena = getattr(engine.runner, "arena_bytes", None)
             return records, timeline, {"peak_bytes": engine.peak_bytes, "budget_bytes": engine.config.kv_budget,
                                        "conversions": engine.counters["conversions"],

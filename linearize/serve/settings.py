@@ -129,6 +129,9 @@ class ReplaySettings:
     """Text source of the prompts (a data source of linearize.data)."""
     slo: str | None = None
     """Service-level objectives for goodput, e.g. ttft=2s,tpot=100ms."""
+    profile_steps: int = 0
+    """In process: profile this many engine steps of each policy (from its 20th step) with torch.profiler
+    and write profile_POLICY.txt (operators by self CPU and device time) beside the report."""
     timeout: float | None = None
     """Stop a policy's replay after this many seconds (its unfinished requests count as lost)."""
     out: str | None = None
@@ -142,6 +145,10 @@ class ReplaySettings:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.start < 0:
             raise ValueError(f"start must be >= 0, got {self.start}")
+        if not isinstance(self.profile_steps, int) or self.profile_steps < 0:
+            raise ValueError(f"profile-steps must be an integer >= 0, got {self.profile_steps!r}")
+        if self.profile_steps and (self.url is not None or self.out is None):
+            raise ValueError("profile-steps needs an in-process replay (no --url) and --out for the profiles")
         if not self.turns_mean > 0:
             raise ValueError(f"turns-mean must be > 0, got {self.turns_mean}")
         parse_slo(self.slo)

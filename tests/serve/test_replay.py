@@ -96,6 +96,18 @@ def test_replay_every_policy_loses_nothing(tmp_path):
     assert "Engine steps (in process)" in (tmp_path / "report.md").read_text()
 
 
+def test_replay_profiles_engine_steps_per_policy(tmp_path, monkeypatch):
+    import linearize.serve.replay as replay_module
+
+    monkeypatch.setattr(replay_module, "PROFILE_FROM_STEP", 2)
+    trace = [TraceRequest(i * 0.01, 12, 3) for i in range(4)]
+    requests = augment(trace, torch.arange(3, 128), seed=0, max_prompt=100)
+    run_replay(lambda policy: tiny_engine(policy)[1], requests, ["softmax", "static:50%"], out_dir=tmp_path, profile_steps=3)
+    for name in ("profile_softmax.txt", "profile_static-50pct.txt"):
+        text = (tmp_path / name).read_text()
+        assert "engine steps under torch.profiler" in text and "aten::" in text
+
+
 @pytest.mark.slow
 def test_replay_command_writes_a_report(tmp_path):
     """`linearize replay` on a saved tiny family and a Mooncake trace: report and plots, nothing lost."""
