@@ -383,7 +383,7 @@ def summarize(records: Sequence[RequestRecord], *, slo: dict[str, float] | None 
 
 def _file_name(policy: str) -> str:
     """A policy's name as a file name part ('static:25%' -> 'static-25pct')."""
-    return policy.replace(":", "-").replace("%", "pct")
+    return policy.replace(":", "-").replace("%", "pct").replace("#", "-run")
 
 
 def step_stats(timeline: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -403,13 +403,15 @@ def run_replay(engine_factory, requests: Sequence[ReplayRequest], policies: Sequ
                slo: dict[str, float] | None = None, timeout: float | None = None, out_dir: str | Path | None = None,
                settings: dict[str, Any] | None = None, profile_steps: int = 0) -> dict[str, Any]:
     """Replay the same requests once per policy (``engine_factory(policy) -> Engine``) in this process;
-    the report (JSON-able; with ``out_dir``: report.json, report.md and plots, written atomically)."""
+    the report (JSON-able; with ``out_dir``: report.json, report.md and plots, written atomically).
+    A policy named again runs again as a control, reported as 'NAME#2', 'NAME#3', ... (e.g.
+    softmax,length-caps,memory,softmax: whether the order of the runs moved the numbers)."""
 
-    def run(policy: str) -> Run:
+    def run(policy: str, name: str) -> Run:
         def replay() -> tuple[list[RequestRecord], list[dict[str, Any]], dict[str, Any]]:
             engine = engine_factory(policy)
             warm_up(engine, requests[0].prompt if requests else [1])
-            profile_out = Path(out_dir) / f"profile_{_file_name(policy)}.txt" if profile_steps and out_dir is not None else None
+            profile_out = Path(out_dir) / f"profile_{_file_name(name)}.txt" if profile_steps and out_dir is not None else None
             records, timeline = replay_engine(engine, requests, rate_scale=rate_scale, timeout=timeout, profile_steps=profile_steps,
                                               profile_out=profile_out)  # fmt: skip
             arena = getattr(engine.runner, "arena_bytes", None)
@@ -419,8 +421,18 @@ def run_replay(engine_factory, requests: Sequence[ReplayRequest], policies: Sequ
                                        "engine_steps": step_stats(timeline)}  # fmt: skip
         return replay
 
-    return report_runs({policy: run(policy) for policy in policies}, n_requests=len(requests), rate_scale=rate_scale, slo=slo,
-                       out_dir=out_dir, settings=settings)  # fmt: skip
+    return report_runs({name: run(policy, name) for name, policy in zip(run_names(policies), policies)}, n_requests=len(requests),
+                       rate_scale=rate_scale, slo=slo, out_dir=out_dir, settings=settings)  # fmt: skip
+
+
+def run_names(policies: Sequence[str]) -> list[str]:
+    """Report names of policies run in turn: a repeated policy's later runs get '#2', '#3', ..."""
+    seen: Counter = Counter()
+    names = []
+    for policy in policies:
+        seen[policy] += 1
+        names.append(policy if seen[policy] == 1 else f"{policy}#{seen[policy]}")
+    return names
 
 
 def report_runs(runs: dict[str, Run], *, n_requests: int, rate_scale: float, slo: dict[str, float] | None = None,

@@ -102,8 +102,11 @@ def test_replay_profiles_engine_steps_per_policy(tmp_path, monkeypatch):
     monkeypatch.setattr(replay_module, "PROFILE_FROM_STEP", 2)
     trace = [TraceRequest(i * 0.01, 12, 3) for i in range(4)]
     requests = augment(trace, torch.arange(3, 128), seed=0, max_prompt=100)
-    run_replay(lambda policy: tiny_engine(policy)[1], requests, ["softmax", "static:50%"], out_dir=tmp_path, profile_steps=3)
-    for name in ("profile_softmax.txt", "profile_static-50pct.txt"):
+    result = run_replay(lambda policy: tiny_engine(policy)[1], requests, ["softmax", "static:50%", "softmax"], out_dir=tmp_path,
+                        profile_steps=3)  # fmt: skip
+    assert list(result["policies"]) == ["softmax", "static:50%", "softmax#2"]  # the repeat is a control run
+    assert result["policies"]["softmax#2"]["completed"] == 4
+    for name in ("profile_softmax.txt", "profile_static-50pct.txt", "profile_softmax-run2.txt"):
         text = (tmp_path / name).read_text()
         assert "engine steps under torch.profiler" in text and "aten::" in text
 

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# DSLA-Serve's experiment: the Azure conversation trace replayed under every policy, in two settings
+# at once (one GPU each), softmax replayed again last as a control for the order of the runs.
+#
+#   GPUS="0 1" bash scripts/serving_study.sh WORK_DIR              # start both (detached), return
+#   bash scripts/serving_study.sh --pack WORK_DIR OUT_DIR [WAIT_S]   # wait for both (up to WAIT_S), pack
+#
+# Settings (docs/results/serving.md says why):
+#   smollm2  smollm2-135m-dsla-chained, KV budget 256MiB, memory policy up to 15 of 30 layers
+#   7b       random:llama2-7b (random weights, every layer DSLA), 34GiB, up to 16 of 32 layers,
+#            --max-running 40 (its pools: 40 slots x 4,096 tokens x 512 KiB = 80 GiB)
+#   tiny     random:tiny on DEVICE=cpu: checks the script in seconds
+# Environment: DEVICE (cuda)  REQUESTS ("40 100": one replay per count, in turn)  RATE (8)  TIMEOUT (150 s per policy)
+#   POLICIES (softmax,length-caps,memory,softmax)  PROFILE (20: engine steps profiled per policy)
+#   SETTINGS ("smollm2 7b")  RUNNER (pooled)
+set -u
+if [ "${1:-}" = --pack ]; then
+  WORK=${2:?usage: serving_study.sh --pack WORK_DIR OUT_DIR [WAIT_SECONDS]}
+  out=${3:?usage: serving_study.sh --pack WORK_DIR OUT_DIR [WAIT_SECONDS]}; wait_s=${4:-0}; start=$(date +%s)
+  while [ "$(ls "$WORK"/*.done 2>/dev/null | wc -l)" -lt "$(cat "$WORK/expected" 2>/dev/null || echo 1)" ] \
+        && [ $(( $(date +%s) - start )) -lt "$wait_s" ]; do
+    sleep 20
+    echo "--- $(date +%T)"; for f in "$WORK"/logs/*.log; do echo "$(basename "$f"): $(tail -c 150 "$f" | tr '\r\n' '  ')"; done
+    nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>/dev/null
+  done
+  mkdir -p "$out"
+  (cd "$WORK" && tar czf "$out/serving.tgz" replay logs 2>/dev/null)
+  for f in "$WORK"/replay/*/report.md; do echo "== $f"; cat "$f"; done
+  exit 0
+fi
+WORK=${1:?usage: GPUS="0 1" serving_study.sh WORK_DIR}
+GPUS=(${GPUS:-0}); REQUESTS=${REQUESTS:-"40 100"}; RATE=${RATE:-8}; TIMEOUT=${TIMEOUT:-150}
+POLICIES=${POLICIES:-softmax,length-caps,memory,softmax}; PROFILE=${PROFILE:-20}; RUNNER=${RUNNER:-pooled}
+SETTINGS=(${SETTINGS:-smollm2 7b})
+mkdir -p "$WORK/logs" "$WORK/replay"
+echo "${#SETTINGS[@]}" > "$WORK/expected"
+common="--device ${DEVICE:-cuda} --trace azure-conv --rate-scale $RATE --policies $POLICIES --max-prompt 4096"
+common+=" --slo ttft=2s,tpot=100ms --timeout $TIMEOUT --profile-steps $PROFILE --runner $RUNNER"
+for i in "${!SETTINGS[@]}"; do
+  setting=${SETTINGS[$i]}; gpu=${GPUS[$(( i % ${#GPUS[@]} ))]}
+  case $setting in
+    smollm2) args="--model smollm2-135m-dsla-chained --kv-budget 256MiB --max-level 15" ;;
+    7b) args="--model random:llama2-7b --kv-budget 34GiB --max-level 16 --max-running 40" ;;
+    tiny) args="--model random:tiny --kv-budget 1MiB --max-level 2" ;;  # a check of the script itself (DEVICE=cpu)
+    *) echo "unknown setting $setting (valid: smollm2, 7b, tiny)" >&2; exit 2 ;;
+  esac
+  cmd=""
+  for n in $REQUESTS; do
+    cmd+="python -m linearize.cli -v replay $args --requests $n $common --out $WORK/replay/$setting-$n >> $WORK/logs/$setting.log 2>&1; "
+  done
+  CUDA_VISIBLE_DEVICES=$gpu setsid nohup bash -c "$cmd touch $WORK/$setting.done" < /dev/null > /dev/null 2>&1 &
+  echo "started $setting on GPU $gpu"
+done
