@@ -16,7 +16,8 @@ with the work done once per layer and group of rows:
   key length, i.e. for every decode step (tens of ms each on an H200); flash, memory-efficient and
   math attention take any length. Free slots are handed out lowest first, which keeps the span of running requests short;
 - converted layers: the kind's state with the slot on dim 0; a group's rows are gathered, advanced
-  by the layer's ``attend`` and written back with ``index_copy_``.
+  and written back with ``index_copy_``: decoding (one token per row) through the layer's per-token
+  step (``decode_step``, where the kind has one), prefill chunks through its ``attend``.
 
 The arena grows (slots or capacity doubled, one copy) when a request needs more; freed slots are
 reused without clearing (a slot's stale positions are masked; a first chunk starts from no state).
@@ -36,6 +37,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..layers.base import ConvertedAttention, project_qkv
 from ..modeling import decoder_layers
+from ..ops.states import BatchState
 from .levels import LevelMemory
 
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -189,8 +191,14 @@ class PooledRunner:
             state = pool.select(group.slots)
             if group.fresh is not None:  # rows starting now begin from an empty (zero) state
                 state = state._map(lambda x: x.index_fill_(0, group.fresh, 0))
-        p = attn.project(h, pe)
-        o, new = attn.attend(p, h, None, state, mode="hybrid")
+        o = None
+        if state is not None and group.fresh is None and h.shape[1] == 1:  # decoding: the kind's per-token step
+            rows = _Rows(state)
+            o = attn.decode_step(h, pe, rows)
+            new = rows.state
+        if o is None:
+            p = attn.project(h, pe)
+            o, new = attn.attend(p, h, None, state, mode="hybrid")
         if pool is None:
             pool = self._states[i] = new._map(lambda x: x.new_zeros(self._slots, *x.shape[1:]))
         for dst, src in zip(pool.tensors(), new.tensors()):
@@ -220,6 +228,23 @@ class PooledRunner:
         if group.span_index is not None and not group.gather:
             o = o.index_select(0, group.span_index)
         return o.reshape(b, hkv * n_rep, t, values.shape[3])
+
+
+class _Rows:
+    """The gathered rows of one converted layer, as a layer's ``decode_step`` reads and advances them
+    (the protocol of ``linearize.cache.StateCacheLayer``: ``state``, ``decode_state``, ``advance``)."""
+
+    def __init__(self, state: BatchState) -> None:
+        self._state, self.decode_state = state, None
+
+    @property
+    def state(self) -> BatchState:
+        if self.decode_state is not None:
+            self._state, self.decode_state = self.decode_state.canonical(), None
+        return self._state
+
+    def advance(self, decode_state, new_positions: int) -> None:
+        self.decode_state = decode_state
 
 
 @dataclass
