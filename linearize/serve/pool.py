@@ -192,7 +192,7 @@ class PooledRunner:
             if group.fresh is not None:  # rows starting now begin from an empty (zero) state
                 state = state._map(lambda x: x.index_fill_(0, group.fresh, 0))
         o = None
-        if state is not None and group.fresh is None and h.shape[1] == 1:  # decoding: the kind's per-token step
+        if state is not None and group.fresh is None and h.shape[1] == 1 and attn.mode == "hybrid":  # decoding: the per-token step
             rows = _Rows(state)
             o = attn.decode_step(h, pe, rows)
             new = rows.state
