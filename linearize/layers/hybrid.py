@@ -8,12 +8,13 @@ import torch
 from torch import Tensor, nn
 
 from ..checks import check_choice, check_int
+from ..ops import cpu_kernels
 from ..ops.common import accumulation_dtype
 from ..ops.hybrid import HybridDecodeState, hybrid_attention, hybrid_attention_weights, hybrid_decode_step, hybrid_state_empty
 from ..ops.states import HybridState
 from .base import (KERNELS, STATE_BYTES, AttentionKind, Attend, ConvertedAttention, Projection, SpecError, derived, expect_state,
                    head_sizes, resolve_kernel, token_features)
-from .feature_map import FeatureMapOptions, feature_map_pair
+from .feature_map import FeatureMapOptions, HedgehogFeatureMap, feature_map_pair
 
 MIXES = ("joint", "gate")
 
@@ -152,25 +153,59 @@ class HybridAttention(WindowedLinearAttention):
         branches = self.BRANCHES.get(self.mode)
         if branches is None or (self.window_dropout is not None and bool(self.window_dropout.any())):
             return None
+        lib = cpu_kernels.library() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+        if lib is not None:
+            weights = self._kernel_weights()
+            if weights is not None:
+                return self._kernel_step(lib, weights, branches, x, position_embeddings, slot)
         p = self.project(x, position_embeddings)
+        ds = self._decode_state(slot, p.k.shape[0], p.q.device, p.v.dtype)
+        o = self.options
+        qf, kf = token_features(self, self.feature_map_q, self.feature_map_k, p.q_lin, p.k_lin)  # (B, Hq, F) each
+        out = hybrid_decode_step(ds, p.q, p.k, p.v, qf, kf, mix=o.mix, overlap=o.overlap, branches=branches,
+                                 scale=self.scaling, k_lin=p.k_lin if p.separate else None, **self._mix_factor(ds.keys.dtype))  # fmt: skip
+        slot.advance(ds, 1)
+        return out
+
+    def _decode_state(self, slot, b: int, device, dtype) -> HybridDecodeState:
+        """The slot's decode state, made from its state (empty before any token) before the first token."""
         ds = slot.decode_state
         if not isinstance(ds, HybridDecodeState):
             state = expect_state(slot.state, HybridState, self)
             if state is None:
-                b, hkv, _, d = p.k.shape
-                state = hybrid_state_empty(b, hkv, self.num_heads, self.window, d, p.v.shape[-1],
-                                           self.options.features(self.head_dim), device=p.q.device,
-                                           dtype=accumulation_dtype(p.v.dtype), linear_keys=p.separate)  # fmt: skip
+                state = hybrid_state_empty(b, self.num_kv_heads, self.num_heads, self.window, self.head_dim, self.head_dim,
+                                           self.options.features(self.head_dim), device=device, dtype=accumulation_dtype(dtype),
+                                           linear_keys=self.separate_linear_inputs)  # fmt: skip
             ds = HybridDecodeState.from_state(state, self.feature_map_k, self.num_heads)
+        return ds
+
+    def _mix_factor(self, dtype: torch.dtype) -> dict[str, Tensor]:
+        """The mix's per-head factor as ``hybrid_decode_step`` takes it (kept between tokens)."""
+        if self.options.mix == "joint":
+            return {"window_factor": derived(self, "window_factor", (self.window_factor_logit,), lambda: self.window_factor().to(dtype))}
+        return {"gate": derived(self, "gate", (self.gate_logit,), lambda: self.gate().to(dtype))}
+
+    def _kernel_weights(self) -> cpu_kernels.Weights | None:
+        """The CPU kernel's weights (None where it does not apply: feature maps other than Hedgehog,
+        parameters other than float32)."""
+        phi_q, phi_k = self.feature_map_q, self.feature_map_k
+        if not (isinstance(phi_q, HedgehogFeatureMap) and isinstance(phi_k, HedgehogFeatureMap)):
+            return None
+        sources = (phi_q.weight, phi_q.bias, phi_k.weight, phi_k.bias)
+        if any(t.dtype != torch.float32 for t in sources):
+            return None
+        return derived(self, "kernel", sources, lambda: cpu_kernels.Weights(
+            wq=phi_q.weight.contiguous(), bq=phi_q.bias.contiguous(), wk=phi_k.weight.contiguous(), bk=phi_k.bias.contiguous()))
+
+    def _kernel_step(self, lib, weights, branches, x, position_embeddings, slot):
+        """``decode_step`` as one CPU kernel call (``cpu_kernels.hybrid_step``)."""
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, 1, H D): RoPE in the kernel
+        ds = self._decode_state(slot, x.shape[0], x.device, x.dtype)
         o = self.options
-        qf, kf = token_features(self, self.feature_map_q, self.feature_map_k, p.q_lin, p.k_lin)  # (B, Hq, F) each
-        dt = ds.keys.dtype
-        if o.mix == "joint":
-            mix = {"window_factor": derived(self, "window_factor", (self.window_factor_logit,), lambda: self.window_factor().to(dt))}
-        else:
-            mix = {"gate": derived(self, "gate", (self.gate_logit,), lambda: self.gate().to(dt))}
-        out = hybrid_decode_step(ds, p.q, p.k, p.v, qf, kf, mix=o.mix, overlap=o.overlap, branches=branches,
-                                 scale=self.scaling, k_lin=p.k_lin if p.separate else None, **mix)  # fmt: skip
+        (factor,) = self._mix_factor(torch.float32).values()
+        out = cpu_kernels.hybrid_step(lib, ds, q, k, v, position_embeddings, weights, factor, heads=self.num_heads,
+                                      kv_heads=self.num_kv_heads, mix=o.mix, overlap=o.overlap, branches=branches,
+                                      scale=self.scaling, linear_rope=o.linear_rope)  # fmt: skip
         slot.advance(ds, 1)
         return out
 

@@ -1,0 +1,331 @@
+"""Fused per-token decode steps on CPU: the C kernels of ``cpu_kernels.c``, built on first use.
+
+A converted layer's decode step in PyTorch operations costs tens of dispatched operations per layer
+and token, each a few microseconds on a small CPU, more than the whole attention of the teacher at a
+few hundred tokens. The kernels here do one layer's step (feature maps, gates, state update, read,
+window softmax, mix) in one call and one pass over each state, with the same numbers as the
+decode-path ops in ``dsla.py`` / ``hybrid.py`` (tested against the reference ops).
+
+The library is compiled with the system C compiler (``$CC``, else ``cc``, ``gcc``, ``clang``) the
+first time a process needs it and cached under ``$LINEARIZE_CACHE/kernels`` (default
+``~/.cache/linearize/kernels``), keyed by source, compiler, flags and CPU, so later processes load
+it in milliseconds. ``LINEARIZE_CPU_KERNELS`` decides whether they are used:
+
+- ``auto`` (default): used where they apply (float32 on CPU, Hedgehog or identity feature maps);
+  when the library cannot be built or loaded the PyTorch decode path runs (logged once);
+- ``on``: the same, but a library that cannot be built is an error;
+- ``off``: never built or used (the PyTorch decode path runs).
+
+``disabled()`` turns them off inside a block (tests compare both paths).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ..io import cache_root
+from .common import EMPTY_DENOMINATOR
+
+logger = logging.getLogger(__name__)
+
+ENV = "LINEARIZE_CPU_KERNELS"
+CHOICES = ("auto", "on", "off")
+SOURCE = Path(__file__).with_suffix(".c")
+ABI_VERSION = 1
+FLAG_SETS = (
+    ("-O3", "-march=native", "-fno-math-errno", "-fopenmp"),
+    ("-O3", "-fno-math-errno", "-fopenmp"),
+    ("-O3", "-fno-math-errno"),  # no OpenMP: one thread
+)
+"""Compiler flags, tried in order until one builds (every set adds -std=gnu11 -fPIC -shared)."""
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_failure: str | None = None
+_disabled = 0
+
+
+def setting() -> str:
+    """``LINEARIZE_CPU_KERNELS`` (auto, on or off; unset: auto); ValueError naming the choices otherwise."""
+    value = os.environ.get(ENV, "").strip().lower() or "auto"
+    if value not in CHOICES:
+        raise ValueError(f"{ENV}={os.environ.get(ENV)!r} is not a valid setting; valid choices: {', '.join(CHOICES)}")
+    return value
+
+
+@contextlib.contextmanager
+def disabled():
+    """Inside the block no kernel is used (the PyTorch decode path runs), whatever the setting."""
+    global _disabled
+    _disabled += 1
+    try:
+        yield
+    finally:
+        _disabled -= 1
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, building it on first use; None when the setting (or ``disabled``)
+    turns the kernels off or when it cannot be built (with ``on``: RuntimeError instead)."""
+    if _disabled or setting() == "off":
+        return None
+    if _library is not None:
+        return _library
+    return _load()
+
+
+def enabled() -> bool:
+    """Whether decode steps on CPU use the kernels (building them if needed)."""
+    return library() is not None
+
+
+def _load() -> ctypes.CDLL | None:
+    global _library, _failure
+    with _lock:
+        if _library is None and _failure is None:
+            try:
+                _library = _open(_build())
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                _failure = str(e)
+                logger.warning("CPU decode kernels unavailable, the PyTorch decode path runs: %s", e)
+    if _library is None and setting() == "on":
+        raise RuntimeError(f"{ENV}=on but the CPU decode kernels cannot be built: {_failure}")
+    return _library
+
+
+def _compiler() -> str:
+    """$CC, else the first of cc, gcc, clang on PATH."""
+    cc = os.environ.get("CC", "").strip()
+    if cc:
+        if shutil.which(cc.split()[0]) is None:
+            raise RuntimeError(f"CC={cc!r} is not an executable C compiler")
+        return cc
+    for name in ("cc", "gcc", "clang"):
+        if shutil.which(name):
+            return name
+    raise RuntimeError("no C compiler found (set CC or install gcc or clang)")
+
+
+def _cpu_identity() -> str:
+    """What -march=native depends on: the CPU's model and feature flags (Linux), else the platform."""
+    ident = [platform.machine(), platform.processor()]
+    try:
+        with open("/proc/cpuinfo") as f:
+            ident += sorted({line.strip() for line in f if line.startswith(("model name", "flags", "Features"))})
+    except OSError:
+        pass
+    return "\n".join(ident)
+
+
+def kernel_dir() -> Path:
+    """Where built libraries are kept: $LINEARIZE_CACHE/kernels."""
+    return cache_root() / "kernels"
+
+
+def _build() -> Path:
+    """The compiled library's path (built now when the cache has none)."""
+    cc = _compiler()
+    source = SOURCE.read_bytes()
+    try:
+        version = subprocess.run([*cc.split(), "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(f"C compiler {cc!r} does not run: {e}") from e
+    out_dir = kernel_dir()
+    errors = []
+    for flags in FLAG_SETS:
+        key = hashlib.sha256(b"\0".join([source, cc.encode(), version.encode(), " ".join(flags).encode(),
+                                         _cpu_identity().encode()])).hexdigest()[:20]  # fmt: skip
+        path = out_dir / f"cpu_kernels-{key}.so"
+        if path.is_file():
+            return path
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+        os.close(fd)
+        cmd = [*cc.split(), *flags, "-std=gnu11", "-fPIC", "-shared", "-o", tmp, str(SOURCE)]
+        logger.info("building the CPU decode kernels: %s", " ".join(cmd))
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except subprocess.SubprocessError as e:
+            done, errors = None, errors + [str(e)]
+        if done is not None and done.returncode == 0:
+            os.replace(tmp, path)
+            return path
+        os.unlink(tmp)
+        if done is not None:
+            errors.append(f"{' '.join(flags)}: {done.stderr.strip()[-500:]}")
+    raise RuntimeError(f"compiling {SOURCE.name} failed with every flag set: " + " | ".join(errors))
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    """Load the library (torch, imported above, has loaded its OpenMP runtime: the kernels share its threads)."""
+    lib = ctypes.CDLL(str(path))
+    if lib.linearize_abi_version() != ABI_VERSION:
+        raise RuntimeError(f"{path} has ABI version {lib.linearize_abi_version()}, expected {ABI_VERSION}")
+    for name, args in (("linearize_dsla_step", DslaArgs), ("linearize_hybrid_step", HybridArgs)):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = [ctypes.POINTER(args)], None
+    logger.info("CPU decode kernels loaded from %s (%d threads)", path, lib.linearize_max_threads())
+    return lib
+
+
+_f = ctypes.c_void_p
+
+
+class DslaArgs(ctypes.Structure):
+    """``dsla_args`` of cpu_kernels.c (same fields, same order)."""
+
+    _fields_ = [(n, ctypes.c_int64) for n in ("threads", "batch", "heads", "kv_heads", "head_dim", "value_dim", "features", "rank",
+                                               "hidden", "normalize", "rope", "rope_stride")] + [("empty", ctypes.c_float)] + [
+        (n, _f) for n in ("x", "q", "k", "v", "cos", "sin", "wq", "bq", "wk", "bk", "down", "up", "up_bias", "mix",
+                          "states", "scratch", "out")]  # fmt: skip
+
+
+class HybridArgs(ctypes.Structure):
+    """``hybrid_args`` of cpu_kernels.c (same fields, same order)."""
+
+    _fields_ = [(n, ctypes.c_int64) for n in ("threads", "batch", "heads", "kv_heads", "head_dim", "value_dim", "features", "window",
+                                               "slot", "gate_mix", "overlap", "branches", "linear_rope",
+                                               "rope_stride")] + [
+        ("scale", ctypes.c_float), ("empty", ctypes.c_float)] + [
+        (n, _f) for n in ("q", "k", "v", "cos", "sin", "wq", "bq", "wk", "bk", "factor", "keys", "linear_keys", "values",
+                          "feats", "linear", "valid", "scratch", "out")]  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- calling the kernels
+
+
+class Weights:
+    """Tensors a kernel reads every token (stacked or cast once), kept alive with their data pointers."""
+
+    def __init__(self, **tensors) -> None:
+        for name, t in tensors.items():
+            if t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu"):
+                raise ValueError(f"kernel weight {name!r} must be a contiguous float32 CPU tensor, got {t.dtype} on {t.device}")
+        self.tensors = tensors
+        self.pointers = {name: (None if t is None else t.data_ptr()) for name, t in tensors.items()}
+
+
+def _check_token(**tensors) -> None:
+    for name, t in tensors.items():
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous float32 tensor, got {t.dtype} (contiguous: {t.is_contiguous()})")
+
+
+GRAIN = 32768
+"""State elements below which a kernel runs on one thread (torch's own grain size for parallel
+loops): a team costs more than it saves on so little work, and far more when another process holds
+the other cores."""
+
+
+def _threads(elements: int) -> int:
+    return torch.get_num_threads() if elements >= GRAIN else 1
+
+
+def _rope_pointers(rope: tuple[Tensor, Tensor], b: int, d: int) -> tuple[int, int, int]:
+    """(cos pointer, sin pointer, row stride) of position embeddings (B or 1, 1, D)."""
+    cos, sin = rope
+    _check_token(cos=cos, sin=sin)
+    if cos.shape != sin.shape or cos.shape[1:] != (1, d) or cos.shape[0] not in (1, b):
+        raise ValueError(f"position embeddings of shape {tuple(cos.shape)} do not fit a decode step of {b} rows, head dim {d}")
+    return cos.data_ptr(), sin.data_ptr(), 0 if cos.shape[0] == 1 else d
+
+
+def dsla_step(lib: ctypes.CDLL, state, x: Tensor, q: Tensor, k: Tensor, v: Tensor, weights: Weights, mix: Tensor, *,
+              heads: int, kv_heads: int, normalize: bool, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:  # fmt: skip
+    """``dsla_decode_step`` with the feature maps and gates before it, as one kernel call: one new
+    real token per row; x (B, 1, hidden), q (B, 1, Hq D), k and v (B, 1, Hkv D) as the projections
+    give them (before RoPE; ``rope`` = (cos, sin) (B, 1, D) applies it to q and k first). ``state`` a
+    DslaDecodeState, updated in place; ``weights`` the Hedgehog maps (wq, bq, wk, bk; None without
+    ``normalize``) and the gates (down (2 R, hidden), up (2, Hq F, R), up_bias (2, Hq F)); ``mix``
+    (2,) as ``dsla_decode_step`` takes it. Returns the output (B, Hq, 1, Dv)."""
+    s = state.states  # (2, B, Hq, F, W)
+    b, hidden = x.shape[0], x.shape[-1]
+    dv = v.shape[-1] // kv_heads
+    _check_token(x=x, q=q, k=k, v=v, mix=mix)
+    args = state.kernel_args
+    if args is None:
+        if s.dtype != torch.float32 or not s.is_contiguous() or s.shape[1:3] != (b, heads):
+            raise ValueError(f"DSLA states must be contiguous float32 (2, {b}, {heads}, F, W), got {s.dtype} {tuple(s.shape)}")
+        rank = weights.tensors["down"].shape[0] // 2
+        scratch = s.new_empty(b, 2 * rank)
+        args = DslaArgs(batch=b, heads=heads, kv_heads=kv_heads, head_dim=q.shape[-1] // heads, value_dim=dv,
+                        features=s.shape[3], rank=rank, hidden=hidden, normalize=int(normalize), empty=EMPTY_DENOMINATOR,
+                        states=s.data_ptr(), scratch=scratch.data_ptr())  # fmt: skip
+        state.kernel_args, state.kernel_scratch = args, scratch
+    if state.kernel_weights is not weights:
+        for name, pointer in weights.pointers.items():
+            setattr(args, name, pointer)
+        state.kernel_weights = weights
+    out = q.new_empty(b, heads, 1, dv)
+    args.x, args.q, args.k, args.v, args.mix, args.out = x.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), mix.data_ptr(), out.data_ptr()
+    if rope is None:
+        args.rope = 0
+    else:
+        args.rope = 1
+        args.cos, args.sin, args.rope_stride = _rope_pointers(rope, b, q.shape[-1] // heads)
+    args.threads = _threads(s.numel())
+    lib.linearize_dsla_step(args)
+    return out
+
+
+BRANCH_CODES = {"both": 0, "window": 1, "linear": 2}
+
+
+def hybrid_step(lib: ctypes.CDLL, state, q: Tensor, k: Tensor, v: Tensor, rope: tuple[Tensor, Tensor], weights: Weights,
+                factor: Tensor, *, heads: int, kv_heads: int, mix: str = "joint", overlap: bool = False, branches: str = "both",
+                scale: float, linear_rope: bool = True) -> Tensor:  # fmt: skip
+    """``hybrid_decode_step`` with RoPE and the Hedgehog feature maps before it, as one kernel call:
+    one new real token per row; q (B, 1, Hq D), k and v (B, 1, Hkv D) as the projections give them
+    (before RoPE), ``rope`` = (cos, sin) (B or 1, 1, D). ``state`` a HybridDecodeState, updated in
+    place (its ring advances one slot); ``weights`` the maps (wq, bq, wk, bk); ``factor`` (Hq,) the
+    window factor (mix "joint") or the gate g (mix "gate"); ``linear_rope``: the maps see q/k after
+    RoPE (else before; the state then keeps the keys before RoPE too). Returns the output (B, Hq, 1, Dv)."""
+    b, bk, w, d = q.shape[0], *state.keys.shape
+    dv = v.shape[-1] // kv_heads
+    f = state.linear.shape[1]
+    _check_token(q=q, k=k, v=v, factor=factor)
+    args = state.kernel_args
+    if args is None:
+        tensors = {"keys": state.keys, "values": state.values, "features": state.features, "linear": state.linear}
+        if state.linear_keys is not None:
+            tensors["linear_keys"] = state.linear_keys
+        for name, t in tensors.items():
+            if t.dtype != torch.float32 or not t.is_contiguous():
+                raise ValueError(f"hybrid decode state {name} must be contiguous float32, got {t.dtype}")
+        if bk != b * kv_heads or state.valid.dtype != torch.bool or not state.valid.is_contiguous():
+            raise ValueError(f"hybrid decode state of {bk} rows x heads does not fit {b} rows of {kv_heads} KV heads")
+        scratch = state.keys.new_empty(b, heads, d + f + dv + 1)
+        args = HybridArgs(batch=b, heads=heads, kv_heads=kv_heads, head_dim=d, value_dim=dv, features=f, window=w,
+                          gate_mix=int(mix == "gate"), overlap=int(overlap), branches=BRANCH_CODES[branches],
+                          linear_rope=int(linear_rope), scale=scale, empty=EMPTY_DENOMINATOR, keys=state.keys.data_ptr(),
+                          linear_keys=None if state.linear_keys is None else state.linear_keys.data_ptr(),
+                          values=state.values.data_ptr(), feats=state.features.data_ptr(), linear=state.linear.data_ptr(),
+                          valid=state.valid.data_ptr(), scratch=scratch.data_ptr())  # fmt: skip
+        state.kernel_args, state.kernel_scratch = args, scratch
+    if state.kernel_weights is not weights:
+        for name, pointer in weights.pointers.items():
+            setattr(args, name, pointer)
+        state.kernel_weights = weights
+    out = q.new_empty(b, heads, 1, dv)
+    args.q, args.k, args.v, args.factor, args.out = q.data_ptr(), k.data_ptr(), v.data_ptr(), factor.data_ptr(), out.data_ptr()
+    args.cos, args.sin, args.rope_stride = _rope_pointers(rope, b, d)
+    args.slot = state.head
+    args.threads = _threads(state.linear.numel() + state.keys.numel() + state.values.numel())
+    lib.linearize_hybrid_step(args)
+    state.steps += 1
+    if not state.full:
+        state.full = bool(state.valid.all())
+    return out
