@@ -186,7 +186,8 @@ class DslaAttention(ConvertedAttention):
 
         def build() -> cpu_kernels.Weights:
             wq, bq, wk, bk = (t.contiguous() for t in maps) if maps else (None,) * 4
-            return cpu_kernels.Weights(down=torch.cat((h.down.weight, r.down.weight)), up=torch.stack((h.up.weight, r.up.weight)),
+            return cpu_kernels.Weights(down=torch.cat((h.down.weight, r.down.weight)),
+                                       up=torch.stack((h.up.weight.T, r.up.weight.T)).contiguous(),
                                        up_bias=torch.stack((h.up.bias, r.up.bias)), wq=wq, bq=bq, wk=wk, bk=bk)  # fmt: skip
 
         return derived(self, "kernel", sources, build)

@@ -53,14 +53,46 @@ static inline float exp_f(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    union { int32_t i; float f; } scale = {((int32_t)n + 127) << 23};
+    union { int32_t i; float f; } scale;
+    scale.i = ((int32_t)n + 127) << 23;
     return p * scale.f;
 }
 
+/* sum a b, in 16 interleaved partial sums (a float sum in one order cannot be vectorised) */
 static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
+    float acc[16] = {0.0f};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int64_t l = 0; l < 16; l++) acc[l] += a[i + l] * b[i + l];
     float s = 0.0f;
-    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    for (; i < n; i++) s += a[i] * b[i];
+    for (int64_t l = 0; l < 16; l++) s += acc[l];
     return s;
+}
+
+/* sum x, in 16 interleaved partial sums */
+static inline float sum(const float *restrict x, int64_t n) {
+    float acc[16] = {0.0f};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int64_t l = 0; l < 16; l++) acc[l] += x[i + l];
+    float s = 0.0f;
+    for (; i < n; i++) s += x[i];
+    for (int64_t l = 0; l < 16; l++) s += acc[l];
+    return s;
+}
+
+/* max x (n >= 1), in 16 interleaved partial maxima */
+static inline float maximum(const float *restrict x, int64_t n) {
+    float acc[16];
+    for (int64_t l = 0; l < 16; l++) acc[l] = x[0];
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int64_t l = 0; l < 16; l++) acc[l] = x[i + l] > acc[l] ? x[i + l] : acc[l];
+    float m = x[0];
+    for (; i < n; i++) m = x[i] > m ? x[i] : m;
+    for (int64_t l = 0; l < 16; l++) m = acc[l] > m ? acc[l] : m;
+    return m;
 }
 
 /* acc += w x */
@@ -87,30 +119,29 @@ static inline void add_read(float *restrict row, const float *restrict x, float 
     }
 }
 
-/* Hedgehog map of one head: out = [softmax(p), softmax(-p)], p = x W + b, W (d x half) row-major. */
-static void hedgehog(const float *restrict x, const float *restrict w, const float *restrict b, int64_t d, int64_t half,
-                     float *restrict out) {
-    float *restrict p = out; /* the projection, in the first half until the end */
-    for (int64_t j = 0; j < half; j++) p[j] = b[j];
-    for (int64_t i = 0; i < d; i++) axpy(p, w + i * half, x[i], half);
-    float hi = p[0], lo = p[0];
-    for (int64_t j = 1; j < half; j++) {
-        hi = p[j] > hi ? p[j] : hi;
-        lo = p[j] < lo ? p[j] : lo;
+/* One half of a Hedgehog map of one head: out = softmax(p) (sign 0) or softmax(-p) (sign 1),
+   p = x W + b, W (d x half) row-major: features [0, half) or [half, 2 half) of [softmax(p), softmax(-p)]. */
+static void hedgehog_half(const float *restrict x, const float *restrict w, const float *restrict b, int64_t d, int64_t half,
+                          int64_t sign, float *restrict out) {
+    for (int64_t j = 0; j < half; j++) out[j] = b[j];
+    for (int64_t i = 0; i < d; i++) axpy(out, w + i * half, x[i], half);
+    if (sign)
+        for (int64_t j = 0; j < half; j++) out[j] = -out[j];
+    const float hi = maximum(out, half);
+    for (int64_t j = 0; j < half; j++) out[j] = exp_f(out[j] - hi);
+    const float inv = 1.0f / sum(out, half);
+    for (int64_t j = 0; j < half; j++) out[j] *= inv;
+}
+
+/* The features [j0, j0 + n) of a query or key x (D) in a head: of its Hedgehog map (w, b), whose halves
+   these rows lie in one of (n = half), or x itself (identity: w NULL). */
+static void features(const float *restrict x, const float *restrict w, const float *restrict b, int64_t d, int64_t j0,
+                     int64_t n, float *restrict out) {
+    if (w == NULL) {
+        memcpy(out, x + j0, n * sizeof(float));
+        return;
     }
-    float pos = 0.0f, neg = 0.0f;
-    for (int64_t j = 0; j < half; j++) {
-        const float a = exp_f(p[j] - hi), c = exp_f(lo - p[j]);
-        out[j] = a;
-        out[half + j] = c;
-        pos += a;
-        neg += c;
-    }
-    const float rp = 1.0f / pos, rn = 1.0f / neg;
-    for (int64_t j = 0; j < half; j++) {
-        out[j] *= rp;
-        out[half + j] *= rn;
-    }
+    hedgehog_half(x, w, b, d, n, j0 / n, out);
 }
 
 /* RoPE as transformers' apply_rotary_pos_emb: x cos + rotate_half(x) sin, rotate_half(x) = [-x2, x1]. */
@@ -134,68 +165,83 @@ typedef struct {
     const float *wq, *bq;       /* Hedgehog map of q: (Hq, D, F/2), (Hq, F/2) (normalize) */
     const float *wk, *bk;       /* ... of k, per query head */
     const float *down;          /* (2, R, hidden): gate down projections, history first */
-    const float *up, *up_bias;  /* (2, Hq F, R), (2, Hq F) */
+    const float *up, *up_bias;  /* (2, R, Hq F): up projections transposed, (2, Hq F) */
     const float *mix;           /* (2,): weights of the two reads (gamma, 1 - gamma), times the scale without normalize */
     float *states;              /* (2, B, Hq, F, Dv [+ 1]), history first: updated in place */
-    float *scratch;             /* (B, 2 R) */
+    float *scratch;             /* (B, 2 R) + (B, Hq, 2, 2, Dv [+ 1]) */
     float *out;                 /* (B, Hq, Dv) */
 } dsla_args;
 
 void linearize_dsla_step(const dsla_args *a) {
-    const int64_t B = a->batch, H = a->heads, n_rep = a->heads / a->kv_heads, D = a->head_dim, Dv = a->value_dim;
+    const int64_t B = a->batch, H = a->heads, Hkv = a->kv_heads, n_rep = H / Hkv, D = a->head_dim, Dv = a->value_dim;
     const int64_t F = a->features, R = a->rank, hidden = a->hidden, W = Dv + (a->normalize ? 1 : 0);
+    const int64_t P = F % 2 == 0 ? 2 : 1, n = F / P; /* each head's features in P parts (a Hedgehog map's halves) */
+    float *gates = a->scratch, *partial = a->scratch + B * 2 * R; /* (B, 2 R), (B, H, P, 2, W) */
 #pragma omp parallel num_threads(a->threads)
     {
         SAVE_FLUSH_DENORMALS();
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < B * 2 * R; i++) {
             const int64_t b = i / (2 * R), r = i % (2 * R);
-            a->scratch[i] = dot(a->down + r * hidden, a->x + b * hidden, hidden);
+            gates[i] = dot(a->down + r * hidden, a->x + b * hidden, hidden);
         }
+        /* per (row, head, part of the features): the part's features and gates, and both states'
+           rows of those features decayed, written and read in one pass */
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < B * H; task++) {
-            const int64_t b = task / H, h = task % H, g = h / n_rep;
-            float qf[F], kf[F], alpha[2][F], vv[W], o[2][W], qr[D], kr[D];
-            const float *q = a->q + (b * H + h) * D, *k = a->k + (b * a->kv_heads + g) * D;
+        for (int64_t task = 0; task < B * H * P; task++) {
+            const int64_t b = task / (H * P), h = task / P % H, j0 = task % P * n;
+            float qf[n], kf[n], alpha[2][n], vv[W], qr[D], kr[D];
+            const float *q = a->q + (b * H + h) * D, *k = a->k + (b * Hkv + h / n_rep) * D;
             if (a->rope) {
                 rope(q, a->cos + b * a->rope_stride, a->sin + b * a->rope_stride, D, qr);
                 rope(k, a->cos + b * a->rope_stride, a->sin + b * a->rope_stride, D, kr);
                 q = qr;
                 k = kr;
             }
+            const int64_t f = F / 2; /* a Hedgehog map's projection width */
             if (a->normalize) {
-                hedgehog(q, a->wq + h * D * (F / 2), a->bq + h * (F / 2), D, F / 2, qf);
-                hedgehog(k, a->wk + h * D * (F / 2), a->bk + h * (F / 2), D, F / 2, kf);
+                features(q, a->wq + h * D * f, a->bq + h * f, D, j0, n, qf);
+                features(k, a->wk + h * D * f, a->bk + h * f, D, j0, n, kf);
             } else {
-                memcpy(qf, q, F * sizeof(float));
-                memcpy(kf, k, F * sizeof(float));
+                features(q, NULL, NULL, D, j0, n, qf);
+                features(k, NULL, NULL, D, j0, n, kf);
             }
             for (int64_t s = 0; s < 2; s++) {
-                const float *gz = a->scratch + b * 2 * R + s * R;
-                const float *up = a->up + (s * H * F + h * F) * R, *bias = a->up_bias + s * H * F + h * F;
-                for (int64_t j = 0; j < F; j++) {
-                    /* alpha = exp(logsigmoid(z) / 16) = sigmoid(z) ** (1/16); below z = -80 sigmoid(z)
-                       leaves float32's normal range, where logsigmoid(z) = z to float precision */
-                    const float z = bias[j] + dot(up + j * R, gz, R);
-                    const float sg = 1.0f / (1.0f + exp_f(-z));
+                /* z = up_bias + up gz, then alpha = exp(logsigmoid(z) / 16) = sigmoid(z) ** (1/16); below
+                   z = -80 sigmoid(z) leaves float32's normal range, where logsigmoid(z) = z to float precision */
+                const float *gz = gates + b * 2 * R + s * R;
+                float *z = alpha[s];
+                memcpy(z, a->up_bias + s * H * F + h * F + j0, n * sizeof(float));
+                for (int64_t r = 0; r < R; r++) axpy(z, a->up + (s * R + r) * H * F + h * F + j0, gz[r], n);
+                for (int64_t j = 0; j < n; j++) {
+                    const float sg = 1.0f / (1.0f + exp_f(-z[j]));
                     const float root = sqrtf(sqrtf(sqrtf(sqrtf(sg))));
-                    alpha[s][j] = z > -80.0f ? root : exp_f(z * 0.0625f);
+                    z[j] = z[j] > -80.0f ? root : exp_f(z[j] * 0.0625f);
                 }
             }
-            memcpy(vv, a->v + (b * a->kv_heads + g) * Dv, Dv * sizeof(float));
+            memcpy(vv, a->v + (b * Hkv + h / n_rep) * Dv, Dv * sizeof(float));
             if (a->normalize) vv[Dv] = 1.0f;
             for (int64_t s = 0; s < 2; s++) {
-                float *S = a->states + ((s * B + b) * H + h) * F * W;
-                float *os = o[s];
-                for (int64_t c = 0; c < W; c++) os[c] = 0.0f;
-                for (int64_t j = 0; j < F; j++) update_read(S + j * W, vv, os, alpha[s][j], kf[j], qf[j], W);
+                float *S = a->states + (((s * B + b) * H + h) * F + j0) * W;
+                float *o = partial + (task * 2 + s) * W;
+                for (int64_t c = 0; c < W; c++) o[c] = 0.0f;
+                for (int64_t j = 0; j < n; j++) update_read(S + j * W, vv, o, alpha[s][j], kf[j], qf[j], W);
+            }
+        }
+        /* per (row, head): the two states' reads (their parts summed), each over its normaliser, mixed */
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < B * H; task++) {
+            float o[2][W];
+            for (int64_t s = 0; s < 2; s++) {
+                for (int64_t c = 0; c < W; c++) o[s][c] = 0.0f;
+                for (int64_t part = 0; part < P; part++) axpy(o[s], partial + ((task * P + part) * 2 + s) * W, 1.0f, W);
             }
             float w0 = a->mix[0], w1 = a->mix[1];
             if (a->normalize) {
                 w0 = o[0][Dv] > a->empty ? w0 / o[0][Dv] : 0.0f;
                 w1 = o[1][Dv] > a->empty ? w1 / o[1][Dv] : 0.0f;
             }
-            float *out = a->out + (b * H + h) * Dv;
+            float *out = a->out + task * Dv;
             for (int64_t c = 0; c < Dv; c++) out[c] = o[1][c] * w1 + o[0][c] * w0;
         }
         RESTORE_FLUSH_DENORMALS();
@@ -223,7 +269,7 @@ typedef struct {
     float *feats;               /* (B Hkv, W, n_rep F): phi_k of each slot's key per query head */
     float *linear;              /* (B Hq, F, Dv + 1): [S | z] over the tokens older than the window */
     uint8_t *valid;             /* (B, W) */
-    float *scratch;             /* (B, Hq, D + F + Dv + 1) */
+    float *scratch;             /* (B, Hq, D + F + 2 (Dv + 1)) */
     float *out;                 /* (B, Hq, Dv) */
 } hybrid_args;
 
@@ -234,29 +280,33 @@ static inline void read_into(const float *x, int64_t dv, float empty, float *out
 
 void linearize_hybrid_step(const hybrid_args *a) {
     const int64_t B = a->batch, H = a->heads, Hkv = a->kv_heads, n_rep = a->heads / a->kv_heads;
-    const int64_t D = a->head_dim, Dv = a->value_dim, V = Dv + 1, F = a->features, Wn = a->window, i = a->slot;
-    const int64_t per = D + F + V;
+    const int64_t D = a->head_dim, Dv = a->value_dim, V = Dv + 1, F = a->features, f = F / 2, Wn = a->window, i = a->slot;
+    const int64_t per = D + F + 2 * V; /* scratch per (row, head): q after RoPE, phi(q), the two halves' linear reads */
 #pragma omp parallel num_threads(a->threads)
     {
         SAVE_FLUSH_DENORMALS();
-        /* 1. per query head: features; the token leaving the window (slot i) joins [S | z], read by
-              phi(q) in the same pass; the new token's key features take its place */
+        /* 1. per (row, query head, half of the features): the half's features; the token leaving the
+              window (slot i) joins those rows of [S | z], read by phi(q) in the same pass; the new
+              token's key features take its place */
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < B * H; task++) {
-            const int64_t b = task / H, h = task % H, g = h / n_rep, rep = h % n_rep, bk = b * Hkv + g;
-            float *qr = a->scratch + task * per, *qf = qr + D, *lin = qf + F;
-            float kr[D], kf[F];
-            const float *q = a->q + task * D, *k = a->k + bk * D;
-            rope(q, a->cos + b * a->rope_stride, a->sin + b * a->rope_stride, D, qr);
-            hedgehog(a->linear_rope ? qr : q, a->wq + h * D * (F / 2), a->bq + h * (F / 2), D, F / 2, qf);
-            if (a->linear_rope) rope(k, a->cos + b * a->rope_stride, a->sin + b * a->rope_stride, D, kr);
-            hedgehog(a->linear_rope ? kr : k, a->wk + h * D * (F / 2), a->bk + h * (F / 2), D, F / 2, kf);
-            float *fo = a->feats + ((bk * Wn + i) * n_rep + rep) * F;
+        for (int64_t task = 0; task < B * H * 2; task++) {
+            const int64_t bh = task / 2, half = task % 2, b = bh / H, h = bh % H, g = h / n_rep, rep = h % n_rep;
+            const int64_t bk = b * Hkv + g, j0 = half * f;
+            float *qr = a->scratch + bh * per, *qf = qr + D, *lin = qf + F + half * V;
+            float qrot[D], kr[D], kf[f];
+            const float *q = a->q + bh * D, *k = a->k + bk * D;
+            const float *cos = a->cos + b * a->rope_stride, *sin = a->sin + b * a->rope_stride;
+            rope(q, cos, sin, D, qrot);
+            if (half == 0) memcpy(qr, qrot, D * sizeof(float));
+            hedgehog_half(a->linear_rope ? qrot : q, a->wq + h * D * f, a->bq + h * f, D, f, half, qf + j0);
+            if (a->linear_rope) rope(k, cos, sin, D, kr);
+            hedgehog_half(a->linear_rope ? kr : k, a->wk + h * D * f, a->bk + h * f, D, f, half, kf);
+            float *fo = a->feats + ((bk * Wn + i) * n_rep + rep) * F + j0;
             const float *vo = a->values + (bk * Wn + i) * V;
-            float *S = a->linear + task * F * V;
+            float *S = a->linear + (bh * F + j0) * V;
             for (int64_t c = 0; c < V; c++) lin[c] = 0.0f;
-            for (int64_t j = 0; j < F; j++) add_read(S + j * V, vo, lin, fo[j], qf[j], V);
-            memcpy(fo, kf, F * sizeof(float));
+            for (int64_t j = 0; j < f; j++) add_read(S + j * V, vo, lin, fo[j], qf[j0 + j], V);
+            memcpy(fo, kf, f * sizeof(float));
         }
         /* 2. per KV head: the new token takes slot i */
 #pragma omp for schedule(static)
@@ -277,6 +327,7 @@ void linearize_hybrid_step(const hybrid_args *a) {
             const int64_t b = task / H, h = task % H, g = h / n_rep, rep = h % n_rep, bk = b * Hkv + g;
             const float *qr = a->scratch + task * per, *qf = qr + D;
             float *lin = (float *)qf + F;
+            axpy(lin, lin + V, 1.0f, V); /* the two halves' reads */
             const float *keys = a->keys + bk * Wn * D, *values = a->values + bk * Wn * V;
             const uint8_t *valid = a->valid + b * Wn;
             float *out = a->out + task * Dv;
@@ -300,8 +351,8 @@ void linearize_hybrid_step(const hybrid_args *a) {
             if (a->branches == 1) {
                 read_into(sw, Dv, a->empty, out);
             } else if (!a->gate_mix) {
-                const float f = a->factor[h];
-                for (int64_t c = 0; c < V; c++) sw[c] = lin[c] + f * sw[c];
+                const float fh = a->factor[h];
+                for (int64_t c = 0; c < V; c++) sw[c] = lin[c] + fh * sw[c];
                 read_into(sw, Dv, a->empty, out);
             } else {
                 const float gh = a->factor[h];

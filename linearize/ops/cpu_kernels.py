@@ -46,11 +46,13 @@ CHOICES = ("auto", "on", "off")
 SOURCE = Path(__file__).with_suffix(".c")
 ABI_VERSION = 1
 FLAG_SETS = (
-    ("-O3", "-march=native", "-fno-math-errno", "-fopenmp"),
-    ("-O3", "-fno-math-errno", "-fopenmp"),
-    ("-O3", "-fno-math-errno"),  # no OpenMP: one thread
+    ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"),
+    ("-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"),
+    ("-O3", "-fno-math-errno", "-fno-trapping-math"),  # no OpenMP: one thread
 )
-"""Compiler flags, tried in order until one builds (every set adds -std=gnu11 -fPIC -shared)."""
+"""Compiler flags, tried in order until one builds (every set adds -std=gnu11 -fPIC -shared). No
+-ffast-math: the kernels keep IEEE float semantics; errno and floating-point traps, which nothing
+here reads, are what would stop loops over sqrt and comparisons from vectorising."""
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -249,7 +251,8 @@ def dsla_step(lib: ctypes.CDLL, state, x: Tensor, q: Tensor, k: Tensor, v: Tenso
     real token per row; x (B, 1, hidden), q (B, 1, Hq D), k and v (B, 1, Hkv D) as the projections
     give them (before RoPE; ``rope`` = (cos, sin) (B, 1, D) applies it to q and k first). ``state`` a
     DslaDecodeState, updated in place; ``weights`` the Hedgehog maps (wq, bq, wk, bk; None without
-    ``normalize``) and the gates (down (2 R, hidden), up (2, Hq F, R), up_bias (2, Hq F)); ``mix``
+    ``normalize``) and the gates (down (2 R, hidden), up (2, R, Hq F): the up projections' weights
+    transposed, up_bias (2, Hq F)); ``mix``
     (2,) as ``dsla_decode_step`` takes it. Returns the output (B, Hq, 1, Dv)."""
     s = state.states  # (2, B, Hq, F, W)
     b, hidden = x.shape[0], x.shape[-1]
@@ -260,7 +263,7 @@ def dsla_step(lib: ctypes.CDLL, state, x: Tensor, q: Tensor, k: Tensor, v: Tenso
         if s.dtype != torch.float32 or not s.is_contiguous() or s.shape[1:3] != (b, heads):
             raise ValueError(f"DSLA states must be contiguous float32 (2, {b}, {heads}, F, W), got {s.dtype} {tuple(s.shape)}")
         rank = weights.tensors["down"].shape[0] // 2
-        scratch = s.new_empty(b, 2 * rank)
+        scratch = s.new_empty(b * 2 * rank + b * heads * 2 * 2 * s.shape[-1])
         args = DslaArgs(batch=b, heads=heads, kv_heads=kv_heads, head_dim=q.shape[-1] // heads, value_dim=dv,
                         features=s.shape[3], rank=rank, hidden=hidden, normalize=int(normalize), empty=EMPTY_DENOMINATOR,
                         states=s.data_ptr(), scratch=scratch.data_ptr())  # fmt: skip
@@ -307,7 +310,7 @@ def hybrid_step(lib: ctypes.CDLL, state, q: Tensor, k: Tensor, v: Tensor, rope: 
                 raise ValueError(f"hybrid decode state {name} must be contiguous float32, got {t.dtype}")
         if bk != b * kv_heads or state.valid.dtype != torch.bool or not state.valid.is_contiguous():
             raise ValueError(f"hybrid decode state of {bk} rows x heads does not fit {b} rows of {kv_heads} KV heads")
-        scratch = state.keys.new_empty(b, heads, d + f + dv + 1)
+        scratch = state.keys.new_empty(b, heads, d + f + 2 * (dv + 1))
         args = HybridArgs(batch=b, heads=heads, kv_heads=kv_heads, head_dim=d, value_dim=dv, features=f, window=w,
                           gate_mix=int(mix == "gate"), overlap=int(overlap), branches=BRANCH_CODES[branches],
                           linear_rope=int(linear_rope), scale=scale, empty=EMPTY_DENOMINATOR, keys=state.keys.data_ptr(),

@@ -90,7 +90,7 @@ def test_dsla_kernel_matches_reference_outputs_and_states(lib, case, start):
     gates = [heads_view(log_gate(x @ down[s * rank : (s + 1) * rank].T @ up[s].T + up_bias[s]), hq) for s in (0, 1)]
     ref, ref_state = dsla_attention_reference(qh, kh, vh, *gates, gamma, state=init.clone(), scale=scale, normalize=normalize)
 
-    weights = cpu_kernels.Weights(down=down, up=up.contiguous(), up_bias=up_bias, **(
+    weights = cpu_kernels.Weights(down=down, up=up.transpose(1, 2).contiguous(), up_bias=up_bias, **(
         {"wq": wq, "bq": bq, "wk": wk, "bk": bk} if normalize else {}))  # fmt: skip
     mix = torch.stack((gamma, 1 - gamma)) * scale
     state = DslaDecodeState.from_state(init, hkv, normalize)
