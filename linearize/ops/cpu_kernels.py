@@ -60,11 +60,19 @@ _failure: str | None = None
 _disabled = 0
 
 
+_parsed: tuple[str | None, str] = (None, "auto")
+
+
 def setting() -> str:
     """``LINEARIZE_CPU_KERNELS`` (auto, on or off; unset: auto); ValueError naming the choices otherwise."""
-    value = os.environ.get(ENV, "").strip().lower() or "auto"
+    global _parsed
+    raw = os.environ.get(ENV)
+    if raw == _parsed[0]:  # read every decode step of every layer: parse each value once
+        return _parsed[1]
+    value = (raw or "").strip().lower() or "auto"
     if value not in CHOICES:
-        raise ValueError(f"{ENV}={os.environ.get(ENV)!r} is not a valid setting; valid choices: {', '.join(CHOICES)}")
+        raise ValueError(f"{ENV}={raw!r} is not a valid setting; valid choices: {', '.join(CHOICES)}")
+    _parsed = (raw, value)
     return value
 
 
@@ -226,10 +234,12 @@ def _check_token(**tensors) -> None:
             raise ValueError(f"{name} must be a contiguous float32 tensor, got {t.dtype} (contiguous: {t.is_contiguous()})")
 
 
-GRAIN = 32768
-"""State elements below which a kernel runs on one thread (torch's own grain size for parallel
-loops): a team costs more than it saves on so little work, and far more when another process holds
-the other cores."""
+GRAIN = 1 << 20
+"""State elements (4 MiB of float32) from which a kernel runs on torch's intra-op threads; below, on
+the calling thread alone. A team waits for all its threads at every barrier: on an idle machine two
+threads save about a third of a SmolLM2 layer's step (its states hold 75-150K elements), but when
+another process holds the other core each wait lasts a scheduler slice, and a step took ten times
+longer than on one thread (measured: docs/results/performance/cpu.md)."""
 
 
 def _threads(elements: int) -> int:

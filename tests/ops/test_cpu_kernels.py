@@ -60,10 +60,23 @@ DSLA_CASES = [  # (B, Hq, Hkv, D, rank, hidden, normalize, rope)
 ]
 
 
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request, monkeypatch):
+    """The kernels on one thread, or on two however small the state (their work split and barriers)."""
+    if request.param > 1:
+        monkeypatch.setattr(cpu_kernels, "GRAIN", 0)
+        before = torch.get_num_threads()
+        torch.set_num_threads(request.param)
+        yield request.param
+        torch.set_num_threads(before)
+    else:
+        yield 1
+
+
 @pytest.mark.parametrize("case", DSLA_CASES, ids=lambda c: "B{}-Hq{}-Hkv{}-D{}-R{}-H{}-{}-{}".format(
     *c[:6], "normalized" if c[6] else "identity", "rope" if c[7] else "nope"))  # fmt: skip
 @pytest.mark.parametrize("start", ["empty", "state"])
-def test_dsla_kernel_matches_reference_outputs_and_states(lib, case, start):
+def test_dsla_kernel_matches_reference_outputs_and_states(lib, case, start, threads):
     b, hq, hkv, d, rank, hidden, normalize, rope = case
     t, f = 7, (2 * d if normalize else d)
     gen = torch.Generator().manual_seed(hash(case) % 1000)
@@ -110,7 +123,7 @@ HYBRID_MODES = list(itertools.product(["joint", "gate"], [False, True], ["both",
 
 @pytest.mark.parametrize("mode", HYBRID_MODES, ids=lambda m: f"{m[0]}-{'overlap' if m[1] else 'nooverlap'}-{m[2]}")
 @pytest.mark.parametrize("linear_rope", [True, False], ids=["rope", "nope"])
-def test_hybrid_kernel_matches_reference_outputs_and_states(lib, mode, linear_rope):
+def test_hybrid_kernel_matches_reference_outputs_and_states(lib, mode, linear_rope, threads):
     """Token by token from an empty state, past the window, B = 2 with GQA: the reference's outputs
     at every token and its state after the last (the window's slots and the linear sums)."""
     mix, overlap, branches = mode
