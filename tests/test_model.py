@@ -14,6 +14,7 @@ import linearize.cache
 from linearize.cache import StateCacheLayer, cache_kwargs, cache_nbytes
 from linearize.convert import converted_layers
 from linearize.hub import build_tiny_llama
+from linearize.layers.base import derived, tensors_at
 from linearize.memory import layer_memory
 from linearize.ops import cpu_kernels
 from linearize.ops.states import BatchState
@@ -242,6 +243,28 @@ def test_decode_path_sees_parameters_updated_between_tokens(name):
     real = mask.bool()
     torch.testing.assert_close(fast[real], ref[real], atol=2e-5, rtol=2e-5)
     assert not torch.allclose(fast[:, 5:][real[:, 5:]], before[:, 5:][real[:, 5:]], atol=1e-3)  # the update took effect
+
+
+def test_derived_is_rebuilt_when_a_source_changes():
+    """What the decode path derives from parameters is rebuilt after an in-place update, a new
+    tensor or new storage (``.data`` replaced), and kept otherwise."""
+    module = torch.nn.Linear(3, 2)
+    builds = []
+
+    def get():
+        return derived(module, "w", tensors_at(module, ("weight", "bias")), lambda: builds.append(1) or module.weight.sum().item())
+
+    first = get()
+    assert get() == first and len(builds) == 1
+    with torch.no_grad():
+        module.weight.add_(1.0)
+    assert get() == pytest.approx(first + 6) and len(builds) == 2
+    module.weight.data = torch.zeros(2, 3)
+    assert get() == 0 and len(builds) == 3
+    module.bias = torch.nn.Parameter(torch.ones(2))
+    get()
+    assert len(builds) == 4
+    assert tensors_at(module, ("bias",))[0] is module.bias
 
 
 def test_decode_path_runs_a_model_loaded_under_inference_mode():

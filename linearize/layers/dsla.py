@@ -14,7 +14,7 @@ from ..ops.common import accumulation_dtype, repeat_kv
 from ..ops.dsla import DslaDecodeState, dsla_attention, dsla_decode_step, init_gate_bias, log_gate
 from ..ops.states import DslaState
 from .base import (KERNELS, STATE_BYTES, AttentionKind, Attend, ConvertedAttention, SpecError, derived, expect_state, head_sizes,
-                   resolve_kernel, token_features)
+                   resolve_kernel, tensors_at, token_features)
 from .feature_map import FeatureMapOptions, HedgehogFeatureMap, feature_map_pair
 
 
@@ -173,32 +173,39 @@ class DslaAttention(ConvertedAttention):
             ds = DslaDecodeState.from_state(state, self.num_kv_heads, self.normalize)
         return ds
 
+    KERNEL_SOURCES = ("gate_history.down.weight", "gate_history.up.weight", "gate_history.up.bias", "gate_recent.down.weight",
+                      "gate_recent.up.weight", "gate_recent.up.bias", "gamma_logit")  # fmt: skip
+    """What the CPU kernel's weights are made of (and, with a feature map, the maps' weights and biases)."""
+
     def _kernel_weights(self) -> cpu_kernels.Weights | None:
-        """The CPU kernel's weights (None where it does not apply: feature maps other than Hedgehog
-        or identity, parameters other than float32)."""
-        if self.normalize and not isinstance(self.feature_map_q, HedgehogFeatureMap):
-            return None
-        h, r = self.gate_history, self.gate_recent
-        maps = (self.feature_map_q.weight, self.feature_map_q.bias, self.feature_map_k.weight, self.feature_map_k.bias) if self.normalize else ()
-        sources = (h.down.weight, h.up.weight, h.up.bias, r.down.weight, r.up.weight, r.up.bias) + maps
-        if any(t.dtype != torch.float32 for t in sources):
-            return None
+        """The CPU kernel's weights for this layer's mode, kept between tokens (``derived``); None where
+        the kernel does not apply: feature maps other than Hedgehog or identity, parameters other
+        than float32."""
+        maps = ()
+        if self.normalize:
+            if not isinstance(self._modules["feature_map_q"], HedgehogFeatureMap):
+                return None
+            maps = ("feature_map_q.weight", "feature_map_q.bias", "feature_map_k.weight", "feature_map_k.bias")
+        sources = tensors_at(self, self.KERNEL_SOURCES + maps)
+        mode = self.mode
 
-        def build() -> cpu_kernels.Weights:
-            wq, bq, wk, bk = (t.contiguous() for t in maps) if maps else (None,) * 4
-            return cpu_kernels.Weights(down=torch.cat((h.down.weight, r.down.weight)),
-                                       up=torch.stack((h.up.weight.T, r.up.weight.T)).contiguous(),
-                                       up_bias=torch.stack((h.up.bias, r.up.bias)), wq=wq, bq=bq, wk=wk, bk=bk)  # fmt: skip
+        def build() -> cpu_kernels.Weights | None:
+            if any(t.dtype != torch.float32 for t in sources):
+                return None
+            down_h, up_h, bias_h, down_r, up_r, bias_r, _, *hedgehog = sources
+            wq, bq, wk, bk = (t.contiguous() for t in hedgehog) if hedgehog else (None,) * 4
+            return cpu_kernels.Weights(down=torch.cat((down_h, down_r)), up=torch.stack((up_h.T, up_r.T)).contiguous(),
+                                       up_bias=torch.stack((bias_h, bias_r)), wq=wq, bq=bq, wk=wk, bk=bk,
+                                       mix=self._mix_weights(torch.float32))  # fmt: skip
 
-        return derived(self, "kernel", sources, build)
+        return derived(self, f"kernel_{mode}", sources, build)
 
     def _kernel_step(self, lib, weights, x, position_embeddings, slot):
         """``decode_step`` as one CPU kernel call (``cpu_kernels.dsla_step``)."""
         b = x.shape[0]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, 1, H D): RoPE, if any, in the kernel
         ds = self._decode_state(slot, b, x.device, x.dtype)
-        mix = derived(self, f"mix_{self.mode}", (self.gamma_logit,), lambda: self._mix_weights(torch.float32))
-        out = cpu_kernels.dsla_step(lib, ds, x, q, k, v, weights, mix, heads=self.num_heads, kv_heads=self.num_kv_heads,
+        out = cpu_kernels.dsla_step(lib, ds, x, q, k, v, weights, heads=self.num_heads, kv_heads=self.num_kv_heads,
                                     normalize=self.normalize, rope=position_embeddings if self.options.linear_rope else None)  # fmt: skip
         slot.advance(ds, 1)
         return out

@@ -13,7 +13,7 @@ from ..ops.common import accumulation_dtype
 from ..ops.hybrid import HybridDecodeState, hybrid_attention, hybrid_attention_weights, hybrid_decode_step, hybrid_state_empty
 from ..ops.states import HybridState
 from .base import (KERNELS, STATE_BYTES, AttentionKind, Attend, ConvertedAttention, Projection, SpecError, derived, expect_state,
-                   head_sizes, resolve_kernel, token_features)
+                   head_sizes, resolve_kernel, tensors_at, token_features)
 from .feature_map import FeatureMapOptions, HedgehogFeatureMap, feature_map_pair
 
 MIXES = ("joint", "gate")
@@ -186,26 +186,30 @@ class HybridAttention(WindowedLinearAttention):
         return {"gate": derived(self, "gate", (self.gate_logit,), lambda: self.gate().to(dtype))}
 
     def _kernel_weights(self) -> cpu_kernels.Weights | None:
-        """The CPU kernel's weights (None where it does not apply: feature maps other than Hedgehog,
-        parameters other than float32)."""
-        phi_q, phi_k = self.feature_map_q, self.feature_map_k
-        if not (isinstance(phi_q, HedgehogFeatureMap) and isinstance(phi_k, HedgehogFeatureMap)):
+        """The CPU kernel's weights (the maps and the mix's factor), kept between tokens (``derived``);
+        None where the kernel does not apply: feature maps other than Hedgehog, parameters other than
+        float32."""
+        if not isinstance(self._modules["feature_map_q"], HedgehogFeatureMap):
             return None
-        sources = (phi_q.weight, phi_q.bias, phi_k.weight, phi_k.bias)
-        if any(t.dtype != torch.float32 for t in sources):
-            return None
-        return derived(self, "kernel", sources, lambda: cpu_kernels.Weights(
-            wq=phi_q.weight.contiguous(), bq=phi_q.bias.contiguous(), wk=phi_k.weight.contiguous(), bk=phi_k.bias.contiguous()))
+        joint = self.options.mix == "joint"
+        sources = tensors_at(self, ("feature_map_q.weight", "feature_map_q.bias", "feature_map_k.weight", "feature_map_k.bias",
+                                    "window_factor_logit" if joint else "gate_logit"))  # fmt: skip
+
+        def build() -> cpu_kernels.Weights | None:
+            if any(t.dtype != torch.float32 for t in sources):
+                return None
+            wq, bq, wk, bk = (t.contiguous() for t in sources[:4])
+            return cpu_kernels.Weights(wq=wq, bq=bq, wk=wk, bk=bk, factor=(self.window_factor() if joint else self.gate()).contiguous())
+
+        return derived(self, f"kernel_{self.options.mix}", sources, build)
 
     def _kernel_step(self, lib, weights, branches, x, position_embeddings, slot):
         """``decode_step`` as one CPU kernel call (``cpu_kernels.hybrid_step``)."""
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, 1, H D): RoPE in the kernel
         ds = self._decode_state(slot, x.shape[0], x.device, x.dtype)
         o = self.options
-        (factor,) = self._mix_factor(torch.float32).values()
-        out = cpu_kernels.hybrid_step(lib, ds, q, k, v, position_embeddings, weights, factor, heads=self.num_heads,
-                                      kv_heads=self.num_kv_heads, mix=o.mix, overlap=o.overlap, branches=branches,
-                                      scale=self.scaling, linear_rope=o.linear_rope)  # fmt: skip
+        out = cpu_kernels.hybrid_step(lib, ds, q, k, v, position_embeddings, weights, heads=self.num_heads, kv_heads=self.num_kv_heads,
+                                      mix=o.mix, overlap=o.overlap, branches=branches, scale=self.scaling, linear_rope=o.linear_rope)  # fmt: skip
         slot.advance(ds, 1)
         return out
 

@@ -255,19 +255,19 @@ def _rope_pointers(rope: tuple[Tensor, Tensor], b: int, d: int) -> tuple[int, in
     return cos.data_ptr(), sin.data_ptr(), 0 if cos.shape[0] == 1 else d
 
 
-def dsla_step(lib: ctypes.CDLL, state, x: Tensor, q: Tensor, k: Tensor, v: Tensor, weights: Weights, mix: Tensor, *,
-              heads: int, kv_heads: int, normalize: bool, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:  # fmt: skip
+def dsla_step(lib: ctypes.CDLL, state, x: Tensor, q: Tensor, k: Tensor, v: Tensor, weights: Weights, *, heads: int,
+              kv_heads: int, normalize: bool, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:  # fmt: skip
     """``dsla_decode_step`` with the feature maps and gates before it, as one kernel call: one new
     real token per row; x (B, 1, hidden), q (B, 1, Hq D), k and v (B, 1, Hkv D) as the projections
     give them (before RoPE; ``rope`` = (cos, sin) (B, 1, D) applies it to q and k first). ``state`` a
     DslaDecodeState, updated in place; ``weights`` the Hedgehog maps (wq, bq, wk, bk; None without
-    ``normalize``) and the gates (down (2 R, hidden), up (2, R, Hq F): the up projections' weights
-    transposed, up_bias (2, Hq F)); ``mix``
-    (2,) as ``dsla_decode_step`` takes it. Returns the output (B, Hq, 1, Dv)."""
+    ``normalize``), the gates (down (2 R, hidden), up (2, R, Hq F): the up projections' weights
+    transposed, up_bias (2, Hq F)) and ``mix`` (2,) as ``dsla_decode_step`` takes it. Returns the
+    output (B, Hq, 1, Dv)."""
     s = state.states  # (2, B, Hq, F, W)
     b, hidden = x.shape[0], x.shape[-1]
     dv = v.shape[-1] // kv_heads
-    _check_token(x=x, q=q, k=k, v=v, mix=mix)
+    _check_token(x=x, q=q, k=k, v=v)
     args = state.kernel_args
     if args is None:
         if s.dtype != torch.float32 or not s.is_contiguous() or s.shape[1:3] != (b, heads):
@@ -283,7 +283,7 @@ def dsla_step(lib: ctypes.CDLL, state, x: Tensor, q: Tensor, k: Tensor, v: Tenso
             setattr(args, name, pointer)
         state.kernel_weights = weights
     out = q.new_empty(b, heads, 1, dv)
-    args.x, args.q, args.k, args.v, args.mix, args.out = x.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), mix.data_ptr(), out.data_ptr()
+    args.x, args.q, args.k, args.v, args.out = x.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
     if rope is None:
         args.rope = 0
     else:
@@ -297,19 +297,19 @@ def dsla_step(lib: ctypes.CDLL, state, x: Tensor, q: Tensor, k: Tensor, v: Tenso
 BRANCH_CODES = {"both": 0, "window": 1, "linear": 2}
 
 
-def hybrid_step(lib: ctypes.CDLL, state, q: Tensor, k: Tensor, v: Tensor, rope: tuple[Tensor, Tensor], weights: Weights,
-                factor: Tensor, *, heads: int, kv_heads: int, mix: str = "joint", overlap: bool = False, branches: str = "both",
-                scale: float, linear_rope: bool = True) -> Tensor:  # fmt: skip
+def hybrid_step(lib: ctypes.CDLL, state, q: Tensor, k: Tensor, v: Tensor, rope: tuple[Tensor, Tensor], weights: Weights, *,
+                heads: int, kv_heads: int, mix: str = "joint", overlap: bool = False, branches: str = "both", scale: float,
+                linear_rope: bool = True) -> Tensor:  # fmt: skip
     """``hybrid_decode_step`` with RoPE and the Hedgehog feature maps before it, as one kernel call:
     one new real token per row; q (B, 1, Hq D), k and v (B, 1, Hkv D) as the projections give them
     (before RoPE), ``rope`` = (cos, sin) (B or 1, 1, D). ``state`` a HybridDecodeState, updated in
-    place (its ring advances one slot); ``weights`` the maps (wq, bq, wk, bk); ``factor`` (Hq,) the
+    place (its ring advances one slot); ``weights`` the maps (wq, bq, wk, bk) and ``factor`` (Hq,), the
     window factor (mix "joint") or the gate g (mix "gate"); ``linear_rope``: the maps see q/k after
     RoPE (else before; the state then keeps the keys before RoPE too). Returns the output (B, Hq, 1, Dv)."""
     b, bk, w, d = q.shape[0], *state.keys.shape
     dv = v.shape[-1] // kv_heads
     f = state.linear.shape[1]
-    _check_token(q=q, k=k, v=v, factor=factor)
+    _check_token(q=q, k=k, v=v)
     args = state.kernel_args
     if args is None:
         tensors = {"keys": state.keys, "values": state.values, "features": state.features, "linear": state.linear}
@@ -333,7 +333,7 @@ def hybrid_step(lib: ctypes.CDLL, state, q: Tensor, k: Tensor, v: Tensor, rope: 
             setattr(args, name, pointer)
         state.kernel_weights = weights
     out = q.new_empty(b, heads, 1, dv)
-    args.q, args.k, args.v, args.factor, args.out = q.data_ptr(), k.data_ptr(), v.data_ptr(), factor.data_ptr(), out.data_ptr()
+    args.q, args.k, args.v, args.out = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
     args.cos, args.sin, args.rope_stride = _rope_pointers(rope, b, d)
     args.slot = state.head
     args.threads = _threads(state.linear.numel() + state.keys.numel() + state.values.numel())

@@ -103,12 +103,11 @@ def test_dsla_kernel_matches_reference_outputs_and_states(lib, case, start, thre
     gates = [heads_view(log_gate(x @ down[s * rank : (s + 1) * rank].T @ up[s].T + up_bias[s]), hq) for s in (0, 1)]
     ref, ref_state = dsla_attention_reference(qh, kh, vh, *gates, gamma, state=init.clone(), scale=scale, normalize=normalize)
 
-    weights = cpu_kernels.Weights(down=down, up=up.transpose(1, 2).contiguous(), up_bias=up_bias, **(
-        {"wq": wq, "bq": bq, "wk": wk, "bk": bk} if normalize else {}))  # fmt: skip
-    mix = torch.stack((gamma, 1 - gamma)) * scale
+    weights = cpu_kernels.Weights(down=down, up=up.transpose(1, 2).contiguous(), up_bias=up_bias, mix=torch.stack((gamma, 1 - gamma)) * scale,
+                                  **({"wq": wq, "bq": bq, "wk": wk, "bk": bk} if normalize else {}))  # fmt: skip
     state = DslaDecodeState.from_state(init, hkv, normalize)
     outs = [cpu_kernels.dsla_step(lib, state, x[:, i : i + 1].contiguous(), *(y[:, i : i + 1].contiguous() for y in (q, k, v)),
-                                  weights, mix, heads=hq, kv_heads=hkv, normalize=normalize,
+                                  weights, heads=hq, kv_heads=hkv, normalize=normalize,
                                   rope=(cos[:, i : i + 1].contiguous(), sin[:, i : i + 1].contiguous()) if rope else None)
             for i in range(t)]  # fmt: skip
     torch.testing.assert_close(torch.cat(outs, dim=2), ref, atol=2e-5, rtol=2e-5)
@@ -144,9 +143,9 @@ def test_hybrid_kernel_matches_reference_outputs_and_states(lib, mode, linear_ro
 
     empty = hybrid_state_empty(b, hkv, hq, window, d, d, d, linear_keys=not linear_rope)
     state = HybridDecodeState.from_state(empty, lambda y: hedgehog_reference(y, wk, bk), hq)
-    weights = cpu_kernels.Weights(wq=wq, bq=bq, wk=wk, bk=bk)
+    weights = cpu_kernels.Weights(wq=wq, bq=bq, wk=wk, bk=bk, factor=factor)
     outs = [cpu_kernels.hybrid_step(lib, state, *(y[:, i : i + 1].contiguous() for y in (q, k, v)),
-                                    (cos[:, i : i + 1].contiguous(), sin[:, i : i + 1].contiguous()), weights, factor,
+                                    (cos[:, i : i + 1].contiguous(), sin[:, i : i + 1].contiguous()), weights,
                                     heads=hq, kv_heads=hkv, mix=mix, overlap=overlap, branches=branches, scale=d**-0.5,
                                     linear_rope=linear_rope)
             for i in range(t)]  # fmt: skip
@@ -181,9 +180,9 @@ def test_hybrid_kernel_continues_a_left_padded_prefill(lib):
     _, prefilled = hybrid_attention_reference(qr[:, :, :prefill], kr[:, :, :prefill], vh[:, :, :prefill],
                                               valid=valid[:, :prefill], **args)  # fmt: skip
     state = HybridDecodeState.from_state(prefilled, maps["phi_k"], hq)
-    weights = cpu_kernels.Weights(wq=wq, bq=bq, wk=wk, bk=bk)
+    weights = cpu_kernels.Weights(wq=wq, bq=bq, wk=wk, bk=bk, factor=factor)
     outs = [cpu_kernels.hybrid_step(lib, state, *(y[:, i : i + 1].contiguous() for y in (q, k, v)),
-                                    (cos[:, i : i + 1].contiguous(), sin[:, i : i + 1].contiguous()), weights, factor,
+                                    (cos[:, i : i + 1].contiguous(), sin[:, i : i + 1].contiguous()), weights,
                                     heads=hq, kv_heads=hkv, scale=d**-0.5)
             for i in range(prefill, t)]  # fmt: skip
     torch.testing.assert_close(torch.cat(outs, dim=2), ref[:, :, prefill:], atol=2e-5, rtol=2e-5)
