@@ -9,6 +9,7 @@
    intra-op threads: the process links one OpenMP runtime). */
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 #ifdef _OPENMP
@@ -24,7 +25,7 @@
 #define RESTORE_FLUSH_DENORMALS() (void)0
 #endif
 
-#define ABI_VERSION 1
+#define ABI_VERSION 2
 
 int linearize_abi_version(void) { return ABI_VERSION; }
 
@@ -100,6 +101,40 @@ static inline void axpy(float *restrict acc, const float *restrict x, float w, i
     for (int64_t i = 0; i < n; i++) acc[i] += w * x[i];
 }
 
+/* Weight matrices come as float32 or, where every value is one, as bfloat16 (half the bytes to
+   read; the same numbers): element i of matrix m is m_at(m, bf16, i). */
+static inline float bf16_value(uint16_t bits) {
+    union { uint32_t i; float f; } u;
+    u.i = (uint32_t)bits << 16;
+    return u.f;
+}
+
+static inline void axpy_bf16(float *restrict acc, const uint16_t *restrict x, float w, int64_t n) {
+    for (int64_t i = 0; i < n; i++) acc[i] += w * bf16_value(x[i]);
+}
+
+/* acc += w m[offset : offset + n] */
+static inline void axpy_m(float *restrict acc, const void *m, int64_t bf16, int64_t offset, float w, int64_t n) {
+    if (bf16)
+        axpy_bf16(acc, (const uint16_t *)m + offset, w, n);
+    else
+        axpy(acc, (const float *)m + offset, w, n);
+}
+
+/* sum m[offset : offset + n] x, in 16 interleaved partial sums */
+static inline float dot_m(const void *m, int64_t bf16, int64_t offset, const float *restrict x, int64_t n) {
+    if (!bf16) return dot((const float *)m + offset, x, n);
+    const uint16_t *restrict a = (const uint16_t *)m + offset;
+    float acc[16] = {0.0f};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int64_t l = 0; l < 16; l++) acc[l] += bf16_value(a[i + l]) * x[i + l];
+    float s = 0.0f;
+    for (; i < n; i++) s += bf16_value(a[i]) * x[i];
+    for (int64_t l = 0; l < 16; l++) s += acc[l];
+    return s;
+}
+
 /* row = decay row + w x, acc += r row (the updated row): one pass over a state row */
 static inline void update_read(float *restrict row, const float *restrict x, float *restrict acc, float decay, float w, float r,
                                int64_t n) {
@@ -120,11 +155,12 @@ static inline void add_read(float *restrict row, const float *restrict x, float 
 }
 
 /* One half of a Hedgehog map of one head: out = softmax(p) (sign 0) or softmax(-p) (sign 1),
-   p = x W + b, W (d x half) row-major: features [0, half) or [half, 2 half) of [softmax(p), softmax(-p)]. */
-static void hedgehog_half(const float *restrict x, const float *restrict w, const float *restrict b, int64_t d, int64_t half,
-                          int64_t sign, float *restrict out) {
+   p = x W + b, W = w[offset:] (d x half) row-major: features [0, half) or [half, 2 half) of
+   [softmax(p), softmax(-p)]. */
+static void hedgehog_half(const float *restrict x, const void *w, int64_t bf16, int64_t offset, const float *restrict b, int64_t d,
+                          int64_t half, int64_t sign, float *restrict out) {
     for (int64_t j = 0; j < half; j++) out[j] = b[j];
-    for (int64_t i = 0; i < d; i++) axpy(out, w + i * half, x[i], half);
+    for (int64_t i = 0; i < d; i++) axpy_m(out, w, bf16, offset + i * half, x[i], half);
     if (sign)
         for (int64_t j = 0; j < half; j++) out[j] = -out[j];
     const float hi = maximum(out, half);
@@ -133,15 +169,15 @@ static void hedgehog_half(const float *restrict x, const float *restrict w, cons
     for (int64_t j = 0; j < half; j++) out[j] *= inv;
 }
 
-/* The features [j0, j0 + n) of a query or key x (D) in a head: of its Hedgehog map (w, b), whose halves
-   these rows lie in one of (n = half), or x itself (identity: w NULL). */
-static void features(const float *restrict x, const float *restrict w, const float *restrict b, int64_t d, int64_t j0,
-                     int64_t n, float *restrict out) {
+/* The features [j0, j0 + n) of a query or key x (D) in a head: of its Hedgehog map (w[offset:], b),
+   whose halves these rows lie in one of (n = half), or x itself (identity: w NULL). */
+static void features(const float *restrict x, const void *w, int64_t bf16, int64_t offset, const float *restrict b, int64_t d,
+                     int64_t j0, int64_t n, float *restrict out) {
     if (w == NULL) {
         memcpy(out, x + j0, n * sizeof(float));
         return;
     }
-    hedgehog_half(x, w, b, d, n, j0 / n, out);
+    hedgehog_half(x, w, bf16, offset, b, d, n, j0 / n, out);
 }
 
 /* RoPE as transformers' apply_rotary_pos_emb: x cos + rotate_half(x) sin, rotate_half(x) = [-x2, x1]. */
@@ -162,10 +198,14 @@ typedef struct {
     const float *x;             /* (B, hidden): the token's hidden state (gates) */
     const float *q, *k, *v;     /* (B, Hq, D), (B, Hkv, D), (B, Hkv, Dv): projections, before RoPE */
     const float *cos, *sin;     /* (B or 1, D) (rope) */
-    const float *wq, *bq;       /* Hedgehog map of q: (Hq, D, F/2), (Hq, F/2) (normalize) */
-    const float *wk, *bk;       /* ... of k, per query head */
-    const float *down;          /* (2, R, hidden): gate down projections, history first */
-    const float *up, *up_bias;  /* (2, R, Hq F): up projections transposed, (2, Hq F) */
+    int64_t bf16_weights;       /* wq, wk, down and up hold bfloat16 values (else float32) */
+    const void *wq;             /* Hedgehog map of q: (Hq, D, F/2) (normalize) */
+    const float *bq;            /* its bias (Hq, F/2) */
+    const void *wk;             /* ... of k, per query head */
+    const float *bk;
+    const void *down;           /* (2, R, hidden): gate down projections, history first */
+    const void *up;             /* (2, R, Hq F): up projections transposed */
+    const float *up_bias;       /* (2, Hq F) */
     const float *mix;           /* (2,): weights of the two reads (gamma, 1 - gamma), times the scale without normalize */
     float *states;              /* (2, B, Hq, F, Dv [+ 1]), history first: updated in place */
     float *scratch;             /* (B, 2 R) + (B, Hq, 2, 2, Dv [+ 1]) */
@@ -183,7 +223,7 @@ void linearize_dsla_step(const dsla_args *a) {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < B * 2 * R; i++) {
             const int64_t b = i / (2 * R), r = i % (2 * R);
-            gates[i] = dot(a->down + r * hidden, a->x + b * hidden, hidden);
+            gates[i] = dot_m(a->down, a->bf16_weights, r * hidden, a->x + b * hidden, hidden);
         }
         /* per (row, head, part of the features): the part's features and gates, and both states'
            rows of those features decayed, written and read in one pass */
@@ -200,11 +240,11 @@ void linearize_dsla_step(const dsla_args *a) {
             }
             const int64_t f = F / 2; /* a Hedgehog map's projection width */
             if (a->normalize) {
-                features(q, a->wq + h * D * f, a->bq + h * f, D, j0, n, qf);
-                features(k, a->wk + h * D * f, a->bk + h * f, D, j0, n, kf);
+                features(q, a->wq, a->bf16_weights, h * D * f, a->bq + h * f, D, j0, n, qf);
+                features(k, a->wk, a->bf16_weights, h * D * f, a->bk + h * f, D, j0, n, kf);
             } else {
-                features(q, NULL, NULL, D, j0, n, qf);
-                features(k, NULL, NULL, D, j0, n, kf);
+                features(q, NULL, 0, 0, NULL, D, j0, n, qf);
+                features(k, NULL, 0, 0, NULL, D, j0, n, kf);
             }
             for (int64_t s = 0; s < 2; s++) {
                 /* z = up_bias + up gz, then alpha = exp(logsigmoid(z) / 16) = sigmoid(z) ** (1/16); below
@@ -212,7 +252,7 @@ void linearize_dsla_step(const dsla_args *a) {
                 const float *gz = gates + b * 2 * R + s * R;
                 float *z = alpha[s];
                 memcpy(z, a->up_bias + s * H * F + h * F + j0, n * sizeof(float));
-                for (int64_t r = 0; r < R; r++) axpy(z, a->up + (s * R + r) * H * F + h * F + j0, gz[r], n);
+                for (int64_t r = 0; r < R; r++) axpy_m(z, a->up, a->bf16_weights, (s * R + r) * H * F + h * F + j0, gz[r], n);
                 for (int64_t j = 0; j < n; j++) {
                     const float sg = 1.0f / (1.0f + exp_f(-z[j]));
                     const float root = sqrtf(sqrtf(sqrtf(sqrtf(sg))));
@@ -261,7 +301,11 @@ typedef struct {
     float scale, empty;
     const float *q, *k, *v;     /* (B, Hq, D), (B, Hkv, D), (B, Hkv, Dv), before RoPE */
     const float *cos, *sin;     /* (B or 1, D) */
-    const float *wq, *bq, *wk, *bk;  /* Hedgehog maps (Hq, D, F/2), (Hq, F/2) */
+    int64_t bf16_weights;       /* wq and wk hold bfloat16 values (else float32) */
+    const void *wq;             /* Hedgehog maps (Hq, D, F/2) */
+    const float *bq;            /* their biases (Hq, F/2) */
+    const void *wk;
+    const float *bk;
     const float *factor;        /* (Hq,): the window factor (joint) or the gate g (gate) */
     float *keys;                /* (B Hkv, W, D): ring buffer, RoPE applied */
     float *linear_keys;         /* (B Hkv, W, D) or NULL: keys before RoPE */
@@ -298,9 +342,9 @@ void linearize_hybrid_step(const hybrid_args *a) {
             const float *cos = a->cos + b * a->rope_stride, *sin = a->sin + b * a->rope_stride;
             rope(q, cos, sin, D, qrot);
             if (half == 0) memcpy(qr, qrot, D * sizeof(float));
-            hedgehog_half(a->linear_rope ? qrot : q, a->wq + h * D * f, a->bq + h * f, D, f, half, qf + j0);
+            hedgehog_half(a->linear_rope ? qrot : q, a->wq, a->bf16_weights, h * D * f, a->bq + h * f, D, f, half, qf + j0);
             if (a->linear_rope) rope(k, cos, sin, D, kr);
-            hedgehog_half(a->linear_rope ? kr : k, a->wk + h * D * f, a->bk + h * f, D, f, half, kf);
+            hedgehog_half(a->linear_rope ? kr : k, a->wk, a->bf16_weights, h * D * f, a->bk + h * f, D, f, half, kf);
             float *fo = a->feats + ((bk * Wn + i) * n_rep + rep) * F + j0;
             const float *vo = a->values + (bk * Wn + i) * V;
             float *S = a->linear + (bh * F + j0) * V;
@@ -363,4 +407,15 @@ void linearize_hybrid_step(const hybrid_args *a) {
         }
         RESTORE_FLUSH_DENORMALS();
     }
+}
+
+/* The argument structs' layout, which the ctypes structures must match: (size, offset of the
+   weights' dtype flag, offset of the last field) of each. */
+void linearize_layout(int64_t *out) {
+    out[0] = sizeof(dsla_args);
+    out[1] = offsetof(dsla_args, bf16_weights);
+    out[2] = offsetof(dsla_args, out);
+    out[3] = sizeof(hybrid_args);
+    out[4] = offsetof(hybrid_args, bf16_weights);
+    out[5] = offsetof(hybrid_args, out);
 }

@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 ENV = "LINEARIZE_CPU_KERNELS"
 CHOICES = ("auto", "on", "off")
 SOURCE = Path(__file__).with_suffix(".c")
-ABI_VERSION = 1
+ABI_VERSION = 2
 FLAG_SETS = (
     ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"),
     ("-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"),
@@ -184,6 +184,12 @@ def _open(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     if lib.linearize_abi_version() != ABI_VERSION:
         raise RuntimeError(f"{path} has ABI version {lib.linearize_abi_version()}, expected {ABI_VERSION}")
+    layout = (ctypes.c_int64 * 6)()
+    lib.linearize_layout(layout)
+    expected = [ctypes.sizeof(DslaArgs), DslaArgs.bf16_weights.offset, DslaArgs.out.offset,
+                ctypes.sizeof(HybridArgs), HybridArgs.bf16_weights.offset, HybridArgs.out.offset]  # fmt: skip
+    if list(layout) != expected:
+        raise RuntimeError(f"{path}: argument layout {list(layout)} does not match the ctypes structures {expected}")
     for name, args in (("linearize_dsla_step", DslaArgs), ("linearize_hybrid_step", HybridArgs)):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = [ctypes.POINTER(args)], None
@@ -199,7 +205,8 @@ class DslaArgs(ctypes.Structure):
 
     _fields_ = [(n, ctypes.c_int64) for n in ("threads", "batch", "heads", "kv_heads", "head_dim", "value_dim", "features", "rank",
                                                "hidden", "normalize", "rope", "rope_stride")] + [("empty", ctypes.c_float)] + [
-        (n, _f) for n in ("x", "q", "k", "v", "cos", "sin", "wq", "bq", "wk", "bk", "down", "up", "up_bias", "mix",
+        (n, _f) for n in ("x", "q", "k", "v", "cos", "sin")] + [("bf16_weights", ctypes.c_int64)] + [
+        (n, _f) for n in ("wq", "bq", "wk", "bk", "down", "up", "up_bias", "mix",
                           "states", "scratch", "out")]  # fmt: skip
 
 
@@ -210,20 +217,33 @@ class HybridArgs(ctypes.Structure):
                                                "slot", "gate_mix", "overlap", "branches", "linear_rope",
                                                "rope_stride")] + [
         ("scale", ctypes.c_float), ("empty", ctypes.c_float)] + [
-        (n, _f) for n in ("q", "k", "v", "cos", "sin", "wq", "bq", "wk", "bk", "factor", "keys", "linear_keys", "values",
+        (n, _f) for n in ("q", "k", "v", "cos", "sin")] + [("bf16_weights", ctypes.c_int64)] + [
+        (n, _f) for n in ("wq", "bq", "wk", "bk", "factor", "keys", "linear_keys", "values",
                           "feats", "linear", "valid", "scratch", "out")]  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- calling the kernels
 
 
-class Weights:
-    """Tensors a kernel reads every token (stacked or cast once), kept alive with their data pointers."""
+MATRICES = ("wq", "wk", "down", "up")
+"""The weights a kernel reads most of (Hedgehog maps, gate projections): float32, or bfloat16 when
+every value is one (``Weights``)."""
 
-    def __init__(self, **tensors) -> None:
+
+class Weights:
+    """Tensors a kernel reads every token (stacked or cast once), kept alive with their data pointers.
+    Every tensor is a contiguous float32 CPU tensor; with ``compact`` the weight matrices (``MATRICES``)
+    are kept in bfloat16 when that holds every one of their values exactly (as for weights trained
+    or stored in bfloat16): the same numbers, half the bytes to read every token."""
+
+    def __init__(self, *, compact: bool = True, **tensors) -> None:
         for name, t in tensors.items():
             if t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu"):
                 raise ValueError(f"kernel weight {name!r} must be a contiguous float32 CPU tensor, got {t.dtype} on {t.device}")
+        matrices = [t for name, t in tensors.items() if name in MATRICES and t is not None]
+        self.bf16 = compact and bool(matrices) and all(torch.equal(t, t.bfloat16().float()) for t in matrices)
+        if self.bf16:
+            tensors = {name: t.bfloat16() if name in MATRICES and t is not None else t for name, t in tensors.items()}
         self.tensors = tensors
         self.pointers = {name: (None if t is None else t.data_ptr()) for name, t in tensors.items()}
 
@@ -281,6 +301,7 @@ def dsla_step(lib: ctypes.CDLL, state, x: Tensor, q: Tensor, k: Tensor, v: Tenso
     if state.kernel_weights is not weights:
         for name, pointer in weights.pointers.items():
             setattr(args, name, pointer)
+        args.bf16_weights = int(weights.bf16)
         state.kernel_weights = weights
     out = q.new_empty(b, heads, 1, dv)
     args.x, args.q, args.k, args.v, args.out = x.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
@@ -331,6 +352,7 @@ def hybrid_step(lib: ctypes.CDLL, state, q: Tensor, k: Tensor, v: Tensor, rope: 
     if state.kernel_weights is not weights:
         for name, pointer in weights.pointers.items():
             setattr(args, name, pointer)
+        args.bf16_weights = int(weights.bf16)
         state.kernel_weights = weights
     out = q.new_empty(b, heads, 1, dv)
     args.q, args.k, args.v, args.out = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()

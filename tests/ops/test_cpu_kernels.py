@@ -188,6 +188,44 @@ def test_hybrid_kernel_continues_a_left_padded_prefill(lib):
     torch.testing.assert_close(torch.cat(outs, dim=2), ref[:, :, prefill:], atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("kind", ["dsla", "hybrid"])
+def test_weights_that_bfloat16_holds_exactly_are_read_as_bfloat16_with_the_same_results(lib, kind):
+    """Weight matrices whose values bfloat16 holds exactly (trained or stored in bfloat16) are kept in
+    bfloat16 (half the bytes): the outputs and states of the same weights in float32 (to rounding:
+    the compiler may fuse a multiply-add in one loop and not in the other)."""
+    b, hq, hkv, d, rank, hidden, t = 2, 4, 2, 8, 3, 12, 5
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(b, t, hidden, generator=gen)
+    q, k, v = (torch.randn(b, t, h * d, generator=gen) for h in (hq, hkv, hkv))
+    cos, sin = rope_tables(b, t, d, gen)
+    maps = dict(zip(("wq", "bq", "wk", "bk"), (w.bfloat16().float() for w in hedgehog_maps(hq, d, d, gen))))
+    if kind == "dsla":
+        extra = {"down": torch.randn(2 * rank, hidden, generator=gen).bfloat16().float(),
+                 "up": torch.randn(2, rank, hq * 2 * d, generator=gen).bfloat16().float(),
+                 "up_bias": torch.randn(2, hq * 2 * d, generator=gen), "mix": torch.tensor([0.3, 0.7])}  # fmt: skip
+    else:
+        extra = {"factor": torch.rand(hq, generator=gen)}
+    results = []
+    for compact in (True, False):
+        weights = cpu_kernels.Weights(compact=compact, **maps, **extra)
+        assert weights.bf16 == compact and (weights.tensors["wq"].dtype == torch.bfloat16) == compact
+        if kind == "dsla":
+            state = DslaDecodeState.from_state(DslaState(torch.zeros(b, hq, 2 * d, d + 1), torch.zeros(b, hq, 2 * d, d + 1)), hkv, True)
+            outs = [cpu_kernels.dsla_step(lib, state, x[:, i : i + 1].contiguous(), *(y[:, i : i + 1].contiguous() for y in (q, k, v)),
+                                          weights, heads=hq, kv_heads=hkv, normalize=True) for i in range(t)]  # fmt: skip
+        else:
+            empty = hybrid_state_empty(b, hkv, hq, 3, d, d, 2 * d)
+            state = HybridDecodeState.from_state(empty, lambda y: hedgehog_reference(y, maps["wk"], maps["bk"]), hq)
+            outs = [cpu_kernels.hybrid_step(lib, state, *(y[:, i : i + 1].contiguous() for y in (q, k, v)),
+                                            (cos[:, i : i + 1].contiguous(), sin[:, i : i + 1].contiguous()), weights,
+                                            heads=hq, kv_heads=hkv, scale=d**-0.5) for i in range(t)]  # fmt: skip
+        results.append((torch.cat(outs, dim=2), state.canonical().tensors()))
+    (out_a, states_a), (out_b, states_b) = results
+    torch.testing.assert_close(out_a, out_b, atol=1e-6, rtol=1e-6)
+    for got, want in zip(states_a, states_b, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
 # ----------------------------------------------------------------------------- setting and build
 
 
