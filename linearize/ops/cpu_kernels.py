@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -254,16 +255,65 @@ def _check_token(**tensors) -> None:
             raise ValueError(f"{name} must be a contiguous float32 tensor, got {t.dtype} (contiguous: {t.is_contiguous()})")
 
 
-GRAIN = 1 << 20
-"""State elements (4 MiB of float32) from which a kernel runs on torch's intra-op threads; below, on
-the calling thread alone. A team waits for all its threads at every barrier: on an idle machine two
-threads save about a third of a SmolLM2 layer's step (its states hold 75-150K elements), but when
-another process holds the other core each wait lasts a scheduler slice, and a step took ten times
-longer than on one thread (measured: docs/results/performance/cpu.md)."""
+GRAIN = 32768
+"""State elements below which a kernel runs on the calling thread alone (torch's own grain size):
+a team costs more than it saves on so little work."""
 
 
-def _threads(elements: int) -> int:
-    return torch.get_num_threads() if elements >= GRAIN else 1
+class Teams:
+    """Whether a kernel call runs on torch's intra-op threads (a team) or on the calling thread alone.
+
+    A team waits for all its threads at every barrier. On an idle machine two threads take about a
+    third off a SmolLM2 layer's step; but when another process holds the other core, each wait
+    lasts until the scheduler runs the second thread again, and a step took ten times longer than
+    on one thread (docs/results/performance/cpu.md). So team calls are timed: when a kernel's
+    recent team calls (a moving average, weight ``RECENT`` on the newest) take more than ``STALL``
+    times its fastest team call plus ``MARGIN_S``, teams are off for ``backoff_s`` seconds, doubling
+    while they keep stalling (up to ``MAX_BACKOFF_S``); the first team call after that tries again.
+    A single slow call (the scheduler ran something else for a moment) does not turn them off."""
+
+    RECENT = 0.2
+    STALL = 4.0
+    MARGIN_S = 1e-3
+    BACKOFF_S = 2.0
+    MAX_BACKOFF_S = 60.0
+
+    def __init__(self) -> None:
+        self.fastest: dict[tuple[str, int], float] = {}
+        self.recent: dict[tuple[str, int], float] = {}
+        self.off_until = 0.0
+        self.backoff_s = self.BACKOFF_S
+
+    def threads(self, elements: int, now: float) -> int:
+        threads = torch.get_num_threads()
+        return 1 if threads == 1 or elements < GRAIN or now < self.off_until else threads
+
+    def observe(self, key: tuple[str, int], seconds: float, now: float) -> None:
+        """A team call of ``key`` (kernel, state elements) took ``seconds``, ending at ``now``."""
+        fastest = self.fastest[key] = min(self.fastest.get(key, seconds), seconds)
+        recent = self.recent.get(key)
+        recent = self.recent[key] = seconds if recent is None else (1 - self.RECENT) * recent + self.RECENT * seconds
+        if recent <= self.STALL * fastest + self.MARGIN_S:
+            self.backoff_s = self.BACKOFF_S
+            return
+        self.off_until = now + self.backoff_s
+        logger.debug("%s kernel teams take %.2f ms (fastest %.2f ms): one thread for %.0f s", key[0], recent * 1e3, fastest * 1e3,
+                     self.backoff_s)  # fmt: skip
+        self.backoff_s = min(2 * self.backoff_s, self.MAX_BACKOFF_S)
+        self.recent.clear()
+
+
+teams = Teams()
+
+
+def _call(fn, args, kernel: str, elements: int) -> None:
+    """``fn(args)`` on a team or one thread (``teams``), timed when on a team."""
+    start = time.perf_counter()
+    args.threads = threads = teams.threads(elements, start)
+    fn(args)
+    if threads > 1:
+        end = time.perf_counter()
+        teams.observe((kernel, elements), end - start, end)
 
 
 def _rope_pointers(rope: tuple[Tensor, Tensor], b: int, d: int) -> tuple[int, int, int]:
@@ -310,8 +360,7 @@ def dsla_step(lib: ctypes.CDLL, state, x: Tensor, q: Tensor, k: Tensor, v: Tenso
     else:
         args.rope = 1
         args.cos, args.sin, args.rope_stride = _rope_pointers(rope, b, q.shape[-1] // heads)
-    args.threads = _threads(s.numel())
-    lib.linearize_dsla_step(args)
+    _call(lib.linearize_dsla_step, args, "dsla", s.numel())
     return out
 
 
@@ -358,8 +407,7 @@ def hybrid_step(lib: ctypes.CDLL, state, q: Tensor, k: Tensor, v: Tensor, rope: 
     args.q, args.k, args.v, args.out = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
     args.cos, args.sin, args.rope_stride = _rope_pointers(rope, b, d)
     args.slot = state.head
-    args.threads = _threads(state.linear.numel() + state.keys.numel() + state.values.numel())
-    lib.linearize_hybrid_step(args)
+    _call(lib.linearize_hybrid_step, args, "hybrid", state.linear.numel() + state.keys.numel() + state.values.numel())
     state.steps += 1
     if not state.full:
         state.full = bool(state.valid.all())

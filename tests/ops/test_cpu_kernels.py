@@ -65,6 +65,9 @@ def threads(request, monkeypatch):
     """The kernels on one thread, or on two however small the state (their work split and barriers)."""
     if request.param > 1:
         monkeypatch.setattr(cpu_kernels, "GRAIN", 0)
+        teams = cpu_kernels.Teams()
+        monkeypatch.setattr(teams, "observe", lambda *args: None)  # a slow call on a busy machine keeps the team
+        monkeypatch.setattr(cpu_kernels, "teams", teams)
         before = torch.get_num_threads()
         torch.set_num_threads(request.param)
         yield request.param
@@ -224,6 +227,26 @@ def test_weights_that_bfloat16_holds_exactly_are_read_as_bfloat16_with_the_same_
     torch.testing.assert_close(out_a, out_b, atol=1e-6, rtol=1e-6)
     for got, want in zip(states_a, states_b, strict=True):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_team_calls_that_keep_stalling_turn_teams_off_for_a_while(monkeypatch):
+    """Team calls are timed against the fastest of their kernel and size: one slow call is noise;
+    calls that stay slow (another process holding a core) turn teams off for the backoff, doubling
+    while they keep stalling."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    teams = cpu_kernels.Teams()
+    big, key = 10 * cpu_kernels.GRAIN, ("dsla", 10 * cpu_kernels.GRAIN)
+    assert teams.threads(cpu_kernels.GRAIN - 1, 0.0) == 1  # too little work for a team
+    assert teams.threads(big, 0.0) == 2
+    for seconds in (200e-6, 100e-6, 100e-6, 2e-3, 100e-6):  # one slow call among fast ones
+        teams.observe(key, seconds, 0.0)
+    assert teams.fastest[key] == 100e-6 and teams.threads(big, 1.0) == 2
+    teams.observe(key, 20e-3, 1.0)  # slow calls, one after another
+    assert teams.threads(big, 1.5) == 1 and teams.threads(big, 3.1) == 2
+    teams.observe(key, 20e-3, 3.1)  # still stalling: twice the backoff
+    assert teams.threads(big, 7.0) == 1 and teams.threads(big, 7.2) == 2
+    teams.observe(key, 110e-6, 7.2)  # a fast team call resets the backoff
+    assert teams.backoff_s == cpu_kernels.Teams.BACKOFF_S
 
 
 # ----------------------------------------------------------------------------- setting and build
