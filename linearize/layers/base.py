@@ -293,20 +293,44 @@ class ConvertedAttention(nn.Module):
         return f"layer={self.layer_idx}, attention={self.spec.attention}, mode={self.mode}"
 
 
+_SPLIT_PATHS: dict[tuple[str, ...], tuple[tuple[tuple[str, ...], str], ...]] = {}
+
+
+def tensors_at(module: nn.Module, paths: tuple[str, ...]) -> tuple[Tensor, ...]:
+    """The parameters (or buffers) of ``module`` at dotted ``paths`` ("gate_history.down.weight"),
+    read from the modules' own dicts: nn.Module's attribute lookup costs about a microsecond a name,
+    and the decode path reads its weights every token."""
+    split = _SPLIT_PATHS.get(paths)
+    if split is None:
+        split = _SPLIT_PATHS[paths] = tuple((tuple(p.split(".")[:-1]), p.rpartition(".")[2]) for p in paths)
+    out = []
+    for names, last in split:
+        m = module
+        for name in names:
+            sub = m._modules.get(name)
+            m = sub if sub is not None else getattr(m, name)  # getattr: a submodule held some other way
+        t = m._parameters.get(last)
+        out.append(t if t is not None else m._buffers[last] if last in m._buffers else getattr(m, last))
+    return tuple(out)
+
+
 def derived(module: nn.Module, name: str, sources: tuple[Tensor, ...], build: Callable[[], Any]) -> Any:
     """``build()``, kept on ``module`` under ``name`` until one of ``sources`` (the parameters it is
-    made of) changes: another tensor, another dtype or an in-place update (its version counter).
-    The decode path reads weights it would otherwise rebuild every token (fused feature-map and
-    gate weights, sigmoids of logits) this way; training updates are seen at the next call.
-    Inference tensors (parameters of a model loaded under ``torch.inference_mode``) keep no version
-    counter: nothing trains them, so their storage and dtype are the key."""
-    key = tuple((t.data_ptr(), t.dtype, None if t.is_inference() else t._version) for t in sources)
+    made of) changes: another tensor, other storage (a new dtype or device, ``.data`` replaced) or an
+    in-place update (its version counter). The decode path reads weights it would otherwise rebuild
+    every token (fused feature-map and gate weights, sigmoids of logits) this way; training updates
+    are seen at the next call. Inference tensors (parameters of a model loaded under
+    ``torch.inference_mode``) keep no version counter: nothing trains them, so their storage is the key."""
     store = module.__dict__.setdefault("_derived", {})
     hit = store.get(name)
-    if hit is not None and hit[0] == key:
-        return hit[1]
+    if hit is not None and len(hit[0]) == len(sources):
+        for t, (known, pointer, version) in zip(sources, hit[0]):
+            if t is not known or t.data_ptr() != pointer or (version is not None and t._version != version):
+                break
+        else:
+            return hit[1]
     value = build()
-    store[name] = (key, value)
+    store[name] = (tuple((t, t.data_ptr(), None if t.is_inference() else t._version) for t in sources), value)
     return value
 
 

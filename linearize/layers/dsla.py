@@ -9,12 +9,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..checks import check_choice, check_int
+from ..ops import cpu_kernels
 from ..ops.common import accumulation_dtype, repeat_kv
 from ..ops.dsla import DslaDecodeState, dsla_attention, dsla_decode_step, init_gate_bias, log_gate
 from ..ops.states import DslaState
 from .base import (KERNELS, STATE_BYTES, AttentionKind, Attend, ConvertedAttention, SpecError, derived, expect_state, head_sizes,
-                   resolve_kernel, token_features)
-from .feature_map import FeatureMapOptions, feature_map_pair
+                   resolve_kernel, tensors_at, token_features)
+from .feature_map import FeatureMapOptions, HedgehogFeatureMap, feature_map_pair
 
 
 @dataclass
@@ -139,16 +140,14 @@ class DslaAttention(ConvertedAttention):
     def decode_step(self, x, position_embeddings, slot):
         if self.mode not in self.GAMMA:
             return None
+        lib = cpu_kernels.library() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+        if lib is not None:
+            weights = self._kernel_weights()
+            if weights is not None:
+                return self._kernel_step(lib, weights, x, position_embeddings, slot)
         q, k, v = self.project_linear(x, position_embeddings)  # (B, Hq|Hkv, 1, D): no RoPE unless linear_rope
         b, hkv = k.shape[:2]
-        ds = slot.decode_state
-        if not isinstance(ds, DslaDecodeState):
-            state = expect_state(slot.state, DslaState, self)
-            if state is None:
-                zeros = torch.zeros(b, self.num_heads, self.features, v.shape[-1] + self.normalize, device=q.device,
-                                    dtype=accumulation_dtype(q.dtype))  # fmt: skip
-                state = DslaState(history=zeros, recent=zeros.clone())
-            ds = DslaDecodeState.from_state(state, hkv, self.normalize)
+        ds = self._decode_state(slot, b, q.device, q.dtype)
         dt = ds.states.dtype
         if self.normalize:
             qf, kf = token_features(self, self.feature_map_q, self.feature_map_k, q, k)  # (B, Hq, F) each
@@ -159,6 +158,55 @@ class DslaAttention(ConvertedAttention):
         decay = self.decode_gates(x, dt)  # (B, 2, Hq, F)
         weights = derived(self, f"mix_{self.mode}", (self.gamma_logit,), lambda: self._mix_weights(dt))
         out = dsla_decode_step(ds, qf, kf, v, decay, weights, normalize=self.normalize)
+        slot.advance(ds, 1)
+        return out
+
+    def _decode_state(self, slot, b: int, device, dtype) -> DslaDecodeState:
+        """The slot's decode state, made from its state (zeros when empty) before the first token."""
+        ds = slot.decode_state
+        if not isinstance(ds, DslaDecodeState):
+            state = expect_state(slot.state, DslaState, self)
+            if state is None:
+                zeros = torch.zeros(b, self.num_heads, self.features, self.head_dim + self.normalize, device=device,
+                                    dtype=accumulation_dtype(dtype))  # fmt: skip
+                state = DslaState(history=zeros, recent=zeros.clone())
+            ds = DslaDecodeState.from_state(state, self.num_kv_heads, self.normalize)
+        return ds
+
+    KERNEL_SOURCES = ("gate_history.down.weight", "gate_history.up.weight", "gate_history.up.bias", "gate_recent.down.weight",
+                      "gate_recent.up.weight", "gate_recent.up.bias", "gamma_logit")  # fmt: skip
+    """What the CPU kernel's weights are made of (and, with a feature map, the maps' weights and biases)."""
+
+    def _kernel_weights(self) -> cpu_kernels.Weights | None:
+        """The CPU kernel's weights for this layer's mode, kept between tokens (``derived``); None where
+        the kernel does not apply: feature maps other than Hedgehog or identity, parameters other
+        than float32."""
+        maps = ()
+        if self.normalize:
+            if not isinstance(self._modules["feature_map_q"], HedgehogFeatureMap):
+                return None
+            maps = ("feature_map_q.weight", "feature_map_q.bias", "feature_map_k.weight", "feature_map_k.bias")
+        sources = tensors_at(self, self.KERNEL_SOURCES + maps)
+        mode = self.mode
+
+        def build() -> cpu_kernels.Weights | None:
+            if any(t.dtype != torch.float32 for t in sources):
+                return None
+            down_h, up_h, bias_h, down_r, up_r, bias_r, _, *hedgehog = sources
+            wq, bq, wk, bk = (t.contiguous() for t in hedgehog) if hedgehog else (None,) * 4
+            return cpu_kernels.Weights(down=torch.cat((down_h, down_r)), up=torch.stack((up_h.T, up_r.T)).contiguous(),
+                                       up_bias=torch.stack((bias_h, bias_r)), wq=wq, bq=bq, wk=wk, bk=bk,
+                                       mix=self._mix_weights(torch.float32))  # fmt: skip
+
+        return derived(self, f"kernel_{mode}", sources, build)
+
+    def _kernel_step(self, lib, weights, x, position_embeddings, slot):
+        """``decode_step`` as one CPU kernel call (``cpu_kernels.dsla_step``)."""
+        b = x.shape[0]
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, 1, H D): RoPE, if any, in the kernel
+        ds = self._decode_state(slot, b, x.device, x.dtype)
+        out = cpu_kernels.dsla_step(lib, ds, x, q, k, v, weights, heads=self.num_heads, kv_heads=self.num_kv_heads,
+                                    normalize=self.normalize, rope=position_embeddings if self.options.linear_rope else None)  # fmt: skip
         slot.advance(ds, 1)
         return out
 

@@ -8,12 +8,13 @@ import torch
 from torch import Tensor, nn
 
 from ..checks import check_choice, check_int
+from ..ops import cpu_kernels
 from ..ops.common import accumulation_dtype
 from ..ops.hybrid import HybridDecodeState, hybrid_attention, hybrid_attention_weights, hybrid_decode_step, hybrid_state_empty
 from ..ops.states import HybridState
 from .base import (KERNELS, STATE_BYTES, AttentionKind, Attend, ConvertedAttention, Projection, SpecError, derived, expect_state,
-                   head_sizes, resolve_kernel, token_features)
-from .feature_map import FeatureMapOptions, feature_map_pair
+                   head_sizes, resolve_kernel, tensors_at, token_features)
+from .feature_map import FeatureMapOptions, HedgehogFeatureMap, feature_map_pair
 
 MIXES = ("joint", "gate")
 
@@ -152,25 +153,63 @@ class HybridAttention(WindowedLinearAttention):
         branches = self.BRANCHES.get(self.mode)
         if branches is None or (self.window_dropout is not None and bool(self.window_dropout.any())):
             return None
+        lib = cpu_kernels.library() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+        if lib is not None:
+            weights = self._kernel_weights()
+            if weights is not None:
+                return self._kernel_step(lib, weights, branches, x, position_embeddings, slot)
         p = self.project(x, position_embeddings)
+        ds = self._decode_state(slot, p.k.shape[0], p.q.device, p.v.dtype)
+        o = self.options
+        qf, kf = token_features(self, self.feature_map_q, self.feature_map_k, p.q_lin, p.k_lin)  # (B, Hq, F) each
+        out = hybrid_decode_step(ds, p.q, p.k, p.v, qf, kf, mix=o.mix, overlap=o.overlap, branches=branches,
+                                 scale=self.scaling, k_lin=p.k_lin if p.separate else None, **self._mix_factor(ds.keys.dtype))  # fmt: skip
+        slot.advance(ds, 1)
+        return out
+
+    def _decode_state(self, slot, b: int, device, dtype) -> HybridDecodeState:
+        """The slot's decode state, made from its state (empty before any token) before the first token."""
         ds = slot.decode_state
         if not isinstance(ds, HybridDecodeState):
             state = expect_state(slot.state, HybridState, self)
             if state is None:
-                b, hkv, _, d = p.k.shape
-                state = hybrid_state_empty(b, hkv, self.num_heads, self.window, d, p.v.shape[-1],
-                                           self.options.features(self.head_dim), device=p.q.device,
-                                           dtype=accumulation_dtype(p.v.dtype), linear_keys=p.separate)  # fmt: skip
+                state = hybrid_state_empty(b, self.num_kv_heads, self.num_heads, self.window, self.head_dim, self.head_dim,
+                                           self.options.features(self.head_dim), device=device, dtype=accumulation_dtype(dtype),
+                                           linear_keys=self.separate_linear_inputs)  # fmt: skip
             ds = HybridDecodeState.from_state(state, self.feature_map_k, self.num_heads)
+        return ds
+
+    def _mix_factor(self, dtype: torch.dtype) -> dict[str, Tensor]:
+        """The mix's per-head factor as ``hybrid_decode_step`` takes it (kept between tokens)."""
+        if self.options.mix == "joint":
+            return {"window_factor": derived(self, "window_factor", (self.window_factor_logit,), lambda: self.window_factor().to(dtype))}
+        return {"gate": derived(self, "gate", (self.gate_logit,), lambda: self.gate().to(dtype))}
+
+    def _kernel_weights(self) -> cpu_kernels.Weights | None:
+        """The CPU kernel's weights (the maps and the mix's factor), kept between tokens (``derived``);
+        None where the kernel does not apply: feature maps other than Hedgehog, parameters other than
+        float32."""
+        if not isinstance(self._modules["feature_map_q"], HedgehogFeatureMap):
+            return None
+        joint = self.options.mix == "joint"
+        sources = tensors_at(self, ("feature_map_q.weight", "feature_map_q.bias", "feature_map_k.weight", "feature_map_k.bias",
+                                    "window_factor_logit" if joint else "gate_logit"))  # fmt: skip
+
+        def build() -> cpu_kernels.Weights | None:
+            if any(t.dtype != torch.float32 for t in sources):
+                return None
+            wq, bq, wk, bk = (t.contiguous() for t in sources[:4])
+            return cpu_kernels.Weights(wq=wq, bq=bq, wk=wk, bk=bk, factor=(self.window_factor() if joint else self.gate()).contiguous())
+
+        return derived(self, f"kernel_{self.options.mix}", sources, build)
+
+    def _kernel_step(self, lib, weights, branches, x, position_embeddings, slot):
+        """``decode_step`` as one CPU kernel call (``cpu_kernels.hybrid_step``)."""
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, 1, H D): RoPE in the kernel
+        ds = self._decode_state(slot, x.shape[0], x.device, x.dtype)
         o = self.options
-        qf, kf = token_features(self, self.feature_map_q, self.feature_map_k, p.q_lin, p.k_lin)  # (B, Hq, F) each
-        dt = ds.keys.dtype
-        if o.mix == "joint":
-            mix = {"window_factor": derived(self, "window_factor", (self.window_factor_logit,), lambda: self.window_factor().to(dt))}
-        else:
-            mix = {"gate": derived(self, "gate", (self.gate_logit,), lambda: self.gate().to(dt))}
-        out = hybrid_decode_step(ds, p.q, p.k, p.v, qf, kf, mix=o.mix, overlap=o.overlap, branches=branches,
-                                 scale=self.scaling, k_lin=p.k_lin if p.separate else None, **mix)  # fmt: skip
+        out = cpu_kernels.hybrid_step(lib, ds, q, k, v, position_embeddings, weights, heads=self.num_heads, kv_heads=self.num_kv_heads,
+                                      mix=o.mix, overlap=o.overlap, branches=branches, scale=self.scaling, linear_rope=o.linear_rope)  # fmt: skip
         slot.advance(ds, 1)
         return out
 

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -131,6 +132,11 @@ class DslaDecodeState:
 
     states: Tensor
     values: Tensor
+    kernel_args: Any = field(default=None, repr=False)
+    """What the CPU kernel (``cpu_kernels.dsla_step``) keeps between tokens: its argument block,
+    scratch buffer and the weights the block points at."""
+    kernel_scratch: Any = field(default=None, repr=False)
+    kernel_weights: Any = field(default=None, repr=False)
 
     @classmethod
     def from_state(cls, state: DslaState, kv_heads: int, normalize: bool) -> "DslaDecodeState":

@@ -28,7 +28,8 @@ tokens' linear part on the fly).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -402,6 +403,11 @@ class HybridDecodeState:
     full: bool = False  # every slot of every row holds a token (no masking needed)
     start: int = 0
     steps: int = 0
+    kernel_args: Any = field(default=None, repr=False)
+    """What the CPU kernel (``cpu_kernels.hybrid_step``) keeps between tokens: its argument block,
+    scratch buffer and the weights the block points at."""
+    kernel_scratch: Any = field(default=None, repr=False)
+    kernel_weights: Any = field(default=None, repr=False)
 
     @property
     def head(self) -> int:
