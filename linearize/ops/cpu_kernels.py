@@ -348,11 +348,7 @@ def dsla_step(lib: ctypes.CDLL, state, x: Tensor, q: Tensor, k: Tensor, v: Tenso
                         features=s.shape[3], rank=rank, hidden=hidden, normalize=int(normalize), empty=EMPTY_DENOMINATOR,
                         states=s.data_ptr(), scratch=scratch.data_ptr())  # fmt: skip
         state.kernel_args, state.kernel_scratch = args, scratch
-    if state.kernel_weights is not weights:
-        for name, pointer in weights.pointers.items():
-            setattr(args, name, pointer)
-        args.bf16_weights = int(weights.bf16)
-        state.kernel_weights = weights
+    _bind_weights(state, args, weights)
     out = q.new_empty(b, heads, 1, dv)
     args.x, args.q, args.k, args.v, args.out = x.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
     if rope is None:
@@ -362,6 +358,15 @@ def dsla_step(lib: ctypes.CDLL, state, x: Tensor, q: Tensor, k: Tensor, v: Tenso
         args.cos, args.sin, args.rope_stride = _rope_pointers(rope, b, q.shape[-1] // heads)
     _call(lib.linearize_dsla_step, args, "dsla", s.numel())
     return out
+
+
+def _bind_weights(state, args, weights: Weights) -> None:
+    """Point a state's kernel arguments at ``weights`` (once per weights object)."""
+    if state.kernel_weights is not weights:
+        for name, pointer in weights.pointers.items():
+            setattr(args, name, pointer)
+        args.bf16_weights = int(weights.bf16)
+        state.kernel_weights = weights
 
 
 BRANCH_CODES = {"both": 0, "window": 1, "linear": 2}
@@ -398,11 +403,7 @@ def hybrid_step(lib: ctypes.CDLL, state, q: Tensor, k: Tensor, v: Tensor, rope: 
                           values=state.values.data_ptr(), feats=state.features.data_ptr(), linear=state.linear.data_ptr(),
                           valid=state.valid.data_ptr(), scratch=scratch.data_ptr())  # fmt: skip
         state.kernel_args, state.kernel_scratch = args, scratch
-    if state.kernel_weights is not weights:
-        for name, pointer in weights.pointers.items():
-            setattr(args, name, pointer)
-        args.bf16_weights = int(weights.bf16)
-        state.kernel_weights = weights
+    _bind_weights(state, args, weights)
     out = q.new_empty(b, heads, 1, dv)
     args.q, args.k, args.v, args.out = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
     args.cos, args.sin, args.rope_stride = _rope_pointers(rope, b, d)
