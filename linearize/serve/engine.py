@@ -33,11 +33,11 @@ from .policy import MemoryView, Policy, RequestView, SoftmaxPolicy
 from .pool import PooledRunner, PooledSequence
 from .runner import Runner, Sequence
 from .sampling import SamplingParams, StopChecker, make_generator, sample
+from .settings import check_runner
 
 logger = logging.getLogger(__name__)
 
 FINISH_REASONS = ("stop", "length", "abort", "rejected")
-RUNNERS = ("pooled", "reference")
 
 
 @dataclass
@@ -119,8 +119,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.runner not in RUNNERS:
-            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
+        check_runner(self.runner)
 
 
 class Engine:
@@ -354,7 +353,7 @@ class Engine:
 
     def _drop_memory(self, request: Request) -> None:
         """Free what a request holds (its slot goes back to the pools)."""
-        if request.seq is not None and isinstance(self.runner, PooledRunner):
+        if request.seq is not None:
             self.runner.release(request.seq)
         request.seq = None
 

@@ -35,9 +35,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..cache import StateCacheLayer
 from ..layers.base import ConvertedAttention, project_qkv
 from ..modeling import decoder_layers
-from ..ops.states import BatchState
 from .levels import LevelMemory
 
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -193,7 +193,8 @@ class PooledRunner:
                 state = state._map(lambda x: x.index_fill_(0, group.fresh, 0))
         o = None
         if state is not None and group.fresh is None and h.shape[1] == 1 and attn.mode == "hybrid":  # decoding: the per-token step
-            rows = _Rows(state)
+            rows = StateCacheLayer()  # the protocol decode_step advances: state in, decode state back
+            rows.state = state
             o = attn.decode_step(h, pe, rows)
             new = rows.state
         if o is None:
@@ -228,23 +229,6 @@ class PooledRunner:
         if group.span_index is not None and not group.gather:
             o = o.index_select(0, group.span_index)
         return o.reshape(b, hkv * n_rep, t, values.shape[3])
-
-
-class _Rows:
-    """The gathered rows of one converted layer, as a layer's ``decode_step`` reads and advances them
-    (the protocol of ``linearize.cache.StateCacheLayer``: ``state``, ``decode_state``, ``advance``)."""
-
-    def __init__(self, state: BatchState) -> None:
-        self._state, self.decode_state = state, None
-
-    @property
-    def state(self) -> BatchState:
-        if self.decode_state is not None:
-            self._state, self.decode_state = self.decode_state.canonical(), None
-        return self._state
-
-    def advance(self, decode_state, new_positions: int) -> None:
-        self.decode_state = decode_state
 
 
 @dataclass

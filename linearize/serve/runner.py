@@ -82,6 +82,9 @@ class Runner:
     def new_sequence(self, level: int = 0) -> Sequence:
         return Sequence.empty(self.num_layers, self.levels.check_level(level))
 
+    def release(self, seq: Sequence | None) -> None:
+        """Nothing to give back: a sequence's states are its own tensors, freed with it."""
+
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence], ids: Tensor) -> Tensor:
         """Feed ``ids`` (B, T) to the B sequences (row b continues ``seqs[b]``); returns the logits of

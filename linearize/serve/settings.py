@@ -61,13 +61,23 @@ class ServeSettings:
                 raise ValueError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
-        if self.runner not in ("pooled", "reference"):
-            raise ValueError(f"runner must be pooled or reference, got {self.runner!r}")
+        check_runner(self.runner)
         parse_bytes(self.kv_budget)
         if str(self.model).startswith("random:"):
             from .random_family import random_shape
 
             random_shape(self.model)
+
+
+RUNNERS = ("pooled", "reference")
+"""The engine's runners: slot pools (default) or per-request states merged every layer (the reference)."""
+
+
+def check_runner(runner: str) -> str:
+    """``runner`` if it names one of RUNNERS; ValueError naming it and the choices otherwise."""
+    if runner not in RUNNERS:
+        raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {runner!r}")
+    return runner
 
 
 def parse_bytes(text: str) -> int | float:
