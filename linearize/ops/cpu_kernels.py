@@ -59,8 +59,6 @@ _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _failure: str | None = None
 _disabled = 0
-
-
 _parsed: tuple[str | None, str] = (None, "auto")
 
 
@@ -322,10 +320,22 @@ def _call(fn, args, kernel: str, elements: int) -> None:
 
 
 def _check_sizes(what: str, **sizes: tuple[Tensor | None, int]) -> None:
-    """ValueError unless each tensor holds the number of elements the kernel will read from it."""
+    """ValueError unless each tensor is there and holds the number of elements the kernel reads from it."""
     for name, (t, expected) in sizes.items():
-        if t is not None and t.numel() != expected:
+        if t is None:
+            raise ValueError(f"{what}: {name} is missing")
+        if t.numel() != expected:
             raise ValueError(f"{what}: {name} has {t.numel()} elements ({tuple(t.shape)}), the kernel reads {expected}")
+
+
+def _point_at(args: ctypes.Structure, weights: Weights, expected: set[str]) -> None:
+    """Set ``args``' weight pointers to ``weights`` (exactly the ``expected`` names)."""
+    given = {name for name, t in weights.tensors.items() if t is not None}
+    if given != expected:
+        raise ValueError(f"kernel weights {sorted(given)} are not the expected {sorted(expected)}")
+    for name, pointer in weights.pointers.items():
+        setattr(args, name, pointer)
+    args.bf16_weights = int(weights.bf16)
 
 
 def _rope_tables(rope: tuple[Tensor, Tensor], b: int, d: int) -> tuple[Tensor, Tensor, int]:
@@ -339,17 +349,18 @@ def _rope_tables(rope: tuple[Tensor, Tensor], b: int, d: int) -> tuple[Tensor, T
 
 
 def dsla_step(lib: ctypes.CDLL, state, x: Tensor, q: Tensor, k: Tensor, v: Tensor, weights: Weights, *, heads: int,
-              kv_heads: int, normalize: bool, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:  # fmt: skip
+              kv_heads: int, head_dim: int, normalize: bool, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:  # fmt: skip
     """``dsla_decode_step`` with the feature maps and gates before it, as one kernel call: one new
     real token per row; x (B, 1, hidden), q (B, 1, Hq D), k and v (B, 1, Hkv D) as the projections
-    give them (before RoPE; ``rope`` = (cos, sin) (B, 1, D) applies it to q and k first). ``state`` a
+    give them (D = ``head_dim``; before RoPE: ``rope`` = (cos, sin) (B or 1, 1, D) applies it to q and
+    k first). ``state`` a
     DslaDecodeState, updated in place; ``weights`` the Hedgehog maps (wq, bq, wk, bk; None without
     ``normalize``), the gates (down (2 R, hidden), up (2, R, Hq F): the up projections' weights
     transposed, up_bias (2, Hq F)) and ``mix`` (2,) as ``dsla_decode_step`` takes it. Returns the
     output (B, Hq, 1, Dv)."""
     s = state.states  # (2, B, Hq, F, W)
     b, hidden = x.shape[0], x.shape[-1]
-    dv = v.shape[-1] // kv_heads
+    dv = s.shape[-1] - normalize
     x, q, k, v = _token_inputs(x=x, q=q, k=k, v=v)
     args = state.kernel_args
     if args is None:
@@ -357,20 +368,18 @@ def dsla_step(lib: ctypes.CDLL, state, x: Tensor, q: Tensor, k: Tensor, v: Tenso
             raise ValueError(f"DSLA states must be contiguous float32 (2, {b}, {heads}, F, W), got {s.dtype} {tuple(s.shape)}")
         rank = weights.tensors["down"].shape[0] // 2
         scratch = s.new_empty(b * 2 * rank + b * heads * 2 * 2 * s.shape[-1])
-        args = DslaArgs(batch=b, heads=heads, kv_heads=kv_heads, head_dim=q.shape[-1] // heads, value_dim=dv,
+        args = DslaArgs(batch=b, heads=heads, kv_heads=kv_heads, head_dim=head_dim, value_dim=dv,
                         features=s.shape[3], rank=rank, hidden=hidden, normalize=int(normalize), empty=EMPTY_DENOMINATOR,
                         states=s.data_ptr(), scratch=scratch.data_ptr())  # fmt: skip
         state.kernel_args, state.kernel_scratch = args, scratch
     d, f, rank = args.head_dim, args.features, args.rank
     if state.kernel_weights is not weights:
         w = weights.tensors
+        maps = ("wq", "bq", "wk", "bk") if normalize else ()
         _check_sizes("DSLA kernel weights", down=(w.get("down"), 2 * rank * hidden), up=(w.get("up"), 2 * rank * heads * f),
                      up_bias=(w.get("up_bias"), 2 * heads * f), mix=(w.get("mix"), 2),
-                     **{n: (w.get(n), heads * d * (f // 2) if n[0] == "w" else heads * (f // 2))
-                        for n in ("wq", "bq", "wk", "bk") if normalize})  # fmt: skip
-        for name, pointer in weights.pointers.items():
-            setattr(args, name, pointer)
-        args.bf16_weights = int(weights.bf16)
+                     **{n: (w.get(n), heads * d * (f // 2) if n[0] == "w" else heads * (f // 2)) for n in maps})  # fmt: skip
+        _point_at(args, weights, {"down", "up", "up_bias", "mix", *maps})
         state.kernel_weights = weights
     _check_sizes("DSLA decode step", x=(x, args.batch * hidden), q=(q, args.batch * heads * d), k=(k, args.batch * kv_heads * d),
                  v=(v, args.batch * kv_heads * args.value_dim))  # fmt: skip
@@ -380,7 +389,7 @@ def dsla_step(lib: ctypes.CDLL, state, x: Tensor, q: Tensor, k: Tensor, v: Tenso
         args.rope = 0
     else:
         args.rope = 1
-        cos, sin, args.rope_stride = _rope_tables(rope, b, q.shape[-1] // heads)
+        cos, sin, args.rope_stride = _rope_tables(rope, b, head_dim)
         args.cos, args.sin = cos.data_ptr(), sin.data_ptr()
     _call(lib.linearize_dsla_step, args, "dsla", s.numel())
     return out
@@ -412,9 +421,9 @@ def hybrid_step(lib: ctypes.CDLL, state, q: Tensor, k: Tensor, v: Tensor, rope: 
                 raise ValueError(f"hybrid decode state {name} must be contiguous float32, got {t.dtype}")
         if bk != b * kv_heads or state.valid.dtype != torch.bool or not state.valid.is_contiguous():
             raise ValueError(f"hybrid decode state of {bk} rows x heads does not fit {b} rows of {kv_heads} KV heads")
-        _check_sizes("hybrid decode state", linear_keys=(state.linear_keys, bk * w * d), values=(state.values, bk * w * (dv + 1)),
-                     features=(state.features, bk * w * heads // kv_heads * f), linear=(state.linear, b * heads * f * (dv + 1)),
-                     valid=(state.valid, b * w))  # fmt: skip
+        _check_sizes("hybrid decode state", values=(state.values, bk * w * (dv + 1)), features=(state.features, bk * w * heads // kv_heads * f),
+                     linear=(state.linear, b * heads * f * (dv + 1)), valid=(state.valid, b * w),
+                     **({} if state.linear_keys is None else {"linear_keys": (state.linear_keys, bk * w * d)}))  # fmt: skip
         scratch = state.keys.new_empty(b, heads, d + f + 2 * (dv + 1))
         args = HybridArgs(batch=b, heads=heads, kv_heads=kv_heads, head_dim=d, value_dim=dv, features=f, window=w,
                           empty=EMPTY_DENOMINATOR, keys=state.keys.data_ptr(),
@@ -426,9 +435,7 @@ def hybrid_step(lib: ctypes.CDLL, state, q: Tensor, k: Tensor, v: Tensor, rope: 
         wt = weights.tensors
         _check_sizes("hybrid kernel weights", factor=(wt.get("factor"), heads),
                      **{n: (wt.get(n), heads * d * (f // 2) if n[0] == "w" else heads * (f // 2)) for n in ("wq", "bq", "wk", "bk")})
-        for name, pointer in weights.pointers.items():
-            setattr(args, name, pointer)
-        args.bf16_weights = int(weights.bf16)
+        _point_at(args, weights, {"wq", "bq", "wk", "bk", "factor"})
         state.kernel_weights = weights
     _check_sizes("hybrid decode step", q=(q, args.batch * heads * d), k=(k, args.batch * kv_heads * d),
                  v=(v, args.batch * kv_heads * args.value_dim))  # fmt: skip
