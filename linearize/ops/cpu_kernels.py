@@ -408,7 +408,7 @@ def hybrid_step(lib: ctypes.CDLL, state, q: Tensor, k: Tensor, v: Tensor, rope: 
     window factor (mix "joint") or the gate g (mix "gate"); ``linear_rope``: the maps see q/k after
     RoPE (else before; the state then keeps the keys before RoPE too). Returns the output (B, Hq, 1, Dv)."""
     b, bk, w, d = q.shape[0], *state.keys.shape
-    dv = v.shape[-1] // kv_heads
+    dv = state.values.shape[-1] - 1
     f = state.linear.shape[1]
     q, k, v = _token_inputs(q=q, k=k, v=v)
     args = state.kernel_args
