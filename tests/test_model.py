@@ -245,6 +245,30 @@ def test_decode_path_sees_parameters_updated_between_tokens(name):
     assert not torch.allclose(fast[:, 5:][real[:, 5:]], before[:, 5:][real[:, 5:]], atol=1e-3)  # the update took effect
 
 
+@pytest.mark.parametrize("spec,second", [({"attention": "hybrid", "window": 3}, "swa_only"), ({"attention": "dsla"}, "history_only")],
+                         ids=["hybrid", "dsla"])
+@torch.no_grad()
+def test_kernel_decode_follows_a_mode_switched_mid_sequence(spec, second):
+    """Modes that keep the same state can be switched between tokens: the CPU kernels then read the
+    new mode (branches, mix), as the reference ops do."""
+    model = convert(tiny(), spec, None)
+    ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
+
+    def run():
+        cache, logits = DynamicCache(), []
+        for t in range(ids.shape[1]):
+            linearize.set_mode(model, "hybrid" if t < 5 else second)
+            logits.append(model(ids[:, t : t + 1], **cache_kwargs(cache), use_cache=True).logits)
+        linearize.set_mode(model, "hybrid")
+        return torch.cat(logits, dim=1)
+
+    with decode_path("kernels"):
+        fast = run()
+    with linearize.cache.reference_decoding():
+        ref = run()
+    torch.testing.assert_close(fast, ref, atol=2e-5, rtol=2e-5)
+
+
 def test_derived_is_rebuilt_when_a_source_changes():
     """What the decode path derives from parameters is rebuilt after an in-place update, a new
     tensor or new storage (``.data`` replaced), and kept otherwise."""

@@ -206,7 +206,7 @@ class DslaAttention(ConvertedAttention):
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, 1, H D): RoPE, if any, in the kernel
         ds = self._decode_state(slot, b, x.device, x.dtype)
         out = cpu_kernels.dsla_step(lib, ds, x, q, k, v, weights, heads=self.num_heads, kv_heads=self.num_kv_heads,
-                                    normalize=self.normalize, rope=position_embeddings if self.options.linear_rope else None)  # fmt: skip
+                                    head_dim=self.head_dim, normalize=self.normalize, rope=position_embeddings if self.options.linear_rope else None)  # fmt: skip
         slot.advance(ds, 1)
         return out
 

@@ -59,8 +59,6 @@ _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _failure: str | None = None
 _disabled = 0
-
-
 _parsed: tuple[str | None, str] = (None, "auto")
 
 
@@ -249,10 +247,15 @@ class Weights:
         self.pointers = {name: (None if t is None else t.data_ptr()) for name, t in tensors.items()}
 
 
-def _check_token(**tensors) -> None:
+def _token_inputs(**tensors) -> list[Tensor]:
+    """The tensors, contiguous (the caller keeps them while the kernel reads them); ValueError
+    unless they are float32 CPU tensors."""
+    out = []
     for name, t in tensors.items():
-        if t.dtype != torch.float32 or not t.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous float32 tensor, got {t.dtype} (contiguous: {t.is_contiguous()})")
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+        out.append(t if t.is_contiguous() else t.contiguous())
+    return out
 
 
 GRAIN = 32768
@@ -316,57 +319,80 @@ def _call(fn, args, kernel: str, elements: int) -> None:
         teams.observe((kernel, elements), end - start, end)
 
 
-def _rope_pointers(rope: tuple[Tensor, Tensor], b: int, d: int) -> tuple[int, int, int]:
-    """(cos pointer, sin pointer, row stride) of position embeddings (B or 1, 1, D)."""
+def _check_sizes(what: str, **sizes: tuple[Tensor | None, int]) -> None:
+    """ValueError unless each tensor is there and holds the number of elements the kernel reads from it."""
+    for name, (t, expected) in sizes.items():
+        if t is None:
+            raise ValueError(f"{what}: {name} is missing")
+        if t.numel() != expected:
+            raise ValueError(f"{what}: {name} has {t.numel()} elements ({tuple(t.shape)}), the kernel reads {expected}")
+
+
+def _point_at(args: ctypes.Structure, weights: Weights, expected: set[str]) -> None:
+    """Set ``args``' weight pointers to ``weights`` (exactly the ``expected`` names)."""
+    given = {name for name, t in weights.tensors.items() if t is not None}
+    if given != expected:
+        raise ValueError(f"kernel weights {sorted(given)} are not the expected {sorted(expected)}")
+    for name, pointer in weights.pointers.items():
+        setattr(args, name, pointer)
+    args.bf16_weights = int(weights.bf16)
+
+
+def _rope_tables(rope: tuple[Tensor, Tensor], b: int, d: int) -> tuple[Tensor, Tensor, int]:
+    """(cos, sin, row stride) of position embeddings (B or 1, 1, D), contiguous (the caller keeps them
+    while the kernel reads them)."""
     cos, sin = rope
-    _check_token(cos=cos, sin=sin)
     if cos.shape != sin.shape or cos.shape[1:] != (1, d) or cos.shape[0] not in (1, b):
         raise ValueError(f"position embeddings of shape {tuple(cos.shape)} do not fit a decode step of {b} rows, head dim {d}")
-    return cos.data_ptr(), sin.data_ptr(), 0 if cos.shape[0] == 1 else d
+    cos, sin = _token_inputs(cos=cos, sin=sin)
+    return cos, sin, 0 if cos.shape[0] == 1 else d
 
 
 def dsla_step(lib: ctypes.CDLL, state, x: Tensor, q: Tensor, k: Tensor, v: Tensor, weights: Weights, *, heads: int,
-              kv_heads: int, normalize: bool, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:  # fmt: skip
+              kv_heads: int, head_dim: int, normalize: bool, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:  # fmt: skip
     """``dsla_decode_step`` with the feature maps and gates before it, as one kernel call: one new
     real token per row; x (B, 1, hidden), q (B, 1, Hq D), k and v (B, 1, Hkv D) as the projections
-    give them (before RoPE; ``rope`` = (cos, sin) (B, 1, D) applies it to q and k first). ``state`` a
+    give them (D = ``head_dim``; before RoPE: ``rope`` = (cos, sin) (B or 1, 1, D) applies it to q and
+    k first). ``state`` a
     DslaDecodeState, updated in place; ``weights`` the Hedgehog maps (wq, bq, wk, bk; None without
     ``normalize``), the gates (down (2 R, hidden), up (2, R, Hq F): the up projections' weights
     transposed, up_bias (2, Hq F)) and ``mix`` (2,) as ``dsla_decode_step`` takes it. Returns the
     output (B, Hq, 1, Dv)."""
     s = state.states  # (2, B, Hq, F, W)
     b, hidden = x.shape[0], x.shape[-1]
-    dv = v.shape[-1] // kv_heads
-    _check_token(x=x, q=q, k=k, v=v)
+    dv = s.shape[-1] - normalize
+    x, q, k, v = _token_inputs(x=x, q=q, k=k, v=v)
     args = state.kernel_args
     if args is None:
         if s.dtype != torch.float32 or not s.is_contiguous() or s.shape[1:3] != (b, heads):
             raise ValueError(f"DSLA states must be contiguous float32 (2, {b}, {heads}, F, W), got {s.dtype} {tuple(s.shape)}")
         rank = weights.tensors["down"].shape[0] // 2
         scratch = s.new_empty(b * 2 * rank + b * heads * 2 * 2 * s.shape[-1])
-        args = DslaArgs(batch=b, heads=heads, kv_heads=kv_heads, head_dim=q.shape[-1] // heads, value_dim=dv,
+        args = DslaArgs(batch=b, heads=heads, kv_heads=kv_heads, head_dim=head_dim, value_dim=dv,
                         features=s.shape[3], rank=rank, hidden=hidden, normalize=int(normalize), empty=EMPTY_DENOMINATOR,
                         states=s.data_ptr(), scratch=scratch.data_ptr())  # fmt: skip
         state.kernel_args, state.kernel_scratch = args, scratch
-    _bind_weights(state, args, weights)
+    d, f, rank = args.head_dim, args.features, args.rank
+    if state.kernel_weights is not weights:
+        w = weights.tensors
+        maps = ("wq", "bq", "wk", "bk") if normalize else ()
+        _check_sizes("DSLA kernel weights", down=(w.get("down"), 2 * rank * hidden), up=(w.get("up"), 2 * rank * heads * f),
+                     up_bias=(w.get("up_bias"), 2 * heads * f), mix=(w.get("mix"), 2),
+                     **{n: (w.get(n), heads * d * (f // 2) if n[0] == "w" else heads * (f // 2)) for n in maps})  # fmt: skip
+        _point_at(args, weights, {"down", "up", "up_bias", "mix", *maps})
+        state.kernel_weights = weights
+    _check_sizes("DSLA decode step", x=(x, args.batch * hidden), q=(q, args.batch * heads * d), k=(k, args.batch * kv_heads * d),
+                 v=(v, args.batch * kv_heads * args.value_dim))  # fmt: skip
     out = q.new_empty(b, heads, 1, dv)
     args.x, args.q, args.k, args.v, args.out = x.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
     if rope is None:
         args.rope = 0
     else:
         args.rope = 1
-        args.cos, args.sin, args.rope_stride = _rope_pointers(rope, b, q.shape[-1] // heads)
+        cos, sin, args.rope_stride = _rope_tables(rope, b, head_dim)
+        args.cos, args.sin = cos.data_ptr(), sin.data_ptr()
     _call(lib.linearize_dsla_step, args, "dsla", s.numel())
     return out
-
-
-def _bind_weights(state, args, weights: Weights) -> None:
-    """Point a state's kernel arguments at ``weights`` (once per weights object)."""
-    if state.kernel_weights is not weights:
-        for name, pointer in weights.pointers.items():
-            setattr(args, name, pointer)
-        args.bf16_weights = int(weights.bf16)
-        state.kernel_weights = weights
 
 
 BRANCH_CODES = {"both": 0, "window": 1, "linear": 2}
@@ -382,9 +408,9 @@ def hybrid_step(lib: ctypes.CDLL, state, q: Tensor, k: Tensor, v: Tensor, rope: 
     window factor (mix "joint") or the gate g (mix "gate"); ``linear_rope``: the maps see q/k after
     RoPE (else before; the state then keeps the keys before RoPE too). Returns the output (B, Hq, 1, Dv)."""
     b, bk, w, d = q.shape[0], *state.keys.shape
-    dv = v.shape[-1] // kv_heads
+    dv = state.values.shape[-1] - 1
     f = state.linear.shape[1]
-    _check_token(q=q, k=k, v=v)
+    q, k, v = _token_inputs(q=q, k=k, v=v)
     args = state.kernel_args
     if args is None:
         tensors = {"keys": state.keys, "values": state.values, "features": state.features, "linear": state.linear}
@@ -395,18 +421,30 @@ def hybrid_step(lib: ctypes.CDLL, state, q: Tensor, k: Tensor, v: Tensor, rope: 
                 raise ValueError(f"hybrid decode state {name} must be contiguous float32, got {t.dtype}")
         if bk != b * kv_heads or state.valid.dtype != torch.bool or not state.valid.is_contiguous():
             raise ValueError(f"hybrid decode state of {bk} rows x heads does not fit {b} rows of {kv_heads} KV heads")
+        _check_sizes("hybrid decode state", values=(state.values, bk * w * (dv + 1)), features=(state.features, bk * w * heads // kv_heads * f),
+                     linear=(state.linear, b * heads * f * (dv + 1)), valid=(state.valid, b * w),
+                     **({} if state.linear_keys is None else {"linear_keys": (state.linear_keys, bk * w * d)}))  # fmt: skip
         scratch = state.keys.new_empty(b, heads, d + f + 2 * (dv + 1))
         args = HybridArgs(batch=b, heads=heads, kv_heads=kv_heads, head_dim=d, value_dim=dv, features=f, window=w,
-                          gate_mix=int(mix == "gate"), overlap=int(overlap), branches=BRANCH_CODES[branches],
-                          linear_rope=int(linear_rope), scale=scale, empty=EMPTY_DENOMINATOR, keys=state.keys.data_ptr(),
+                          empty=EMPTY_DENOMINATOR, keys=state.keys.data_ptr(),
                           linear_keys=None if state.linear_keys is None else state.linear_keys.data_ptr(),
                           values=state.values.data_ptr(), feats=state.features.data_ptr(), linear=state.linear.data_ptr(),
                           valid=state.valid.data_ptr(), scratch=scratch.data_ptr())  # fmt: skip
         state.kernel_args, state.kernel_scratch = args, scratch
-    _bind_weights(state, args, weights)
+    if state.kernel_weights is not weights:
+        wt = weights.tensors
+        _check_sizes("hybrid kernel weights", factor=(wt.get("factor"), heads),
+                     **{n: (wt.get(n), heads * d * (f // 2) if n[0] == "w" else heads * (f // 2)) for n in ("wq", "bq", "wk", "bk")})
+        _point_at(args, weights, {"wq", "bq", "wk", "bk", "factor"})
+        state.kernel_weights = weights
+    _check_sizes("hybrid decode step", q=(q, args.batch * heads * d), k=(k, args.batch * kv_heads * d),
+                 v=(v, args.batch * kv_heads * args.value_dim))  # fmt: skip
+    args.gate_mix, args.overlap, args.branches, args.linear_rope, args.scale = (mix == "gate", overlap, BRANCH_CODES[branches],
+                                                                                linear_rope, scale)  # fmt: skip
     out = q.new_empty(b, heads, 1, dv)
     args.q, args.k, args.v, args.out = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
-    args.cos, args.sin, args.rope_stride = _rope_pointers(rope, b, d)
+    cos, sin, args.rope_stride = _rope_tables(rope, b, d)
+    args.cos, args.sin = cos.data_ptr(), sin.data_ptr()
     args.slot = state.head
     _call(lib.linearize_hybrid_step, args, "hybrid", state.linear.numel() + state.keys.numel() + state.values.numel())
     state.steps += 1

@@ -183,6 +183,11 @@ class EngineLoop:
 # ----------------------------------------------------------------------------- metrics
 
 
+HELD_BUCKETS = (0.0, *(k / 20 for k in range(1, 21)), 1.25, 1.5, 2.0, 4.0)
+"""Bucket edges of the held-memory histogram (fractions of the budget): every step counts, so a
+client that diffs two scrapes learns the most any step held between them, to 5% of the budget."""
+
+
 class Metrics:
     """Prometheus metrics of one server (its own registry)."""
 
@@ -197,6 +202,8 @@ class Metrics:
         self.budget_bytes = Gauge(p + "memory_budget_bytes", "The memory budget in bytes", labels, registry=r).labels(model_name)
         self.peak_bytes = Gauge(p + "memory_peak_bytes", "The most bytes of KV and states held at the end of a step", labels,
                                 registry=r).labels(model_name)
+        self.held = Histogram(p + "memory_held_budget_fraction", "Bytes of KV and states held at the end of a step, over the budget",
+                              labels, registry=r, buckets=HELD_BUCKETS).labels(model_name)
         self.info = Gauge(p + "engine_info", "The engine's conversion policy (value 1)", [*labels, "policy"], registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token", labels, registry=r,
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)).labels(model_name)
@@ -223,6 +230,8 @@ class Metrics:
         self.kv_bytes.set(kv)
         self.state_bytes.set(state)
         self.peak_bytes.set(engine.peak_bytes)
+        if engine.config.kv_budget:
+            self.held.observe((kv + state) / engine.config.kv_budget)
         for name, metric in (("conversions", self.conversions), ("preemptions", self.preemptions)):
             delta = engine.counters[name] - self._seen[name]
             if delta:

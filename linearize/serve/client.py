@@ -33,8 +33,8 @@ SAMPLE_EVERY_S = 0.25
 
 
 def scrape(text: str) -> dict[str, Any]:
-    """The ``linearize:*`` samples of a /metrics page: {sample name: value summed over its label sets},
-    plus ``"info"``: the labels of ``linearize:engine_info`` (model_name, policy) when present."""
+    """The ``linearize:*`` samples of a /metrics page: {sample name: value summed over its label sets;
+    a histogram bucket keeps its edge, as ``name{le=0.5}``}, plus ``"info"``: the labels of ``linearize:engine_info`` (model_name, policy) when present."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, Any] = {}
@@ -42,7 +42,8 @@ def scrape(text: str) -> dict[str, Any]:
         for sample in family.samples:
             if not sample.name.startswith("linearize:"):
                 continue
-            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+            name = f"{sample.name}{{le={float(sample.labels['le'])}}}" if sample.name.endswith("_bucket") else sample.name
+            out[name] = out.get(name, 0.0) + sample.value
             if sample.name == "linearize:engine_info":
                 out["info"] = dict(sample.labels)
     return out
@@ -208,6 +209,7 @@ class HTTPReplay:
             "conversions": delta("linearize:conversions_total"),
             "mean_level": _mean_level(before, after),
             "peak_bytes": int(max((p["bytes"] for p in timeline), default=0)),
+            "peak_budget_fraction_bounds": _held_bounds(before, after),
             "server_peak_bytes": int(after["linearize:memory_peak_bytes"]) if "linearize:memory_peak_bytes" in after else None,
             "budget_bytes": int(after.get("linearize:memory_budget_bytes", 0)) or None,
             "server": {"url": self.url, "model": self.model, **self.info},
@@ -219,6 +221,20 @@ def _mean_level(before: dict[str, Any], after: dict[str, Any]) -> float | None:
     name = "linearize:converted_layers_per_request"
     n = after.get(name + "_count", 0.0) - before.get(name + "_count", 0.0)
     return (after.get(name + "_sum", 0.0) - before.get(name + "_sum", 0.0)) / n if n > 0 else None
+
+
+def _held_bounds(before: dict[str, Any], after: dict[str, Any]) -> list[float | None] | None:
+    """[lo, hi]: the bucket of the server's held-memory histogram (fractions of its budget) holding the
+    most any step held between two scrapes (lo < peak <= hi; [0, 0] when every step held nothing, hi
+    None past the last edge); None when the server has no such histogram or ran no step."""
+    prefix = "linearize:memory_held_budget_fraction_bucket{le="
+    steps = {float(k[len(prefix):-1]): after[k] - before.get(k, 0.0) for k in after if k.startswith(prefix)}  # cumulative
+    total = steps.get(float("inf"), 0.0)
+    if total <= 0:
+        return None
+    hi = min(edge for edge, n in steps.items() if n >= total)
+    lo = max((edge for edge, n in steps.items() if n < total), default=0.0)
+    return [lo, None if hi == float("inf") else hi]
 
 
 def _error_message(body: bytes) -> str:

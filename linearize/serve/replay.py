@@ -479,13 +479,21 @@ def replay_markdown(result: dict[str, Any]) -> str:
     def f(x, scale=1.0, digits=2):
         return "" if x is None else f"{x * scale:.{digits}f}"
 
+    def peak(m) -> str:
+        """Peak held over budget; over HTTP the sampled peak and the bound the server's histogram gives."""
+        text = f"{f(m['peak_bytes'] / m['budget_bytes'], 100, 0)}%" if m.get("peak_bytes") is not None and m.get("budget_bytes") else ""
+        bounds = m.get("peak_budget_fraction_bounds")
+        if bounds:
+            text += f" (<= {f(bounds[1], 100, 0)}%)" if bounds[1] is not None else f" (> {f(bounds[0], 100, 0)}%)"
+        return text
+
     for policy, m in result["policies"].items():
         lines.append(
             f"| {policy} | {m['completed']} | {m['rejected']} | {m['lost']} | {f(m['normalized_latency_s']['mean'], 1e3)} "
             f"| {f(m['normalized_latency_s']['p99'], 1e3)} | {f(m.get('speedup_vs_softmax'))}x | {f(m['ttft_s']['mean'])} | {f(m['ttft_s']['p99'])} "
             f"| {f(m['tpot_s']['mean'], 1e3)} | {f(m['e2e_s']['mean'])} | {f(m['output_throughput'], 1, 1)} | {f(m['goodput'])} "
             f"| {m['preemptions']} | {m['conversions']} | {f(m['mean_level'], 1, 1)} "
-            f"| {f(m['peak_bytes'] / m['budget_bytes'] if m.get('peak_bytes') is not None and m.get('budget_bytes') else None, 100, 0)}% |"
+            f"| {peak(m)} |"
         )
     stepped = {p: m for p, m in result["policies"].items() if m.get("engine_steps")}
     if stepped:

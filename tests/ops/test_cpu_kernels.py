@@ -110,7 +110,7 @@ def test_dsla_kernel_matches_reference_outputs_and_states(lib, case, start, thre
                                   **({"wq": wq, "bq": bq, "wk": wk, "bk": bk} if normalize else {}))  # fmt: skip
     state = DslaDecodeState.from_state(init, hkv, normalize)
     outs = [cpu_kernels.dsla_step(lib, state, x[:, i : i + 1].contiguous(), *(y[:, i : i + 1].contiguous() for y in (q, k, v)),
-                                  weights, heads=hq, kv_heads=hkv, normalize=normalize,
+                                  weights, heads=hq, kv_heads=hkv, head_dim=d, normalize=normalize,
                                   rope=(cos[:, i : i + 1].contiguous(), sin[:, i : i + 1].contiguous()) if rope else None)
             for i in range(t)]  # fmt: skip
     torch.testing.assert_close(torch.cat(outs, dim=2), ref, atol=2e-5, rtol=2e-5)
@@ -215,7 +215,7 @@ def test_weights_that_bfloat16_holds_exactly_are_read_as_bfloat16_with_the_same_
         if kind == "dsla":
             state = DslaDecodeState.from_state(DslaState(torch.zeros(b, hq, 2 * d, d + 1), torch.zeros(b, hq, 2 * d, d + 1)), hkv, True)
             outs = [cpu_kernels.dsla_step(lib, state, x[:, i : i + 1].contiguous(), *(y[:, i : i + 1].contiguous() for y in (q, k, v)),
-                                          weights, heads=hq, kv_heads=hkv, normalize=True) for i in range(t)]  # fmt: skip
+                                          weights, heads=hq, kv_heads=hkv, head_dim=d, normalize=True) for i in range(t)]  # fmt: skip
         else:
             empty = hybrid_state_empty(b, hkv, hq, 3, d, d, 2 * d)
             state = HybridDecodeState.from_state(empty, lambda y: hedgehog_reference(y, maps["wk"], maps["bk"]), hq)
@@ -247,6 +247,31 @@ def test_team_calls_that_keep_stalling_turn_teams_off_for_a_while(monkeypatch):
     assert teams.threads(big, 7.0) == 1 and teams.threads(big, 7.2) == 2
     teams.observe(key, 110e-6, 7.2)  # a fast team call resets the backoff
     assert teams.backoff_s == cpu_kernels.Teams.BACKOFF_S
+
+
+def test_kernel_calls_check_what_the_kernel_reads(lib):
+    """A missing weight, a weight or token of the wrong size, or a state of another dtype is a
+    ValueError naming it, before the kernel reads anything."""
+    b, hq, hkv, d, rank, hidden = 1, 2, 1, 4, 2, 6
+    x, q, k, v = torch.randn(b, 1, hidden), torch.randn(b, 1, hq * d), torch.randn(b, 1, hkv * d), torch.randn(b, 1, hkv * d)
+    gates = {"down": torch.randn(2 * rank, hidden), "up": torch.randn(2, rank, hq * d), "up_bias": torch.randn(2, hq * d)}
+
+    def step(weights, q=q, dtype=torch.float32):
+        zeros = torch.zeros(b, hq, d, d, dtype=dtype)
+        state = DslaDecodeState.from_state(DslaState(zeros, zeros.clone()), hkv, False)
+        return cpu_kernels.dsla_step(lib, state, x, q, k, v, weights, heads=hq, kv_heads=hkv, head_dim=d, normalize=False)
+
+    with pytest.raises(ValueError, match="mix is missing"):
+        step(cpu_kernels.Weights(**gates))
+    with pytest.raises(ValueError, match="up_bias has 6 elements"):
+        step(cpu_kernels.Weights(**{**gates, "up_bias": torch.randn(6)}, mix=torch.ones(2)))
+    with pytest.raises(ValueError, match="are not the expected"):
+        step(cpu_kernels.Weights(**gates, mix=torch.ones(2), factor=torch.ones(hq)))
+    with pytest.raises(ValueError, match="q has 4 elements"):
+        step(cpu_kernels.Weights(**gates, mix=torch.ones(2)), q=torch.randn(b, 1, d))
+    with pytest.raises(ValueError, match="contiguous float32"):
+        step(cpu_kernels.Weights(**gates, mix=torch.ones(2)), dtype=torch.float64)
+    assert step(cpu_kernels.Weights(**gates, mix=torch.ones(2))).shape == (b, hq, 1, d)
 
 
 # ----------------------------------------------------------------------------- setting and build

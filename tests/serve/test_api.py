@@ -102,7 +102,8 @@ def test_models_health_and_metrics(served):
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
     metrics = httpx.get(server.url + "/metrics").text
     for name in ("linearize:num_requests_running", "linearize:time_to_first_token_seconds", "linearize:converted_layers_per_request",
-                 "linearize:kv_cache_bytes", "linearize:state_bytes", "linearize:num_preemptions"):
+                 "linearize:kv_cache_bytes", "linearize:state_bytes", "linearize:num_preemptions",
+                 "linearize:memory_held_budget_fraction"):
         assert name in metrics
     assert 'linearize:converted_layers_per_request_sum{model_name="tiny"}' in metrics
 

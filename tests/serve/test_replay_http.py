@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from linearize.hub import build_tiny_tokenizer
-from linearize.serve.api import Limits, create_app
-from linearize.serve.client import HTTPReplay, scrape
+from linearize.serve.api import HELD_BUCKETS, Limits, create_app
+from linearize.serve.client import HTTPReplay, _held_bounds, scrape
 from linearize.serve.random_family import SHAPES, build_random_family, dsla_spec, random_shape
 from linearize.serve.replay import ReplayRequest, summarize, warm_up, warm_up_levels
 from linearize.serve.server import build_app, load_family
@@ -39,7 +39,9 @@ def test_replay_against_a_server_accounts_for_every_request(random_server, tmp_p
     assert list(report["policies"]) == ["static:2"] and report["settings"]["server"] == server.url
     m = report["policies"]["static:2"]
     assert (m["requests"], m["completed"], m["rejected"], m["lost"], m["statuses"]) == (6, 6, 0, 0, {"ok": 6})
-    assert m["mean_level"] == 2.0 and m["budget_bytes"] == 64 * 2**20 and 0 < m["peak_bytes"] <= m["budget_bytes"]
+    assert m["mean_level"] == 2.0 and m["budget_bytes"] == 64 * 2**20 and 0 <= m["peak_bytes"] <= m["budget_bytes"]  # sampled
+    lo, hi = m["peak_budget_fraction_bounds"]  # every step, from the server's histogram: some held memory, none over budget
+    assert 0 <= lo < hi <= 1 and m["peak_bytes"] <= hi * m["budget_bytes"]
     assert m["server"]["policy"] == "static:2" and m["preemptions"] == 0
     records = report["raw"]["static:2"]["records"]
     assert [r["output_tokens"] for r in records] == [9, 10, 14, 6, 18, 12]  # the trace's GeneratedTokens
@@ -166,3 +168,23 @@ def test_the_api_key_is_sent():
     finally:
         server.close()
     assert [(r.status, r.generated) for r in records] == [("ok", 2)]
+
+
+def test_held_bounds_bracket_the_most_any_step_held_between_two_scrapes():
+    """Steps observed before the first scrape do not count; the bucket of the largest later step does."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    registry = CollectorRegistry()
+    held = Histogram("linearize:memory_held_budget_fraction", "held", registry=registry, buckets=HELD_BUCKETS)
+    held.observe(0.97)
+    before = scrape(generate_latest(registry).decode())
+    assert _held_bounds(before, before) is None  # no step between them
+    for x in (0.0, 0.12, 0.31, 0.02):
+        held.observe(x)
+    after = scrape(generate_latest(registry).decode())
+    assert _held_bounds(before, after) == [0.3, 0.35]
+    held.observe(5.0)
+    assert _held_bounds(after, scrape(generate_latest(registry).decode())) == [4.0, None]
+    idle = scrape(generate_latest(registry).decode())
+    held.observe(0.0)
+    assert _held_bounds(idle, scrape(generate_latest(registry).decode())) == [0.0, 0.0]
