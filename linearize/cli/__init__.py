@@ -194,7 +194,13 @@ def _add_eval_commands(sub) -> None:
     p.add_argument("--source", default="wiki", help="held-out text source")
     p.add_argument("--tokens", type=int_at_least(2), default=512, help="sequence length to analyse")
     p.add_argument("--layer", type=int, help="converted layer to show (default: the middle one)")
-    p.add_argument("--out", required=True, help="directory for the PNG files")
+    p.add_argument("--needle", metavar="TASK",
+                   help="instead of text: a synthetic task (e.g. passkey, niah_single_1) read by LoLA layers; per layer and "
+                        "head, the needle's share of the sparse cache and of the last query's attention, LoLA vs the "
+                        "teacher: needle_TASK_LENGTH.{json,md,png}")
+    p.add_argument("--length", type=int_at_least(64), default=2048, help="--needle: prompt length in tokens")
+    p.add_argument("--samples", type=int_at_least(1), default=4, help="--needle: prompts to average over")
+    p.add_argument("--out", required=True, help="directory for the PNG files (and the needle JSON/markdown)")
     add_spec_flags(p)
     p.set_defaults(func=cmd_plots)
     p = sub.add_parser("demo", help="main job: teacher vs a trained conversion side by side, with memory held")

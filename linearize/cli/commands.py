@@ -332,9 +332,25 @@ def cmd_plots(args) -> int:
     from ..eval.perplexity import heldout_tokens
     from ..eval.plots import diagnostic_plots
 
+    if args.needle:
+        from ..eval.synthetic import get_task
+
+        get_task(args.needle)  # an unknown task fails before the model loads
     model, tokenizer = load_converted(args)
     if tokenizer is None:
         raise ValueError(f"model {args.model!r} has no tokenizer; plots need one to read text")
+    if args.needle:
+        from ..eval.needle import needle_data, needle_markdown, plot_needle
+        from ..eval.synthetic import get_task
+
+        data = needle_data(model, tokenizer, args.needle, args.length, samples=args.samples)
+        name = f"needle_{args.needle}_{args.length}"
+        markdown = needle_markdown(data, title=f"{args.model}: {args.needle} at {args.length} tokens")
+        write_report(args.out, name, markdown, data)
+        plot_needle(data, Path(args.out) / f"{name}.png")
+        print(markdown)
+        print(f"wrote {Path(args.out) / name}.{{json,md,png}}")
+        return 0
     ids = heldout_tokens(tokenizer, DataConfig(source=args.source, seq_len=64), max_tokens=args.tokens)
     for path in diagnostic_plots(model, tokenizer, ids[None], args.out, layer=args.layer):
         print(f"wrote {path}")
