@@ -27,6 +27,7 @@ from .commands import (
     cmd_generate,
     cmd_info,
     cmd_plots,
+    cmd_calibrate,
     cmd_sensitivity,
     cmd_train,
     check_args,
@@ -36,7 +37,7 @@ from .commands import (
 from .demo import DEFAULT_CONVERSION, DEMO_PROMPT, cmd_demo
 from ..bench.shapes import SHAPES as _SHAPES
 from .serve import add_serve_parser
-from .spec_flags import add_spec_flags, int_at_least, int_list_or_none, non_negative_float, positive_int_list, spec_from_args, stored_flag_table
+from .spec_flags import add_spec_flags, int_at_least, int_list_or_none, non_negative_float, non_negative_float_list, positive_int_list, spec_from_args, stored_flag_table
 
 LAYER_SHAPES = tuple(_SHAPES)
 
@@ -99,6 +100,21 @@ def _add_model_commands(sub) -> None:
                         "tokens/s and scaling efficiency; writes OUT/runs.{md,json} and OUT/runs.png with --out, and exits")
     p.add_argument("--out", help="directory for --compare-runs output")
     p.set_defaults(func=cmd_train)
+
+    from ..train.calibrate import CalibrationConfig
+
+    calib = CalibrationConfig()
+    p = sub.add_parser("calibrate", help="fit a LoLA read-out: a linear-term weight per layer and head, on held-out text; "
+                                         "saves an adapter")
+    p.add_argument("--model", required=True, help="a trained hybrid read as LoLA (with --attention lola --sparse-cache N ...) "
+                                                  "or a LoLA conversion")
+    p.add_argument("--source", default=calib.source, help=f"held-out text (a data source; default {calib.source}: not a needle haystack)")
+    p.add_argument("--tokens", type=int_at_least(2), default=calib.tokens, help="length of the held-out sequence")
+    p.add_argument("--skip", type=int_at_least(0), default=calib.skip, help="positions before this are not scored")
+    p.add_argument("--grid", type=non_negative_float_list, default=calib.grid, help="comma-separated candidate weights")
+    p.add_argument("--out", required=True, help="directory for the adapter and calibration.{json,md,png}")
+    add_spec_flags(p)
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("sensitivity", help="per-layer attention entropy vs measured loss increase; saves the order")
     p.add_argument("--model", default=DEFAULT_MODEL, help="a teacher (layers converted one at a time per the spec flags) or a trained conversion")

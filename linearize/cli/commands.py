@@ -122,6 +122,43 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    """Fit per-head linear-term weights of the LoLA layers on held-out text; save the adapter with them."""
+    from ..api import save_adapter
+    from ..data import DataConfig
+    from ..eval.perplexity import heldout_tokens
+    from ..train.calibrate import (
+        CalibrationConfig,
+        apply_linear_weights,
+        calibrate_linear_weights,
+        calibration_markdown,
+        lola_layers,
+        plot_calibration,
+    )
+
+    config = CalibrationConfig(source=args.source, tokens=args.tokens, skip=args.skip, grid=args.grid)
+    model, tokenizer = load_converted(args)
+    if tokenizer is None:
+        raise ValueError(f"model {args.model!r} has no tokenizer; calibration needs one to read its text")
+    lola_layers(model)  # no LoLA layer: say so before reading any text
+    ids = heldout_tokens(tokenizer, DataConfig(source=config.source, seq_len=64), max_tokens=config.tokens)
+    if ids.numel() < config.tokens:
+        raise ValueError(f"the held-out part of {config.source!r} has {ids.numel()} tokens, fewer than --tokens {config.tokens}")
+    result = calibrate_linear_weights(model, ids[None], config)
+    spec = apply_linear_weights(model, result["weights"])
+    summary = {k: result[k] for k in ("uniform", "calibrated", "config")}
+    # the adapter builds on the model it calibrated (a trained conversion keeps its LoRA that way):
+    # loading it loads --model, then reads it with the calibrated spec
+    base = str(Path(args.model).resolve()) if Path(args.model).is_dir() else args.model
+    save_adapter(model, args.out, base_model=base, spec=spec.to_dict(), extra={"calibration": summary})
+    markdown = calibration_markdown(result, title=f"{args.model}: LoLA read-out calibration")
+    write_report(args.out, "calibration", markdown, result)
+    plot_calibration(result, Path(args.out) / "calibration.png")
+    print(markdown)
+    print(f"wrote the adapter and calibration.{{json,md,png}} to {args.out}")
+    return 0
+
+
 def cmd_sensitivity(args) -> int:
     """Per layer: entropy of the last query's attention, the measured held-out loss increase and, with
     --recall-weight, the recall-probe loss increase."""

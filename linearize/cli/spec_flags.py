@@ -68,6 +68,20 @@ def positive_int_list(text: str) -> list[int]:
     return values
 
 
+def non_negative_float_list(text: str) -> list[float]:
+    """argparse type: comma-separated numbers >= 0."""
+    values = [non_negative_float(x) for x in text.split(",") if x.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers >= 0, got {text!r}")
+    return values
+
+
+def _number_or_list(text: str) -> float | list[float]:
+    """argparse type: one number >= 0, or comma-separated numbers >= 0 (one per head)."""
+    values = non_negative_float_list(text)
+    return values[0] if "," not in text else values
+
+
 def non_negative_float(text: str) -> float:
     """argparse type: a finite number >= 0 (weights)."""
     try:
@@ -106,6 +120,7 @@ _TYPES = {
     "int": dict(type=int),
     "float": dict(type=float),
     "optional_int": dict(type=_parse_optional_int),
+    "float_or_list": dict(type=lambda text: _number_or_list(text), metavar="W|W1,W2,..."),
     "int_list": dict(type=int_list, metavar="I,J,..."),
     "str": dict(type=str),
 }
@@ -131,7 +146,7 @@ def _field_docs(cls) -> dict[str, str]:
 def _type_name(name: str, hint) -> str:
     if name == "layers":
         return "layers"
-    for key, candidate in (("bool", bool), ("int", int), ("float", float), ("optional_int", int | None), ("int_list", list[int] | None)):
+    for key, candidate in (("bool", bool), ("int", int), ("float", float), ("float_or_list", float | list[float]), ("optional_int", int | None), ("int_list", list[int] | None)):
         if hint == candidate:
             return key
     return "str"

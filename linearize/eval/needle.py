@@ -35,7 +35,7 @@ from ..cache import output_cache, state_layer
 from ..convert import converted_layers
 from ..io import save_png
 from ..layers.base import ConvertedAttention
-from ..ops.common import repeat_kv, safe_divide
+from ..ops.common import head_weights, repeat_kv, safe_divide
 from ..ops.states import LolaState
 from ..teacher import capture_teacher
 from .plots import LOLA_READS
@@ -86,7 +86,8 @@ def read_out(module: ConvertedAttention, state: LolaState, hidden: Tensor, posit
     den = num_w.sum(-1)
     linear = torch.zeros_like(den)
     if read_state:
-        q_phi = module.feature_map_q(p.q_lin[:1, :, -1:]).float()[0, :, 0] * float(options.linear_weight)  # (Hq, F)
+        weight = head_weights(options.linear_weight, q.shape[0], q.device)[:, None]  # (Hq, 1)
+        q_phi = module.feature_map_q(p.q_lin[:1, :, -1:]).float()[0, :, 0] * weight  # (Hq, F)
         num = num + (q_phi[:, None, :] @ lin.kv[0])[:, 0]
         linear = (q_phi * lin.k_sum[0]).sum(-1)
         den = den + linear
@@ -155,7 +156,7 @@ def needle_data(model, tokenizer, task: str, length: int, *, samples: int = 4, s
             mean[name] = np.where(np.isnan(x).all(0), None, np.nanmean(x, axis=0)).tolist()
     lola = next(m for m in converted_layers(model).values() if m.spec.attention == "lola").options
     return {"task": task, "length": length, "samples": runs, "layers": runs[0]["layers"], "mean": mean,
-            "accuracy": float(np.mean([r["score"] for r in runs])),
+            "accuracy": float(np.mean([r["score"] for r in runs])),  # the task's score, 0-100
             "options": {"window": lola.window, "sparse_cache": lola.sparse_cache, "sinks": lola.sinks,
                         "linear_weight": lola.linear_weight, "chunk": lola.chunk}}
 
@@ -176,10 +177,10 @@ def needle_markdown(data: dict[str, Any], *, title: str) -> str:
     o = data["options"]
     lines = [f"# {title}", "",
              f"LoLA window {o['window']}, sparse cache {o['sparse_cache']}, sinks {o['sinks']}, linear weight "
-             f"{o['linear_weight']}, chunk {o['chunk']}; accuracy {100 * data['accuracy']:.0f}% on {len(data['samples'])} samples.", "",
+             f"{o['linear_weight']}, chunk {o['chunk']}; accuracy {data['accuracy']:.0f}% on {len(data['samples'])} samples.", "",
              "| sample | tokens | needle tokens | score | prediction |", "|---:|---:|---:|---:|---|"]
     for r in data["samples"]:
-        lines.append(f"| {r['index']} | {r['tokens']} | {len(r['needle_positions'])} | {100 * r['score']:.0f} | {r['prediction'][:60]!r} |")
+        lines.append(f"| {r['index']} | {r['tokens']} | {len(r['needle_positions'])} | {r['score']:.0f} | {r['prediction'][:60]!r} |")
     lines += ["", "Retrieval heads (the teacher's largest mass on the needle from the last query), means over the samples:", "",
               "| layer | head | teacher mass | LoLA mass | linear share | needle in cache | best needle score - max |",
               "|---:|---:|---:|---:|---:|---:|---:|"]
@@ -213,7 +214,7 @@ def plot_needle(data: dict[str, Any], path: str | Path) -> None:
     axes[0].set_yticks(range(len(data["layers"])), [str(i) for i in data["layers"]], fontsize=6)
     axes[0].set_ylabel("layer")
     o = data["options"]
-    fig.suptitle(f"{data['task']} at {data['length']} tokens, {len(data['samples'])} samples, accuracy {100 * data['accuracy']:.0f}%; "
+    fig.suptitle(f"{data['task']} at {data['length']} tokens, {len(data['samples'])} samples, accuracy {data['accuracy']:.0f}%; "
                  f"window {o['window']}, sparse {o['sparse_cache']}, sinks {o['sinks']}, linear weight {o['linear_weight']}, "
                  f"chunk {o['chunk']}", fontsize=10)
     save_png(fig, path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..checks import check_int, is_int
@@ -20,9 +21,10 @@ class LolaOptions(WindowOptions):
     sinks: int = 0
     """The first ``sinks`` tokens of a sequence never leave the sparse cache (attention sinks, as in
     StreamingLLM); they take ``sinks`` of its ``sparse_cache`` slots."""
-    linear_weight: float = 1.0
+    linear_weight: float | list[float] = 1.0
     """Weight of the linear state's term in the shared numerator and denominator (1 is the trained
-    hybrid's read; below 1 keeps the linear term from swamping the explicit entries)."""
+    hybrid's read; below 1 keeps the linear term from swamping the explicit entries): one number, or
+    one per query head (``linearize calibrate`` fits them)."""
     chunk: int = 16
     """LoLA's prefill chunk length C (queries of a chunk share the linear state)."""
 
@@ -32,8 +34,12 @@ class LolaOptions(WindowOptions):
         check_int("chunk", self.chunk, 1, error=SpecError)
         if not is_int(self.sinks) or not 0 <= self.sinks <= self.sparse_cache:
             raise SpecError(f"sinks must be an integer in [0, sparse_cache={self.sparse_cache}], got {self.sinks!r}")
-        if isinstance(self.linear_weight, bool) or not isinstance(self.linear_weight, (int, float)) or self.linear_weight < 0:
-            raise SpecError(f"linear_weight must be a number >= 0, got {self.linear_weight!r}")
+        w = self.linear_weight
+        values = list(w) if isinstance(w, (list, tuple)) else [w]
+        if not values or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0 for x in values):
+            raise SpecError(f"linear_weight must be a number >= 0 or a list of them (one per query head), got {w!r}")
+        if isinstance(w, tuple):
+            self.linear_weight = list(w)
 
 
 class LolaAttention(WindowedLinearAttention):
@@ -57,7 +63,7 @@ class LolaAttention(WindowedLinearAttention):
                 window=o.window, sparse=o.sparse_cache, window_factor=self.window_factor(),
                 chunk=o.chunk, valid=valid, state=expect_state(state, LolaState, self), scale=self.scaling,
                 read_state=read_state, read_sparse=read_sparse,
-                sinks=o.sinks, linear_weight=float(o.linear_weight),
+                sinks=o.sinks, linear_weight=o.linear_weight,
                 **self.linear_inputs(p),
             )
 

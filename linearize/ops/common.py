@@ -11,6 +11,19 @@ FeatureFn = Callable[[Tensor], Tensor]
 """A feature map: (B, H, T, D) -> (B, H, T, F), applied per head (after GQA repetition)."""
 
 
+def head_weights(weight, heads: int, device=None, *, name: str = "linear_weight") -> Tensor:
+    """A weight per query head as float32 (heads,): one number >= 0 for every head, or one per head
+    (a sequence or tensor of ``heads`` numbers >= 0). ValueError naming the bad value otherwise."""
+    w = torch.as_tensor(weight, dtype=torch.float32, device=device)
+    if w.dim() == 0:
+        w = w.expand(heads)
+    if w.shape != (heads,):
+        raise ValueError(f"{name} must be one number or {heads} (one per query head), got {tuple(w.shape)[0] if w.dim() == 1 else tuple(w.shape)}")
+    if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
+        raise ValueError(f"{name} must be finite and >= 0, got {w.tolist()}")
+    return w
+
+
 def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
     """(B, Hkv, T, D) -> (B, Hkv * n_rep, T, D), each KV head repeated for its query heads (HF order)."""
     if n_rep == 1:

@@ -57,7 +57,8 @@ Two read-out options beyond the method as published (defaults keep it): ``sinks`
 ``sinks`` tokens of a sequence in the sparse cache (their self-recall error counts as +inf, so they
 are always selected and take ``sinks`` of the lambda slots), and ``linear_weight`` multiplies the
 linear term (state and on-the-fly reads) in both numerator and denominator (1: the trained hybrid's
-read; 0: the same read as ``read_state=False``). What is kept does not depend on ``linear_weight``.
+read; 0: the same read as ``read_state=False``), one number or one per query head. What is kept
+does not depend on ``linear_weight``.
 
 ``lola_attention_reference`` is the specification (a plain float32 loop per row, head, chunk and
 query over lists of token indices, in ``linearize.ops.naive``, re-exported here; it shares no code
@@ -68,12 +69,13 @@ from a ``LolaState``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from linearize.ops.common import FeatureFn, default_valid, gather_tokens, gqa_groups, repeat_kv, safe_divide
+from linearize.ops.common import FeatureFn, default_valid, gather_tokens, gqa_groups, head_weights, repeat_kv, safe_divide
 from linearize.ops.naive import lola_attention_reference  # noqa: F401 (the specification)
 from linearize.ops.states import LinearState, LolaState, SparseCacheState, WindowState
 
@@ -110,7 +112,7 @@ def lola_attention(
     q_lin: Tensor | None = None,
     k_lin: Tensor | None = None,
     sinks: int = 0,
-    linear_weight: float = 1.0,
+    linear_weight: float | Sequence[float] | Tensor = 1.0,
 ) -> tuple[Tensor, LolaState]:
     """LoLA attention, vectorised over batch and heads, one loop step per chunk of ``chunk`` tokens.
 
@@ -149,7 +151,8 @@ def lola_attention(
     order = torch.argsort((~valid).int(), dim=1, stable=True)  # (B, T)
     n_real = valid.sum(1)  # (B,)
     factor = window_factor.to(q.device, torch.float32).view(1, hq, 1, 1)  # (1, Hq, 1, 1)
-    ctx = _ChunkContext(phi_q, phi_k, factor, scale, n_rep, q.dtype, read_state, read_sparse, sinks, float(linear_weight))
+    weight = head_weights(linear_weight, hq, q.device).view(1, hq, 1, 1)  # (1, Hq, 1, 1)
+    ctx = _ChunkContext(phi_q, phi_k, factor, scale, n_rep, q.dtype, read_state, read_sparse, sinks, weight)
     next_pos = state.window.positions[:, -1] + 1  # (B,) the newest token sits in the last slot
     outs = []
     for c0 in range(0, t_len, chunk):
@@ -187,7 +190,7 @@ class _ChunkContext:
     read_state: bool
     read_sparse: bool
     sinks: int  # the first ``sinks`` positions of a sequence are never evicted from the sparse cache
-    linear_weight: float  # weight of the linear term in the shared denominator (1 = LoLCATs)
+    linear_weight: Tensor  # (1, Hq, 1, 1) weight of the linear term in the shared denominator (1 = LoLCATs)
 
     def phi(self, fn: FeatureFn, x: Tensor) -> Tensor:
         """Feature map in the model's dtype (float32 state keys round-trip exactly), result float32."""
@@ -318,13 +321,12 @@ def _empty_state(batch, hq, hkv, window, sparse, d, dv, feats, device, linear_ke
 
 def _check_args(q: Tensor, k: Tensor, v: Tensor, *, window: int, sparse: int, chunk: int, window_factor: Tensor,
                 q_lin: Tensor | None = None, k_lin: Tensor | None = None, sinks: int = 0,
-                linear_weight: float = 1.0) -> None:
+                linear_weight=1.0) -> None:
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     if not 0 <= sinks <= sparse:
         raise ValueError(f"sinks must lie in [0, sparse={sparse}] (they occupy sparse-cache slots), got {sinks}")
-    if not 0.0 <= linear_weight:
-        raise ValueError(f"linear_weight must be >= 0, got {linear_weight}")
+    head_weights(linear_weight, q.shape[1] if q.dim() == 4 else 1)
     if sparse < 0:
         raise ValueError(f"sparse must be >= 0, got {sparse}")
     if chunk < 1:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from linearize.ops.common import EMPTY_DENOMINATOR, FeatureFn
+from linearize.ops.common import EMPTY_DENOMINATOR, FeatureFn, head_weights
 from linearize.ops.states import DslaState, HybridState, LinearState, LolaState, SparseCacheState, WindowState
 
 __all__ = [
@@ -328,7 +328,7 @@ def lola_attention_reference(
     q_lin: Tensor | None = None,
     k_lin: Tensor | None = None,
     sinks: int = 0,
-    linear_weight: float = 1.0,
+    linear_weight=1.0,
 ) -> tuple[Tensor, LolaState]:
     """The specification of LoLA: a plain loop over rows, query heads, chunks and queries, in float32.
 
@@ -338,14 +338,14 @@ def lola_attention_reference(
     tokens. The self-recall error is written out here. ``q_lin`` / ``k_lin``: what the feature maps
     see instead of q / k (see ``linearize.ops.lola``'s module docstring for the rule). ``sinks``: the
     first ``sinks`` real tokens never leave the sparse cache; ``linear_weight``: the weight of the
-    linear term (state and on-the-fly reads) in the numerator and the denominator.
+    linear term (state and on-the-fly reads) in the numerator and the denominator, one number or one
+    per query head.
     """
     if window < 1 or sparse < 0 or chunk < 1:
         raise ValueError(f"need window >= 1, sparse >= 0, chunk >= 1; got window={window}, sparse={sparse}, chunk={chunk}")
     if not 0 <= sinks <= sparse:
         raise ValueError(f"sinks must lie in [0, sparse={sparse}] (they occupy sparse-cache slots), got {sinks}")
-    if not 0.0 <= linear_weight:
-        raise ValueError(f"linear_weight must be >= 0, got {linear_weight}")
+    weights = head_weights(linear_weight, q.shape[1], q.device).tolist()  # one per query head
     if tuple(window_factor.shape) != (q.shape[1],):
         raise ValueError(f"window_factor must have shape ({q.shape[1]},), got {tuple(window_factor.shape)}")
     _check_linear_inputs(q, k, q_lin, k_lin)
@@ -415,7 +415,7 @@ def lola_attention_reference(
                             if j not in w_t:  # left the window, not yet in the state: on the fly
                                 a = q_phi[b, h, t] @ k_phi[b, h, j]
                                 lin_num, lin_den = lin_num + a * v[b, g, j], lin_den + a
-                        num, den = num + linear_weight * lin_num, den + linear_weight * lin_den
+                        num, den = num + weights[h] * lin_num, den + weights[h] * lin_den
                     out[b, h, t] = num / den
 
                 # 3. Fold the written tokens into the state, keep G', slide the window.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -597,6 +598,7 @@ SINK_CASES = {
     "w3-s2-sinks2-lw1": dict(window=3, sparse=2, sinks=2, linear_weight=1.0),
     "w4-s3-sinks0-lw0": dict(window=4, sparse=3, sinks=0, linear_weight=0.0),
     "w5-s4-sinks1-lw3": dict(window=5, sparse=4, sinks=1, linear_weight=3.0),
+    "w4-s3-sinks1-per-head": dict(window=4, sparse=3, sinks=1, linear_weight=[1.0, 0.0, 0.03, 0.3]),
 }
 
 
@@ -620,7 +622,7 @@ def test_sinks_and_linear_weight_match_reference(case, chunk):
     assert_states_equal(state, ref_state)
     for name, a, b in zip("qkvf", g_fast, g_ref):
         # with linear_weight 0 the window factor cancels: its gradient is round-off around 0
-        atol = 1e-4 if name == "f" and case["linear_weight"] == 0 else 1e-5
+        atol = 1e-4 if name == "f" and 0 in np.atleast_1d(case["linear_weight"]) else 1e-5
         torch.testing.assert_close(a, b, atol=atol, rtol=1e-4, msg=lambda m, name=name: f"d{name}: {m}")
     for s in range(case["sinks"]):
         assert (state.sparse.positions == s).any(-1).all(), f"sink {s} was evicted"
@@ -650,9 +652,23 @@ def test_linear_weight_zero_equals_hiding_the_state():
     assert_states_equal(sa, sb, atol=0)
 
 
+def test_per_head_linear_weights_read_each_head_as_its_own_weight():
+    """A weight per query head gives each head exactly the output of that weight for all heads;
+    what is kept does not depend on the weights."""
+    q, k, v, kw = make(b=2, hq=4, hkv=2, t=23)
+    weights = [0.5, 0.0, 2.0, 0.01]
+    out, state = lola_attention(q, k, v, window=4, sparse=3, chunk=4, sinks=1, linear_weight=weights, **kw)
+    for h, w in enumerate(weights):
+        one, one_state = lola_attention(q, k, v, window=4, sparse=3, chunk=4, sinks=1, linear_weight=w, **kw)
+        torch.testing.assert_close(out[:, h], one[:, h], atol=1e-6, rtol=1e-6)
+        assert_states_equal(state, one_state, atol=0)
+
+
 @pytest.mark.parametrize("change, match", [(dict(sinks=4), "sinks must lie"), (dict(sinks=-1), "sinks must lie"),
-                                           (dict(linear_weight=-0.5), "linear_weight must be")],
-                         ids=["sinks>sparse", "sinks<0", "weight<0"])
+                                           (dict(linear_weight=-0.5), "linear_weight must be"),
+                                           (dict(linear_weight=[1.0, 0.5, 0.1]), r"linear_weight must be one number or 2"),
+                                           (dict(linear_weight=[1.0, float("nan")]), "finite and >= 0")],
+                         ids=["sinks>sparse", "sinks<0", "weight<0", "weights-per-head-count", "weight-nan"])
 def test_sinks_and_weight_invalid_raise(change, match):
     q, k, v, kw = make(b=1, hq=2, hkv=1, t=6)
     with pytest.raises(ValueError, match=match):
