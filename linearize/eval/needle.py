@@ -205,9 +205,10 @@ def plot_needle(data: dict[str, Any], path: str | Path) -> None:
     panels = (("teacher", "teacher: attention mass on the needle"), ("mass", "LoLA: attention mass on the needle"),
               ("in_cache", "needle tokens in the sparse cache"))
     fig, axes = plt.subplots(1, 3, figsize=(15, 0.22 * len(data["layers"]) + 2.2), sharey=True)
+    grids = {name: np.array([[np.nan if v is None else v for v in row] for row in data["mean"][name]], dtype=float) for name, _ in panels}
+    top = max(1e-6, float(np.nanmax(grids["teacher"])), float(np.nanmax(grids["mass"])))  # one scale for both masses
     for ax, (name, title) in zip(axes, panels):
-        x = np.array([[np.nan if v is None else v for v in row] for row in data["mean"][name]], dtype=float)
-        im = ax.imshow(x, aspect="auto", cmap="viridis", vmin=0, vmax=max(1e-6, np.nanmax(x)) if name != "in_cache" else 1)
+        im = ax.imshow(grids[name], aspect="auto", cmap="viridis", vmin=0, vmax=1 if name == "in_cache" else top)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("query head")
         fig.colorbar(im, ax=ax, fraction=0.046)
