@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from linearize.ops.common import EMPTY_DENOMINATOR, FeatureFn, head_weights
+from linearize.ops.common import EMPTY_DENOMINATOR, FeatureFn
 from linearize.ops.states import DslaState, HybridState, LinearState, LolaState, SparseCacheState, WindowState
 
 __all__ = [
@@ -345,7 +345,11 @@ def lola_attention_reference(
         raise ValueError(f"need window >= 1, sparse >= 0, chunk >= 1; got window={window}, sparse={sparse}, chunk={chunk}")
     if not 0 <= sinks <= sparse:
         raise ValueError(f"sinks must lie in [0, sparse={sparse}] (they occupy sparse-cache slots), got {sinks}")
-    weights = head_weights(linear_weight, q.shape[1], q.device).tolist()  # one per query head
+    weights = [float(w) for w in torch.as_tensor(linear_weight, dtype=torch.float32).reshape(-1).tolist()]  # one per query head
+    weights = weights * q.shape[1] if len(weights) == 1 else weights
+    if len(weights) != q.shape[1] or not all(0 <= w < float("inf") for w in weights):  # NaN fails 0 <= w
+        raise ValueError(f"linear_weight must be one number or {q.shape[1]} (one per query head), each finite and >= 0; "
+                         f"got {linear_weight!r}")
     if tuple(window_factor.shape) != (q.shape[1],):
         raise ValueError(f"window_factor must have shape ({q.shape[1]},), got {tuple(window_factor.shape)}")
     _check_linear_inputs(q, k, q_lin, k_lin)
