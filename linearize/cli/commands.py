@@ -378,7 +378,6 @@ def cmd_plots(args) -> int:
         raise ValueError(f"model {args.model!r} has no tokenizer; plots need one to read text")
     if args.needle:
         from ..eval.needle import needle_data, needle_markdown, plot_needle
-        from ..eval.synthetic import get_task
 
         data = needle_data(model, tokenizer, args.needle, args.length, samples=args.samples)
         name = f"needle_{args.needle}_{args.length}"

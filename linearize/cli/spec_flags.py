@@ -120,7 +120,7 @@ _TYPES = {
     "int": dict(type=int),
     "float": dict(type=float),
     "optional_int": dict(type=_parse_optional_int),
-    "float_or_list": dict(type=lambda text: _number_or_list(text), metavar="W|W1,W2,..."),
+    "float_or_list": dict(type=_number_or_list, metavar="W|W1,W2,..."),
     "int_list": dict(type=int_list, metavar="I,J,..."),
     "str": dict(type=str),
 }

@@ -131,10 +131,8 @@ def needle_sample(model, tokenizer, sample: Sample) -> dict[str, Any]:
         rows["mass"].append((r["weights"] * is_needle).sum(-1).tolist())
         rows["linear"].append(r["linear"].tolist())
         rows["gap"].append([float(g) if torch.isfinite(g) else None for g in best - r["max"]])
-        inp = teacher[i]
-        p = module.project(inp.hidden_states[:, -1:], tuple(x[:, -1:] for x in inp.position_embeddings))
-        k = module.project(inp.hidden_states, inp.position_embeddings).k.float()  # (1, Hkv, T, D)
-        q = p.q.float()[0, :, -1]  # (Hq, D)
+        p = module.project(teacher[i].hidden_states, teacher[i].position_embeddings)
+        k, q = p.k.float(), p.q.float()[0, :, -1]  # (1, Hkv, T, D), the last query (Hq, D)
         probs = torch.softmax((repeat_kv(k, q.shape[0] // k.shape[1])[0] @ q[:, :, None])[..., 0] * module.scaling, dim=-1)  # (Hq, T)
         rows["teacher"].append(probs[:, needle_t].sum(-1).tolist())
     eos = _eos_ids(model, tokenizer)

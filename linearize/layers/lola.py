@@ -56,18 +56,23 @@ class LolaAttention(WindowedLinearAttention):
 
     def _lola(self, *, read_state: bool, read_sparse: bool) -> Attend:
         def attend(p, x, valid, state):
-            o = self.options
-            return lola_attention(
-                p.q, p.k, p.v,
-                phi_q=self.feature_map_q, phi_k=self.feature_map_k,
-                window=o.window, sparse=o.sparse_cache, window_factor=self.window_factor(),
-                chunk=o.chunk, valid=valid, state=expect_state(state, LolaState, self), scale=self.scaling,
-                read_state=read_state, read_sparse=read_sparse,
-                sinks=o.sinks, linear_weight=o.linear_weight,
-                **self.linear_inputs(p),
-            )
+            return self.lola(p, valid, state, read_state=read_state, read_sparse=read_sparse)
 
         return attend
+
+    def lola(self, p, valid=None, state=None, *, read_state: bool = True, read_sparse: bool = True, linear_weight=None):
+        """``lola_attention`` on projected inputs ``p`` with this layer's weights and options;
+        ``linear_weight`` (one number or one per query head) replaces the option's for this call."""
+        o = self.options
+        return lola_attention(
+            p.q, p.k, p.v,
+            phi_q=self.feature_map_q, phi_k=self.feature_map_k,
+            window=o.window, sparse=o.sparse_cache, window_factor=self.window_factor(),
+            chunk=o.chunk, valid=valid, state=expect_state(state, LolaState, self), scale=self.scaling,
+            read_state=read_state, read_sparse=read_sparse,
+            sinks=o.sinks, linear_weight=o.linear_weight if linear_weight is None else linear_weight,
+            **self.linear_inputs(p),
+        )
 
 
 def lola_memory(options: LolaOptions, config, dtype_bytes: int) -> tuple[int, int]:

@@ -131,8 +131,8 @@ def lola_attention(
     the sparse cache, and it cannot be continued by a call without them (nor the other way round).
     Memory per chunk is O(C (window + sparse + C)); no T x T tensor is formed.
     """
-    _check_args(q, k, v, window=window, sparse=sparse, chunk=chunk, window_factor=window_factor, q_lin=q_lin, k_lin=k_lin,
-                sinks=sinks, linear_weight=linear_weight)
+    weights = _check_args(q, k, v, window=window, sparse=sparse, chunk=chunk, window_factor=window_factor, q_lin=q_lin,
+                          k_lin=k_lin, sinks=sinks, linear_weight=linear_weight)  # (Hq,)
     n_rep = gqa_groups(q, k)
     batch, hq, t_len, d = q.shape
     hkv, dv = k.shape[1], v.shape[-1]
@@ -151,8 +151,8 @@ def lola_attention(
     order = torch.argsort((~valid).int(), dim=1, stable=True)  # (B, T)
     n_real = valid.sum(1)  # (B,)
     factor = window_factor.to(q.device, torch.float32).view(1, hq, 1, 1)  # (1, Hq, 1, 1)
-    weight = head_weights(linear_weight, hq, q.device).view(1, hq, 1, 1)  # (1, Hq, 1, 1)
-    ctx = _ChunkContext(phi_q, phi_k, factor, scale, n_rep, q.dtype, read_state, read_sparse, sinks, weight)
+    ctx = _ChunkContext(phi_q, phi_k, factor, scale, n_rep, q.dtype, read_state, read_sparse, sinks,
+                        weights.to(q.device).view(1, hq, 1, 1))
     next_pos = state.window.positions[:, -1] + 1  # (B,) the newest token sits in the last slot
     outs = []
     for c0 in range(0, t_len, chunk):
@@ -321,12 +321,12 @@ def _empty_state(batch, hq, hkv, window, sparse, d, dv, feats, device, linear_ke
 
 def _check_args(q: Tensor, k: Tensor, v: Tensor, *, window: int, sparse: int, chunk: int, window_factor: Tensor,
                 q_lin: Tensor | None = None, k_lin: Tensor | None = None, sinks: int = 0,
-                linear_weight=1.0) -> None:
+                linear_weight=1.0) -> Tensor:
+    """ValueError naming a bad argument; the linear weights per query head (Hq,), checked."""
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     if not 0 <= sinks <= sparse:
         raise ValueError(f"sinks must lie in [0, sparse={sparse}] (they occupy sparse-cache slots), got {sinks}")
-    head_weights(linear_weight, q.shape[1] if q.dim() == 4 else 1)
     if sparse < 0:
         raise ValueError(f"sparse must be >= 0, got {sparse}")
     if chunk < 1:
@@ -345,6 +345,7 @@ def _check_args(q: Tensor, k: Tensor, v: Tensor, *, window: int, sparse: int, ch
     if q_lin is not None and (q_lin.shape != q.shape or k_lin.shape != k.shape):
         raise ValueError(f"q_lin/k_lin have shapes {tuple(q_lin.shape)}/{tuple(k_lin.shape)}; expected those of "
                          f"q/k {tuple(q.shape)}/{tuple(k.shape)}")
+    return head_weights(linear_weight, q.shape[1])
 
 
 def _check_state(st: LolaState, batch, hq, hkv, window, sparse, d, dv, separate: bool) -> None:

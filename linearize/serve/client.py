@@ -34,7 +34,8 @@ SAMPLE_EVERY_S = 0.25
 
 def scrape(text: str) -> dict[str, Any]:
     """The ``linearize:*`` samples of a /metrics page: {sample name: value summed over its label sets;
-    a histogram bucket keeps its edge, as ``name{le=0.5}``}, plus ``"info"``: the labels of ``linearize:engine_info`` (model_name, policy) when present."""
+    a histogram bucket keeps its edge, as ``name{le=0.5}``}, plus ``"info"``: the labels of
+    ``linearize:engine_info`` (model_name, policy) when present."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, Any] = {}

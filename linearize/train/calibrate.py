@@ -94,20 +94,15 @@ def calibrate_linear_weights(model, input_ids, config: CalibrationConfig) -> dic
 
 def _head_errors(module, inp, config: CalibrationConfig) -> list[list[float]]:
     """(grid, Hq) relative squared error of one layer's LoLA output, per grid weight and head."""
-    from ..ops.lola import lola_attention
     from ..ops.softmax import softmax_attention
 
-    o = module.options
     p = module.project(inp.hidden_states, inp.position_embeddings)
     target, _ = softmax_attention(p.q.float(), p.k.float(), p.v.float(), scale=module.scaling)  # (1, Hq, T, Dv)
     target = target[0, :, config.skip :]
     scale = (target**2).mean((-1, -2)).clamp_min(1e-12)  # (Hq,)
-    lin = {"q_lin": p.q_lin, "k_lin": p.k_lin} if p.separate else {}
     rows = []
     for w in config.grid:
-        out, _ = lola_attention(p.q, p.k, p.v, phi_q=module.feature_map_q, phi_k=module.feature_map_k, window=o.window,
-                                sparse=o.sparse_cache, window_factor=module.window_factor(), chunk=o.chunk,
-                                scale=module.scaling, sinks=o.sinks, linear_weight=float(w), **lin)  # fmt: skip
+        out, _ = module.lola(p, linear_weight=float(w))
         rows.append((((out[0, :, config.skip :].float() - target) ** 2).mean((-1, -2)) / scale).tolist())
     return rows
 
