@@ -152,11 +152,12 @@ def needle_data(model, tokenizer, task: str, length: int, *, samples: int = 4, s
         with warnings.catch_warnings():  # all-NaN columns: heads with no cached needle token
             warnings.simplefilter("ignore", RuntimeWarning)
             mean[name] = np.where(np.isnan(x).all(0), None, np.nanmean(x, axis=0)).tolist()
-    lola = next(m for m in converted_layers(model).values() if m.spec.attention == "lola").options
+    options = [converted_layers(model)[i].options for i in runs[0]["layers"]]
+    lola, weights = options[0], [o.linear_weight for o in options]
     return {"task": task, "length": length, "samples": runs, "layers": runs[0]["layers"], "mean": mean,
             "accuracy": float(np.mean([r["score"] for r in runs])),  # the task's score, 0-100
             "options": {"window": lola.window, "sparse_cache": lola.sparse_cache, "sinks": lola.sinks,
-                        "linear_weight": lola.linear_weight, "chunk": lola.chunk}}
+                        "linear_weight": weights[0] if all(w == weights[0] for w in weights) else "per layer", "chunk": lola.chunk}}
 
 
 def retrieval_heads(data: dict[str, Any], top: int = 8) -> list[dict[str, Any]]:
