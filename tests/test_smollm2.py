@@ -146,3 +146,26 @@ def test_shipped_conversions_load_offline_and_stay_close_to_the_teacher_on_short
         # (not inference-hybrid: its gate mix always gives the linear branch half the weight)
         agree = (logits.argmax(-1) == teacher(ids).logits.argmax(-1)).float().mean()
         assert agree > 0.5, f"{name}: next-token argmax agrees with the teacher on only {agree:.0%} of positions"
+
+
+def test_cli_calibrate_writes_an_adapter_that_reads_with_the_chosen_weights(smollm2, tmp_path):
+    """`linearize calibrate` on the real model (a short held-out text, chained inputs): the adapter
+    it writes loads with one weight per layer and query head, each from the grid, as its report says."""
+    import json
+
+    from linearize.cli import main
+    from linearize.convert import converted_layers
+
+    out = tmp_path / "cal"
+    assert main(["calibrate", "--model", "smollm2-135m", "--attention", "lola", "--window", "16", "--sparse-cache", "16",
+                 "--sinks", "2", "--chunk", "16", "--layers", "0,1", "--tokens", "96", "--skip", "48", "--grid", "0,1",
+                 "--inputs", "chained", "--out", str(out)]) == 0
+    report = json.loads((out / "calibration.json").read_text())
+    assert report["config"]["inputs"] == "chained" and report["layers"] == [0, 1]
+    model, _ = linearize.load_model(str(out))
+    layers = converted_layers(model)
+    assert sorted(layers) == [0, 1]
+    for i, m in layers.items():
+        assert m.options.linear_weight == report["weights"][str(i)] and len(m.options.linear_weight) == m.num_heads
+        assert set(m.options.linear_weight) <= {0.0, 1.0}
+    assert (out / "calibration.png").stat().st_size > 0

@@ -101,7 +101,7 @@ def _add_model_commands(sub) -> None:
     p.add_argument("--out", help="directory for --compare-runs output")
     p.set_defaults(func=cmd_train)
 
-    from ..train.calibrate import CalibrationConfig
+    from ..train.calibrate import CALIBRATION_INPUTS, CALIBRATION_TEXTS, CalibrationConfig
 
     calib = CalibrationConfig()
     p = sub.add_parser("calibrate", help="fit a LoLA read-out: a linear-term weight per layer and head, on held-out text; "
@@ -109,9 +109,18 @@ def _add_model_commands(sub) -> None:
     p.add_argument("--model", required=True, help="a trained hybrid read as LoLA (with --attention lola --sparse-cache N ...) "
                                                   "or a LoLA conversion")
     p.add_argument("--source", default=calib.source, help=f"held-out text (a data source; default {calib.source}: not a needle haystack)")
-    p.add_argument("--tokens", type=int_at_least(2), default=calib.tokens, help="length of the held-out sequence")
+    p.add_argument("--tokens", type=int_at_least(2), default=calib.tokens, help="length of each calibration sequence")
     p.add_argument("--skip", type=int_at_least(0), default=calib.skip, help="positions before this are not scored")
     p.add_argument("--grid", type=non_negative_float_list, default=calib.grid, help="comma-separated candidate weights")
+    p.add_argument("--inputs", choices=CALIBRATION_INPUTS, default=calib.inputs,
+                   help="what each layer reads while scored: the teacher's layer inputs, or 'chained' (the model being "
+                        "calibrated, layers below already calibrated; the target stays the teacher's output)")
+    p.add_argument("--text", choices=CALIBRATION_TEXTS, default=calib.text,
+                   help="what is scored: the held-out text from --skip on, or recall probes (a passage, a gap, the passage "
+                        "again; the repeat only)")
+    p.add_argument("--probes", type=int_at_least(1), default=calib.probes, help="recall probes read (--text recall-probes)")
+    p.add_argument("--passage", type=int_at_least(2), default=calib.passage, help="a recall probe's passage length")
+    p.add_argument("--device", help="cpu | cuda (default: cpu)")
     p.add_argument("--out", required=True, help="directory for the adapter and calibration.{json,md,png}")
     add_spec_flags(p)
     p.set_defaults(func=cmd_calibrate)

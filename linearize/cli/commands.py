@@ -125,26 +125,24 @@ def cmd_train(args) -> int:
 def cmd_calibrate(args) -> int:
     """Fit per-head linear-term weights of the LoLA layers on held-out text; save the adapter with them."""
     from ..api import save_adapter
-    from ..data import DataConfig
-    from ..eval.perplexity import heldout_tokens
     from ..train.calibrate import (
         CalibrationConfig,
         apply_linear_weights,
         calibrate_linear_weights,
+        calibration_inputs,
         calibration_markdown,
         lola_layers,
         plot_calibration,
     )
 
-    config = CalibrationConfig(source=args.source, tokens=args.tokens, skip=args.skip, grid=args.grid)
+    config = CalibrationConfig(source=args.source, tokens=args.tokens, skip=args.skip, grid=args.grid, inputs=args.inputs,
+                               text=args.text, probes=args.probes, passage=args.passage)
     model, tokenizer = load_converted(args)
     if tokenizer is None:
         raise ValueError(f"model {args.model!r} has no tokenizer; calibration needs one to read its text")
     lola_layers(model)  # no LoLA layer: say so before reading any text
-    ids = heldout_tokens(tokenizer, DataConfig(source=config.source, seq_len=64), max_tokens=config.tokens)
-    if ids.numel() < config.tokens:
-        raise ValueError(f"the held-out part of {config.source!r} has {ids.numel()} tokens, fewer than --tokens {config.tokens}")
-    result = calibrate_linear_weights(model, ids[None], config)
+    ids = calibration_inputs(tokenizer, config)
+    result = calibrate_linear_weights(model, ids.to(model.device), config)
     spec = apply_linear_weights(model, result["weights"])
     summary = {k: result[k] for k in ("uniform", "calibrated", "config")}
     # the adapter builds on the model it calibrated (a trained conversion keeps its LoRA that way):

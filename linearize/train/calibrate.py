@@ -10,6 +10,19 @@ output of the same layer (relative squared error over the positions from ``skip`
 teacher's layer inputs of a held-out document, as attention transfer compares them. Nothing about
 needles or any evaluation task enters: the text is a training source's held-out part.
 
+``inputs="chained"`` calibrates the layers in order, each on the inputs it gets in the model being
+calibrated (the layers below it already read as LoLA with their chosen weights, those above as the
+teacher), against the teacher's output of that layer on the teacher's inputs: a layer's weights then
+also take up the error the layers below it leave, which per-layer errors on the teacher's inputs do
+not see (a retrieval head fed drifted queries scores its needle below the window however well it
+alone matches softmax).
+
+``text="recall-probes"`` scores copies instead of all text: each sequence is a held-out passage, a
+gap of other held-out text, and the passage again (``linearize.train.sensitivity.recall_probes``,
+the probes that find recall-bearing layers), and only the repeat's positions are scored, where the
+teacher reads the passage back from ``tokens - passage`` positions earlier. The error then weighs
+what the read-out must keep from far back, not the local averaging that fills most positions.
+
 The selection (what the sparse cache keeps) does not depend on the weight, and a head's output
 depends only on its own weight, so one LoLA pass per grid value scores every head at once.
 """
@@ -27,6 +40,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+CALIBRATION_INPUTS = ("teacher", "chained")
+CALIBRATION_TEXTS = ("heldout", "recall-probes")
+
 
 @dataclass
 class CalibrationConfig:
@@ -41,14 +57,57 @@ class CalibrationConfig:
     """Positions before this are not scored (there every memory still holds everything exactly)."""
     grid: list[float] = field(default_factory=lambda: [0.0, 0.01, 0.03, 0.1, 0.3, 1.0])
     """Candidate weights of the linear term."""
+    inputs: str = "teacher"
+    """What each layer reads while it is scored: 'teacher' (the teacher's layer inputs) or 'chained'
+    (the inputs of the model being calibrated, layers below already calibrated; the target stays the
+    teacher's output)."""
+    text: str = "heldout"
+    """What is scored: 'heldout' (one held-out sequence, positions from ``skip`` on) or
+    'recall-probes' (``probes`` sequences of passage, gap, passage again; the repeat's positions
+    only)."""
+    probes: int = 4
+    """Recall probes read (text 'recall-probes')."""
+    passage: int = 64
+    """Length of a recall probe's passage (text 'recall-probes')."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.tokens, int) or self.tokens < 2:
             raise ValueError(f"tokens must be an integer >= 2, got {self.tokens!r}")
-        if not isinstance(self.skip, int) or not 0 <= self.skip < self.tokens:
+        if self.text == "heldout" and (not isinstance(self.skip, int) or not 0 <= self.skip < self.tokens):
             raise ValueError(f"skip must be an integer in [0, tokens={self.tokens}), got {self.skip!r}")
         if not self.grid or any(not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0 for w in self.grid):
             raise ValueError(f"grid must be non-empty numbers >= 0, got {self.grid!r}")
+        if self.inputs not in CALIBRATION_INPUTS:
+            raise ValueError(f"inputs must be one of {', '.join(CALIBRATION_INPUTS)}, got {self.inputs!r}")
+        if self.text not in CALIBRATION_TEXTS:
+            raise ValueError(f"text must be one of {', '.join(CALIBRATION_TEXTS)}, got {self.text!r}")
+        if not isinstance(self.probes, int) or isinstance(self.probes, bool) or self.probes < 1:
+            raise ValueError(f"probes must be an integer >= 1, got {self.probes!r}")
+        if self.text == "recall-probes" and (not isinstance(self.passage, int) or isinstance(self.passage, bool)
+                                             or not 2 <= self.passage <= (self.tokens - 1) // 2):
+            raise ValueError(f"passage must be an integer in 2..{(self.tokens - 1) // 2} (tokens={self.tokens}), got {self.passage!r}")
+
+    def scored(self) -> slice:
+        """The positions whose error counts."""
+        return slice(self.tokens - self.passage + 1, None) if self.text == "recall-probes" else slice(self.skip, None)
+
+
+def calibration_inputs(tokenizer, config: CalibrationConfig):
+    """The token ids ``calibrate_linear_weights`` reads, (B, tokens): the held-out stream of
+    ``config.source`` (B = 1), or ``config.probes`` recall probes built from its held-out rows."""
+    from ..data import DataConfig
+    from ..eval.perplexity import heldout_tokens
+    from .sensitivity import recall_probes
+
+    rows = 1 if config.text == "heldout" else config.probes + 1
+    ids = heldout_tokens(tokenizer, DataConfig(source=config.source, seq_len=64), max_tokens=rows * config.tokens)
+    if ids.numel() < rows * config.tokens:
+        raise ValueError(f"the held-out part of {config.source!r} has {ids.numel()} tokens, fewer than the "
+                         f"{rows} x {config.tokens} calibration needs (text {config.text!r})")
+    ids = ids.view(rows, config.tokens)
+    if config.text == "heldout":
+        return ids
+    return recall_probes(ids, passage=config.passage, batch_size=config.probes)[0]["input_ids"]
 
 
 def lola_layers(model) -> dict[int, Any]:
@@ -64,9 +123,12 @@ def lola_layers(model) -> dict[int, Any]:
 
 def calibrate_linear_weights(model, input_ids, config: CalibrationConfig) -> dict[str, Any]:
     """Per LoLA layer and query head, the grid weight with the smallest relative squared error of
-    the layer's LoLA output against its softmax output (see the module docstring), on ``input_ids``
-    (1, T). Returns {"weights": {layer: [per head]}, "errors": {layer: (grid, heads) list},
-    "uniform": {weight: mean error over layers and heads with that weight everywhere},
+    the layer's LoLA output against the teacher's softmax output (see the module docstring), on
+    ``input_ids`` (B, T) at ``config.scored()`` positions; layers in order, each on the inputs
+    ``config.inputs`` names. Returns
+    {"weights": {layer: [per head]}, "errors": {layer: (grid, heads) list}, "uniform": {weight: mean
+    error over layers and heads with that weight in every head of the scored layer (with 'chained'
+    inputs, the layers below read with their calibrated weights)},
     "calibrated": the mean error with the chosen weights, "config": ...}. The model is not changed."""
     import torch
     from tqdm.auto import tqdm
@@ -76,13 +138,16 @@ def calibrate_linear_weights(model, input_ids, config: CalibrationConfig) -> dic
     from ..teacher import capture_teacher
 
     layers = lola_layers(model)
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] <= config.skip:
-        raise ValueError(f"input_ids must be (1, T) with T > skip={config.skip}, got {tuple(input_ids.shape)}")
+    if input_ids.dim() != 2 or input_ids.shape[1] != config.tokens:
+        raise ValueError(f"input_ids must be (batch, tokens={config.tokens}), got {tuple(input_ids.shape)}")
+    order = sorted(layers)
     with torch.no_grad():
-        inputs = capture_teacher(model, input_ids, None, sorted(layers))
-        errors = {i: _head_errors(module, inputs[i], config)
-                  for i, module in tqdm(sorted(layers.items()), desc="calibrating LoLA read-out", unit="layer")}
-    weights = {i: [float(config.grid[j]) for j in np.array(err).argmin(0)] for i, err in errors.items()}
+        inputs = capture_teacher(model, input_ids, None, order)
+        errors, weights = {}, {}
+        for i in tqdm(order, desc="calibrating LoLA read-out", unit="layer"):
+            own = _chained_input(model, input_ids, i, weights) if config.inputs == "chained" and weights else inputs[i]
+            errors[i] = _head_errors(layers[i], own, inputs[i], config)
+            weights[i] = [float(config.grid[j]) for j in np.array(errors[i]).argmin(0)]
     stacked = np.stack([np.array(errors[i]) for i in sorted(errors)])  # (layers, grid, Hq)
     uniform = {str(w): float(stacked[:, g].mean()) for g, w in enumerate(config.grid)}
     calibrated = float(stacked.min(1).mean())
@@ -92,19 +157,59 @@ def calibrate_linear_weights(model, input_ids, config: CalibrationConfig) -> dic
             "layers": sorted(layers), "config": asdict(config)}
 
 
-def _head_errors(module, inp, config: CalibrationConfig) -> list[list[float]]:
-    """(grid, Hq) relative squared error of one layer's LoLA output, per grid weight and head."""
+def _head_errors(module, inp, teacher_inp, config: CalibrationConfig) -> list[list[float]]:
+    """(grid, Hq) relative squared error of one layer's LoLA output on ``inp`` against its softmax
+    output on ``teacher_inp``, per grid weight and head."""
     from ..ops.softmax import softmax_attention
 
-    p = module.project(inp.hidden_states, inp.position_embeddings)
-    target, _ = softmax_attention(p.q.float(), p.k.float(), p.v.float(), scale=module.scaling)  # (1, Hq, T, Dv)
-    target = target[0, :, config.skip :]
-    scale = (target**2).mean((-1, -2)).clamp_min(1e-12)  # (Hq,)
+    t = module.project(teacher_inp.hidden_states, teacher_inp.position_embeddings)
+    target, _ = softmax_attention(t.q.float(), t.k.float(), t.v.float(), scale=module.scaling)  # (1, Hq, T, Dv)
+    target = target[:, :, config.scored()]
+    scale = (target**2).mean((0, -1, -2)).clamp_min(1e-12)  # (Hq,)
+    p = t if inp is teacher_inp else module.project(inp.hidden_states, inp.position_embeddings)
     rows = []
     for w in config.grid:
         out, _ = module.lola(p, linear_weight=float(w))
-        rows.append((((out[0, :, config.skip :].float() - target) ** 2).mean((-1, -2)) / scale).tolist())
+        rows.append((((out[:, :, config.scored()].float() - target) ** 2).mean((0, -1, -2)) / scale).tolist())
     return rows
+
+
+class _Stop(Exception):
+    """Ends a forward once the layer of interest has its inputs."""
+
+
+def _chained_input(model, input_ids, layer: int, weights: dict[int, list[float]]):
+    """Layer ``layer``'s inputs in the model read with the layers in ``weights`` as LoLA (mode
+    'hybrid') with those per-head weights and every other converted layer as the teacher; the forward
+    stops at ``layer``. Modes and options are put back after."""
+    from ..convert import kept_modes
+    from ..teacher import LayerInput
+
+    captured = []
+
+    def hook(module, args, kwargs):
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        captured.append(LayerInput(hidden.detach(), kwargs["position_embeddings"], kwargs.get("attention_mask"), None))
+        raise _Stop
+
+    with kept_modes(model) as modules:
+        saved = {i: m.options.linear_weight for i, m in modules.items() if i in weights}
+        handle = modules[layer].register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            for i, m in modules.items():
+                m.mode = "hybrid" if i in weights else "teacher"
+                if i in weights:
+                    m.options.linear_weight = list(weights[i])
+            model(input_ids=input_ids, use_cache=False)
+        except _Stop:
+            pass
+        finally:
+            handle.remove()
+            for i, w in saved.items():
+                modules[i].options.linear_weight = w
+    if not captured:
+        raise RuntimeError(f"layer {layer} was not reached by the forward")
+    return captured[0]
 
 
 def apply_linear_weights(model, weights: dict[int, list[float]]) -> ConversionSpec:
@@ -124,12 +229,18 @@ def apply_linear_weights(model, weights: dict[int, list[float]]) -> ConversionSp
 
 def calibration_markdown(result: dict[str, Any], *, title: str) -> str:
     c = result["config"]
+    text = c.get("text", "heldout")
+    scored = (f"{c['probes']} recall probes of {c['tokens']} tokens (a {c['passage']}-token passage, a gap, the passage "
+              f"again), scored on the repeat" if text == "recall-probes" else
+              f"{c['tokens']} tokens, scored from position {c['skip']}")
     lines = [f"# {title}", "",
-             f"Held-out {c['source']}, {c['tokens']} tokens, scored from position {c['skip']}; grid {c['grid']}. "
-             "Mean relative squared error of the LoLA layers' outputs against their softmax outputs:", "",
+             f"Held-out {c['source']}, {scored}; grid {c['grid']}; "
+             f"inputs: {c.get('inputs', 'teacher')}. Mean relative squared error of the LoLA layers' outputs against "
+             "the teacher's softmax outputs:", "",
              "| read-out | error |", "|---|---:|"]
+    below = " (layers below calibrated)" if c.get("inputs") == "chained" else ""
     for w, e in result["uniform"].items():
-        lines.append(f"| weight {w} in every head | {e:.4f} |")
+        lines.append(f"| weight {w} in every head{below} | {e:.4f} |")
     lines += [f"| calibrated (a weight per head) | {result['calibrated']:.4f} |", "",
               "| layer | weights per query head |", "|---:|---|"]
     for i in result["layers"]:
