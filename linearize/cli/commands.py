@@ -259,6 +259,7 @@ def cmd_compare(args) -> int:
     from ..eval.markdown import table
     from ..eval.perplexity import plot_perplexity_vs_length
     from ..eval.report import headline, run_suite
+    from ..eval.synthetic import plot_task_scores
 
     if args.reports:
         title, results = "Comparison (from saved reports)", _saved_reports(args.reports)
@@ -277,6 +278,8 @@ def cmd_compare(args) -> int:
     with_ppl = {n: r["perplexity"] for n, r in results.items() if any("ppl" in row for row in r.get("perplexity") or ())}
     if args.out and with_ppl:
         plot_perplexity_vs_length(with_ppl, Path(args.out) / "perplexity_vs_length.png")
+    if args.out:
+        plot_task_scores({n: r.get("synthetic") or {} for n, r in results.items()}, Path(args.out) / "tasks.png")
     return 0
 
 

@@ -637,3 +637,35 @@ def run_synthetic(
         }
         logger.info("%s @ %d: %.1f (n=%d)", task, length, results[task][length]["score"], len(scores))
     return results
+
+
+def plot_task_scores(results: dict[str, dict[str, Any]], path) -> bool:
+    """PNG of synthetic-task scores: one panel per task, context length on the x axis, one bar per
+    model ({model: its report's "synthetic" dict}, as saved: lengths may be strings). Returns False
+    (and writes nothing) when no model has a score."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from ..io import save_png
+
+    tasks = sorted({t for r in results.values() for t in (r or {})})
+    if not tasks:
+        return False
+    fig = Figure(figsize=(min(4.2 * len(tasks), 14), 3.6))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(tasks), squeeze=False)[0]
+    width = 0.8 / max(len(results), 1)
+    for ax, task in zip(axes, tasks):
+        lengths = sorted({int(n) for r in results.values() for n in (r or {}).get(task, {})})
+        for m, (name, r) in enumerate(results.items()):
+            cells = {int(n): c["score"] for n, c in (r or {}).get(task, {}).items()}
+            xs = [i + (m - (len(results) - 1) / 2) * width for i, n in enumerate(lengths) if n in cells]
+            ax.bar(xs, [cells[n] for n in lengths if n in cells], width, label=name, color="black" if name == "teacher" else f"C{m % 10}")
+        ax.set_xticks(range(len(lengths)), [f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in lengths])
+        ax.set(title=task, ylim=(0, 100), xlabel="context length")
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0].set_ylabel("score (%)")
+    axes[-1].legend(fontsize="small", loc="upper right")
+    fig.tight_layout()
+    save_png(fig, path)
+    return True

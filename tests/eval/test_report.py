@@ -216,7 +216,12 @@ def test_cli_compare_from_saved_reports(tmp_path, capsys):
     table = (tmp_path / "cmp" / "compare.md").read_text()
     assert "| passkey@128 | 100.00 | 0.00 |" in table and "| ppl@128 | 12.50 | 12.50 |" in table
     assert (tmp_path / "cmp" / "perplexity_vs_length.png").is_file()
+    assert (tmp_path / "cmp" / "tasks.png").stat().st_size > 0
     capsys.readouterr()
+    c = tmp_path / "c.json"
+    c.write_text(json.dumps({"perplexity": [{"length": 128, "ppl": 12.5}]}))
+    assert main(["compare", "--reports", f"teacher={c}", "--out", str(tmp_path / "no-tasks")]) == 0
+    assert not (tmp_path / "no-tasks" / "tasks.png").exists()  # no synthetic scores: no empty plot
     assert main(["compare", "--reports", "teacher"]) == 2
     assert "NAME=REPORT.json" in capsys.readouterr().err
     assert main(["compare", "--reports", f"x={tmp_path / 'missing.json'}"]) == 2
