@@ -36,6 +36,7 @@ from ..convert import converted_layers
 from ..io import save_png
 from ..layers.base import ConvertedAttention
 from ..ops.common import head_weights, repeat_kv, safe_divide
+from ..ops.lola import length_factor, state_tokens
 from ..ops.states import LolaState
 from ..teacher import capture_teacher
 from .plots import LOLA_READS
@@ -87,6 +88,8 @@ def read_out(module: ConvertedAttention, state: LolaState, hidden: Tensor, posit
     linear = torch.zeros_like(den)
     if read_state:
         weight = head_weights(options.linear_weight, q.shape[0], q.device)[:, None]  # (Hq, 1)
+        if options.linear_weight_tokens:
+            weight = weight * length_factor(state_tokens(state)[0], options.linear_weight_tokens)[:, None]
         q_phi = module.feature_map_q(p.q_lin[:1, :, -1:]).float()[0, :, 0] * weight  # (Hq, F)
         num = num + (q_phi[:, None, :] @ lin.kv[0])[:, 0]
         linear = (q_phi * lin.k_sum[0]).sum(-1)

@@ -25,6 +25,11 @@ class LolaOptions(WindowOptions):
     """Weight of the linear state's term in the shared numerator and denominator (1 is the trained
     hybrid's read; below 1 keeps the linear term from swamping the explicit entries): one number, or
     one per query head (``linearize calibrate`` fits them)."""
+    linear_weight_tokens: int = 0
+    """N > 0: a query that reads n > N tokens through the linear term reads it with ``linear_weight``
+    x N / n (the term sums over those tokens, so without this its weight against the explicit entries
+    grows with the context; e.g. N = the tokens it reads at the length the weights were calibrated
+    at); 0: never."""
     chunk: int = 16
     """LoLA's prefill chunk length C (queries of a chunk share the linear state)."""
 
@@ -32,6 +37,7 @@ class LolaOptions(WindowOptions):
         super().__post_init__()
         check_int("sparse_cache", self.sparse_cache, 0, error=SpecError)
         check_int("chunk", self.chunk, 1, error=SpecError)
+        check_int("linear_weight_tokens", self.linear_weight_tokens, 0, error=SpecError)
         if not is_int(self.sinks) or not 0 <= self.sinks <= self.sparse_cache:
             raise SpecError(f"sinks must be an integer in [0, sparse_cache={self.sparse_cache}], got {self.sinks!r}")
         w = self.linear_weight
@@ -71,6 +77,7 @@ class LolaAttention(WindowedLinearAttention):
             chunk=o.chunk, valid=valid, state=expect_state(state, LolaState, self), scale=self.scaling,
             read_state=read_state, read_sparse=read_sparse,
             sinks=o.sinks, linear_weight=o.linear_weight if linear_weight is None else linear_weight,
+            weight_tokens=o.linear_weight_tokens,
             **self.linear_inputs(p),
         )
 

@@ -113,6 +113,7 @@ def lola_attention(
     k_lin: Tensor | None = None,
     sinks: int = 0,
     linear_weight: float | Sequence[float] | Tensor = 1.0,
+    weight_tokens: int = 0,
 ) -> tuple[Tensor, LolaState]:
     """LoLA attention, vectorised over batch and heads, one loop step per chunk of ``chunk`` tokens.
 
@@ -129,8 +130,14 @@ def lola_attention(
     (ablations); what is kept is unchanged. ``q_lin`` / ``k_lin`` (same shapes as q / k, e.g. before
     RoPE): what the feature maps see instead of q / k; the state then keeps them for the window and
     the sparse cache, and it cannot be continued by a call without them (nor the other way round).
+    ``weight_tokens`` N > 0: a query that reads n > N tokens through the linear term (the state and
+    the tokens it reads on the fly) reads it with ``linear_weight`` x N / n (the term is a sum over
+    those tokens; this keeps its weight against the explicit entries from growing with the context);
+    0: never.
     Memory per chunk is O(C (window + sparse + C)); no T x T tensor is formed.
     """
+    if isinstance(weight_tokens, bool) or not isinstance(weight_tokens, int) or weight_tokens < 0:
+        raise ValueError(f"weight_tokens must be an integer >= 0 (0: off), got {weight_tokens!r}")
     weights = _check_args(q, k, v, window=window, sparse=sparse, chunk=chunk, window_factor=window_factor, q_lin=q_lin,
                           k_lin=k_lin, sinks=sinks, linear_weight=linear_weight)  # (Hq,)
     n_rep = gqa_groups(q, k)
@@ -152,7 +159,7 @@ def lola_attention(
     n_real = valid.sum(1)  # (B,)
     factor = window_factor.to(q.device, torch.float32).view(1, hq, 1, 1)  # (1, Hq, 1, 1)
     ctx = _ChunkContext(phi_q, phi_k, factor, scale, n_rep, q.dtype, read_state, read_sparse, sinks,
-                        weights.to(q.device).view(1, hq, 1, 1))
+                        weights.to(q.device).view(1, hq, 1, 1), weight_tokens)
     next_pos = state.window.positions[:, -1] + 1  # (B,) the newest token sits in the last slot
     outs = []
     for c0 in range(0, t_len, chunk):
@@ -191,10 +198,23 @@ class _ChunkContext:
     read_sparse: bool
     sinks: int  # the first ``sinks`` positions of a sequence are never evicted from the sparse cache
     linear_weight: Tensor  # (1, Hq, 1, 1) weight of the linear term in the shared denominator (1 = LoLCATs)
+    weight_tokens: int  # > 0: the weight falls as weight_tokens / n once the state holds n > weight_tokens tokens
 
     def phi(self, fn: FeatureFn, x: Tensor) -> Tensor:
         """Feature map in the model's dtype (float32 state keys round-trip exactly), result float32."""
         return fn(x.to(self.dtype)).float()
+
+
+def state_tokens(st: LolaState) -> Tensor:
+    """(B, Hq) tokens written into each head's linear state: the real tokens seen (the window's
+    newest position + 1) less those still held in the window and the sparse cache."""
+    seen = st.window.positions[:, -1] + 1  # (B,) -1 + 1 = 0 for an empty window
+    return seen[:, None] - st.window.valid.sum(1)[:, None] - st.sparse.valid.sum(-1)
+
+
+def length_factor(tokens: Tensor, weight_tokens: int) -> Tensor:
+    """min(1, weight_tokens / tokens), 1 where the state is empty, float32."""
+    return (weight_tokens / tokens.float().clamp_min(1)).clamp(max=1.0)
 
 
 def _lola_chunk(
@@ -214,6 +234,7 @@ def _lola_chunk(
     win, cache, linear = st.window, st.sparse, st.linear
     batch, hq, c, d = q.shape
     eta, lam = win.valid.shape[1], cache.valid.shape[2]
+    held = state_tokens(st) if ctx.weight_tokens else None  # (B, Hq) tokens in the state before the chunk
     n = cvalid.sum(1)  # (B,) real tokens in the chunk
     slot = torch.arange(eta, device=q.device)  # (eta,)
     # The window is right-aligned, so appending n tokens pushes out exactly slots [0, n) (n <= C <= eta).
@@ -279,11 +300,15 @@ def _lola_chunk(
     left_phi, left_v = cand_phi[:, :, lam:], cand_v[:, :, lam:]  # (B, Hq, C, F), (B, Hq, C, Dv) window slots [0, C)
     if ctx.read_state:
         # LoLCATs convention: the linear term is NOT rescaled by exp(-m_t); weighted by linear_weight.
-        q_phi = ctx.phi(ctx.phi_q, q if lin is None else lin[0]) * ctx.linear_weight  # (B, Hq, C, F)
-        num = num + q_phi @ base.kv  # (B, Hq, C, Dv)
-        den = den + (q_phi @ base.k_sum.unsqueeze(-1)).squeeze(-1)  # (B, Hq, C)
         # Written window tokens that have left query i's window: on the fly.
         gone = written[:, :, None, lam:] & (cand_pos[:, :, None, lam:] < first[:, None, :, None])  # (B, Hq, C, C)
+        weight = ctx.linear_weight  # (1, Hq, 1, 1)
+        if ctx.weight_tokens:  # n: the tokens query i reads linearly (the base state and its on-the-fly ones)
+            n_read = (held + written[:, :, :lam].sum(-1))[..., None] + gone.sum(-1)  # (B, Hq, C)
+            weight = weight * length_factor(n_read, ctx.weight_tokens)[..., None]  # (B, Hq, C, 1)
+        q_phi = ctx.phi(ctx.phi_q, q if lin is None else lin[0]) * weight  # (B, Hq, C, F)
+        num = num + q_phi @ base.kv  # (B, Hq, C, Dv)
+        den = den + (q_phi @ base.k_sum.unsqueeze(-1)).squeeze(-1)  # (B, Hq, C)
         a = (q_phi @ left_phi.transpose(-1, -2)) * gone  # (B, Hq, C, C) query i, leaving slot s
         num = num + a @ left_v  # (B, Hq, C, Dv)
         den = den + a.sum(-1)  # (B, Hq, C)

@@ -329,6 +329,7 @@ def lola_attention_reference(
     k_lin: Tensor | None = None,
     sinks: int = 0,
     linear_weight=1.0,
+    weight_tokens: int = 0,
 ) -> tuple[Tensor, LolaState]:
     """The specification of LoLA: a plain loop over rows, query heads, chunks and queries, in float32.
 
@@ -339,7 +340,8 @@ def lola_attention_reference(
     see instead of q / k (see ``linearize.ops.lola``'s module docstring for the rule). ``sinks``: the
     first ``sinks`` real tokens never leave the sparse cache; ``linear_weight``: the weight of the
     linear term (state and on-the-fly reads) in the numerator and the denominator, one number or one
-    per query head.
+    per query head; ``weight_tokens`` N > 0: a query that reads n > N tokens linearly (the state's
+    and those read on the fly) has that weight multiplied by N / n.
     """
     if window < 1 or sparse < 0 or chunk < 1:
         raise ValueError(f"need window >= 1, sparse >= 0, chunk >= 1; got window={window}, sparse={sparse}, chunk={chunk}")
@@ -352,6 +354,8 @@ def lola_attention_reference(
                          f"got {linear_weight!r}")
     if tuple(window_factor.shape) != (q.shape[1],):
         raise ValueError(f"window_factor must have shape ({q.shape[1]},), got {tuple(window_factor.shape)}")
+    if isinstance(weight_tokens, bool) or not isinstance(weight_tokens, int) or weight_tokens < 0:
+        raise ValueError(f"weight_tokens must be an integer >= 0 (0: off), got {weight_tokens!r}")
     _check_linear_inputs(q, k, q_lin, k_lin)
     batch, hq, t_len, d = q.shape
     hkv, dv = k.shape[1], v.shape[-1]
@@ -384,6 +388,7 @@ def lola_attention_reference(
             cache: list[int] = []  # sequence indices, ascending (all older than the window)
             kv = torch.zeros(feats, dv, device=q.device)  # (F, Dv) H
             k_sum = torch.zeros(feats, device=q.device)  # (F,) s
+            folded = 0  # tokens written into (H, s)
             for c0 in range(0, len(real), chunk):
                 tokens = real[c0 : c0 + chunk]
 
@@ -415,17 +420,23 @@ def lola_attention_reference(
                         # weighted by linear_weight (1 = LoLCATs).
                         lin_num = q_phi[b, h, t] @ kv  # (Dv,)
                         lin_den = q_phi[b, h, t] @ k_sum
+                        n_read = folded  # tokens this query reads linearly
                         for j in written:
                             if j not in w_t:  # left the window, not yet in the state: on the fly
                                 a = q_phi[b, h, t] @ k_phi[b, h, j]
                                 lin_num, lin_den = lin_num + a * v[b, g, j], lin_den + a
-                        num, den = num + weights[h] * lin_num, den + weights[h] * lin_den
+                                n_read += 1
+                        weight = weights[h]
+                        if weight_tokens and n_read > weight_tokens:
+                            weight = weight * weight_tokens / n_read
+                        num, den = num + weight * lin_num, den + weight * lin_den
                     out[b, h, t] = num / den
 
                 # 3. Fold the written tokens into the state, keep G', slide the window.
                 for j in written:
                     kv = kv + torch.outer(k_phi[b, h, j], v[b, g, j])
                     k_sum = k_sum + k_phi[b, h, j]
+                folded += len(written)
                 cache = new_cache
                 win = seen[-window:]
 

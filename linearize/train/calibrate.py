@@ -95,12 +95,14 @@ class CalibrationConfig:
 def calibration_inputs(tokenizer, config: CalibrationConfig):
     """The token ids ``calibrate_linear_weights`` reads, (B, tokens): the held-out stream of
     ``config.source`` (B = 1), or ``config.probes`` recall probes built from its held-out rows."""
-    from ..data import DataConfig
-    from ..eval.perplexity import heldout_tokens
+    from .. import data
     from .sensitivity import recall_probes
 
+    if config.source == "teacher":
+        raise ValueError("calibration needs fixed held-out text: source 'teacher' is sampled by the model")
     rows = 1 if config.text == "heldout" else config.probes + 1
-    ids = heldout_tokens(tokenizer, DataConfig(source=config.source, seq_len=64), max_tokens=rows * config.tokens)
+    stream = data.build_dataset(data.DataConfig(source=config.source, seq_len=64), tokenizer).heldout.flatten()
+    ids = stream[: rows * config.tokens]  # the held-out documents in order, each followed by eos
     if ids.numel() < rows * config.tokens:
         raise ValueError(f"the held-out part of {config.source!r} has {ids.numel()} tokens, fewer than the "
                          f"{rows} x {config.tokens} calibration needs (text {config.text!r})")

@@ -27,7 +27,8 @@ def test_needle_positions_cover_every_occurrence():
         needle_positions(tok, "w3 w4", ["w9"])
 
 
-@pytest.mark.parametrize("options", [{}, {"sinks": 1, "linear_weight": 0.25}], ids=["published", "sinks-weight"])
+@pytest.mark.parametrize("options", [{}, {"sinks": 1, "linear_weight": 0.25}, {"sinks": 1, "linear_weight": [0.5, 0.1, 1.0, 0.0], "linear_weight_tokens": 4}],
+                         ids=["published", "sinks-weight", "per-head-weight-tokens"])
 @pytest.mark.parametrize("mode", ["hybrid", "no_state", "no_sparse"])
 def test_read_out_is_the_layers_own_output_for_the_last_query(options, mode):
     """After a chunked prefill of 21 tokens (window 4 + 3 slots: all three memories in use), the

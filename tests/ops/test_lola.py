@@ -599,6 +599,8 @@ SINK_CASES = {
     "w4-s3-sinks0-lw0": dict(window=4, sparse=3, sinks=0, linear_weight=0.0),
     "w5-s4-sinks1-lw3": dict(window=5, sparse=4, sinks=1, linear_weight=3.0),
     "w4-s3-sinks1-per-head": dict(window=4, sparse=3, sinks=1, linear_weight=[1.0, 0.0, 0.03, 0.3]),
+    "w3-s2-sinks0-lw1-tokens3": dict(window=3, sparse=2, sinks=0, linear_weight=1.0, weight_tokens=3),
+    "w4-s3-sinks1-per-head-tokens6": dict(window=4, sparse=3, sinks=1, linear_weight=[1.0, 0.0, 0.03, 0.3], weight_tokens=6),
 }
 
 
@@ -662,6 +664,47 @@ def test_per_head_linear_weights_read_each_head_as_its_own_weight():
         one, one_state = lola_attention(q, k, v, window=4, sparse=3, chunk=4, sinks=1, linear_weight=w, **kw)
         torch.testing.assert_close(out[:, h], one[:, h], atol=1e-6, rtol=1e-6)
         assert_states_equal(state, one_state, atol=0)
+
+
+def test_weight_tokens_scale_the_linear_term_by_the_states_token_count():
+    """weight_tokens N: a state holding n > N tokens is read with weight N / n. A bound no state
+    reaches reads as 0 (off); decode continues a prefill exactly as a chunk-1 prefill does; the
+    state's token count is what was written into it."""
+    from linearize.ops.lola import state_tokens
+
+    q, k, v, kw = make(b=2, hq=4, hkv=2, t=30)
+    valid = left_padding(2, 30, [0, 5])
+    args = dict(window=4, sparse=3, sinks=1, valid=valid, **kw)
+    off, off_state = lola_attention(q, k, v, chunk=4, **args)
+    far, far_state = lola_attention(q, k, v, chunk=4, weight_tokens=1000, **args)
+    torch.testing.assert_close(far, off, atol=0, rtol=0)
+    on, on_state = lola_attention(q, k, v, chunk=4, weight_tokens=4, **args)
+    assert not torch.allclose(on, off)
+    assert_states_equal(on_state, off_state, atol=0)  # what is kept does not depend on the read
+    # 30 real tokens in row 0 (25 in row 1), 4 in the window, 3 in the cache: the rest in the state
+    assert state_tokens(on_state).tolist() == [[23] * 4, [18] * 4]
+
+    full, full_state = lola_attention(q, k, v, chunk=1, weight_tokens=4, **args)
+    p = 12
+    outs = []
+    pre = dict(args, valid=valid[:, :p])
+    out, state = lola_attention(q[:, :, :p], k[:, :, :p], v[:, :, :p], chunk=1, weight_tokens=4, **pre)
+    outs.append(out)
+    for t in range(p, 30):
+        step = slice(t, t + 1)
+        out, state = lola_attention(q[:, :, step], k[:, :, step], v[:, :, step], weight_tokens=4,
+                                    **dict(args, valid=valid[:, step]), state=state)
+        outs.append(out)
+    torch.testing.assert_close(torch.cat(outs, dim=2), full, atol=1e-5, rtol=1e-5)
+    assert_states_equal(state, full_state)
+
+
+@pytest.mark.parametrize("fn", [lola_attention, lola_attention_reference], ids=["fast", "reference"])
+@pytest.mark.parametrize("bad", [-1, 2.5, True], ids=["negative", "float", "bool"])
+def test_weight_tokens_invalid_raise(fn, bad):
+    q, k, v, kw = make(b=1, hq=2, hkv=1, t=6)
+    with pytest.raises(ValueError, match=f"weight_tokens must be an integer >= 0 \\(0: off\\), got {bad!r}"):
+        fn(q, k, v, window=2, sparse=3, weight_tokens=bad, **kw)
 
 
 @pytest.mark.parametrize("change, match", [(dict(sinks=4), "sinks must lie"), (dict(sinks=-1), "sinks must lie"),

@@ -131,11 +131,13 @@ def test_recall_probe_calibration_scores_only_the_repeat_over_every_probe():
 def test_calibration_inputs_are_the_heldout_stream_or_probes_built_from_its_rows(monkeypatch):
     """The probes' layout over the held-out stream (the stream itself is the data pipeline's, tested
     with it; here a known stream stands in so every token's place can be checked)."""
-    import linearize.eval.perplexity as perplexity
+    from types import SimpleNamespace
+
+    import linearize.data
     from linearize.train.calibrate import calibration_inputs
 
     stream = torch.arange(1000, 1000 + 5 * 48)
-    monkeypatch.setattr(perplexity, "heldout_tokens", lambda tokenizer, data, max_tokens=None: stream[:max_tokens])
+    monkeypatch.setattr(linearize.data, "build_dataset", lambda config, tokenizer: SimpleNamespace(heldout=stream.view(5, 48)))
     plain = calibration_inputs(None, CalibrationConfig(tokens=48, skip=16))
     probes = calibration_inputs(None, CalibrationConfig(tokens=48, text="recall-probes", probes=3, passage=8))
     with pytest.raises(ValueError, match="fewer than the 7 x 48"):
@@ -159,6 +161,10 @@ def test_config_and_spec_reject_bad_values():
         CalibrationConfig(text="needles")
     with pytest.raises(ValueError, match=r"passage must be an integer in 2..23 \(tokens=48\), got 30"):
         CalibrationConfig(tokens=48, text="recall-probes", passage=30)
+    with pytest.raises(ValueError, match="source 'teacher' is sampled"):
+        from linearize.train.calibrate import calibration_inputs
+
+        calibration_inputs(None, CalibrationConfig(source="teacher"))
     with pytest.raises(ValueError, match="probes must be an integer >= 1, got 0"):
         CalibrationConfig(probes=0)
     with pytest.raises(ValueError, match=r"input_ids must be \(batch, tokens=48\)"):
