@@ -39,6 +39,7 @@ from ..cache import StateCacheLayer
 from ..layers.base import ConvertedAttention, project_qkv
 from ..modeling import decoder_layers
 from .levels import LevelMemory
+from .runner import check_rows, decoder_forward, split_rows
 
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 """The attention backends the pooled runner lets SDPA choose from (not cuDNN: a graph per key length)."""
@@ -138,42 +139,34 @@ class PooledRunner:
     def forward(self, seqs: list[PooledSequence], ids: Tensor) -> Tensor:
         """Feed ``ids`` (B, T) to the B sequences (row b continues ``seqs[b]``); returns the logits of
         each row's last position (B, vocab), float32. Every sequence's position advances by T."""
-        if ids.dim() != 2 or ids.shape[0] != len(seqs):
-            raise ValueError(f"ids must be (rows, tokens) with one row per sequence; got {tuple(ids.shape)} for {len(seqs)} sequences")
+        check_rows(seqs, ids)
         if any(s.slot < 0 for s in seqs):
             raise ValueError("a released sequence cannot run again: take a new one")
-        model = self.model.model
         b, t = ids.shape
         device = ids.device
         need = max(s.position for s in seqs) + t
         if need > self._capacity:
             limit = getattr(self.model.config, "max_position_embeddings", None) or need
             self._grow(capacity=max(need, min(2 * self._capacity, limit)))
-        x = model.embed_tokens(ids)  # (B, T, hidden)
-        start = torch.tensor([s.position for s in seqs], device=device)  # (B,)
-        positions = start[:, None] + torch.arange(t, device=device)  # (B, T)
-        cos, sin = model.rotary_emb(x, positions)
+        positions = torch.tensor([s.position for s in seqs], device=device)[:, None] + torch.arange(t, device=device)  # (B, T)
         converted_rows = [self.levels.converted_layers(s.level) for s in seqs]
         groups: dict[tuple[int, ...], _Group] = {}
-        for i, layer in enumerate(self._layers):
-            h = layer.input_layernorm(x)
-            split = ([r for r in range(b) if i in converted_rows[r]], [r for r in range(b) if i not in converted_rows[r]])
+
+        def group_of(rows: tuple[int, ...]) -> _Group:
+            return groups.get(rows) or groups.setdefault(rows, _Group.make(rows, seqs, positions, t, device))
+
+        def attention(i: int, attn, h: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+            split = split_rows(converted_rows, i)
             if not split[0] or not split[1]:  # one group: no gather of the hidden states
-                rows = tuple(range(b))
-                group = groups.get(rows) or groups.setdefault(rows, _Group.make(rows, seqs, positions, t, device))
-                out = self._attention(layer.self_attn, h, (cos, sin), group, i, converted=bool(split[0]))
-            else:
-                out = torch.empty_like(h)
-                for converted, part in zip((True, False), split):
-                    rows = tuple(part)
-                    group = groups.get(rows) or groups.setdefault(rows, _Group.make(rows, seqs, positions, t, device))
-                    o = self._attention(layer.self_attn, h[group.rows], (cos[group.rows], sin[group.rows]), group, i, converted)
-                    out.index_copy_(0, group.rows, o)
-            x = x + out
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        for s in seqs:
-            s.position += t
-        return self.model.lm_head(model.norm(x[:, -1])).float()  # (B, vocab)
+                return self._attention(attn, h, (cos, sin), group_of(tuple(range(b))), i, converted=bool(split[0]))
+            out = torch.empty_like(h)
+            for converted, part in zip((True, False), split):
+                group = group_of(tuple(part))
+                o = self._attention(attn, h[group.rows], (cos[group.rows], sin[group.rows]), group, i, converted)
+                out.index_copy_(0, group.rows, o)
+            return out
+
+        return decoder_forward(self.model, self._layers, seqs, ids, attention)
 
     def _attention(self, attn, h: Tensor, pe: tuple[Tensor, Tensor], group: "_Group", i: int, converted: bool) -> Tensor:
         b, t, _ = h.shape

@@ -89,28 +89,19 @@ class Runner:
     def forward(self, seqs: list[Sequence], ids: Tensor) -> Tensor:
         """Feed ``ids`` (B, T) to the B sequences (row b continues ``seqs[b]``); returns the logits of
         each row's last position (B, vocab), float32. Every sequence's states and position advance."""
-        if ids.dim() != 2 or ids.shape[0] != len(seqs):
-            raise ValueError(f"ids must be (rows, tokens) with one row per sequence; got {tuple(ids.shape)} for {len(seqs)} sequences")
-        model = self.model.model
-        b, t = ids.shape
-        x = model.embed_tokens(ids)  # (B, T, hidden)
-        positions = torch.tensor([s.position for s in seqs], device=ids.device)[:, None] + torch.arange(t, device=ids.device)  # (B, T)
-        cos, sin = model.rotary_emb(x, positions)
+        check_rows(seqs, ids)
         converted_rows = [self.levels.converted_layers(s.level) for s in seqs]
-        for i, layer in enumerate(self._layers):
-            h = layer.input_layernorm(x)
+
+        def attention(i: int, attn, h: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
             out = torch.empty_like(h)
-            groups = ([r for r in range(b) if i in converted_rows[r]], [r for r in range(b) if i not in converted_rows[r]])
-            for converted, rows in zip((True, False), groups):
+            for converted, rows in zip((True, False), split_rows(converted_rows, i)):
                 for part in _by_state(rows, seqs, i):
                     idx = torch.tensor(part, device=ids.device)
-                    o = self._attention(layer.self_attn, h[idx], (cos[idx], sin[idx]), [seqs[r] for r in part], i, converted)
+                    o = self._attention(attn, h[idx], (cos[idx], sin[idx]), [seqs[r] for r in part], i, converted)
                     out.index_copy_(0, idx, o)
-            x = x + out
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        for s in seqs:
-            s.position += t
-        return self.model.lm_head(model.norm(x[:, -1])).float()  # (B, vocab)
+            return out
+
+        return decoder_forward(self.model, self._layers, seqs, ids, attention)
 
     def _attention(self, attn, h: Tensor, pe: tuple[Tensor, Tensor], seqs: list[Sequence], i: int, converted: bool) -> Tensor:
         states = [s.states[i] for s in seqs]
@@ -126,6 +117,35 @@ class Runner:
         for s, part in zip(seqs, parts):
             s.states[i] = _trim(part) if isinstance(part, KVState) else part
         return attn.o_proj(o.transpose(1, 2).reshape(b, t, -1).to(h.dtype))
+
+
+def check_rows(seqs, ids: Tensor) -> None:
+    """ValueError unless ``ids`` is (rows, tokens) with one row per sequence."""
+    if ids.dim() != 2 or ids.shape[0] != len(seqs):
+        raise ValueError(f"ids must be (rows, tokens) with one row per sequence; got {tuple(ids.shape)} for {len(seqs)} sequences")
+
+
+def split_rows(converted_rows: list[set[int] | frozenset[int]], i: int) -> tuple[list[int], list[int]]:
+    """(rows whose level converts layer i, rows that run it as softmax)."""
+    return ([r for r, c in enumerate(converted_rows) if i in c], [r for r, c in enumerate(converted_rows) if i not in c])
+
+
+def decoder_forward(model, layers, seqs, ids: Tensor, attention) -> Tensor:
+    """The decoder stack both runners drive: embed ``ids`` (B, T) at each row's next positions
+    (``seqs[b].position`` on), then per layer norm, ``attention(i, self_attn, h, cos, sin)`` (its
+    output after o_proj, (B, T, hidden); the runner's own row grouping and memory), residual and MLP;
+    advance every sequence's position by T. Returns each row's last-position logits (B, vocab), float32."""
+    base = model.model
+    t = ids.shape[1]
+    x = base.embed_tokens(ids)  # (B, T, hidden)
+    start = torch.tensor([s.position for s in seqs], device=ids.device)  # (B,)
+    cos, sin = base.rotary_emb(x, start[:, None] + torch.arange(t, device=ids.device))
+    for i, layer in enumerate(layers):
+        x = x + attention(i, layer.self_attn, layer.input_layernorm(x), cos, sin)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    for s in seqs:
+        s.position += t
+    return model.lm_head(base.norm(x[:, -1])).float()  # (B, vocab)
 
 
 def _by_state(rows: list[int], seqs: list[Sequence], i: int) -> list[list[int]]:
