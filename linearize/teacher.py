@@ -24,7 +24,14 @@ class LayerInput:
     hidden_states: Tensor  # (B, T, hidden)
     position_embeddings: tuple[Tensor, Tensor]
     attention_mask: Tensor | None
-    teacher_output: Tensor  # (B, T, hidden), after o_proj
+    teacher_output: Tensor | None  # (B, T, hidden), after o_proj; None when captured before the layer ran
+
+    @classmethod
+    def from_call(cls, args, kwargs, output=None) -> "LayerInput":
+        """From an attention layer's call as a forward (pre-)hook with kwargs sees it."""
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        return cls(hidden.detach(), kwargs["position_embeddings"], kwargs.get("attention_mask"),
+                   None if output is None else output[0].detach())
 
 
 @contextlib.contextmanager
@@ -45,8 +52,7 @@ def capture_teacher(model: nn.Module, input_ids: Tensor, attention_mask: Tensor 
     handles = []
     for i in layers:
         def hook(module, args, kwargs, output, i=i):
-            hidden = kwargs.get("hidden_states", args[0] if args else None)
-            captured[i] = LayerInput(hidden.detach(), kwargs["position_embeddings"], kwargs.get("attention_mask"), output[0].detach())
+            captured[i] = LayerInput.from_call(args, kwargs, output)
         handles.append(modules[i].register_forward_hook(hook, with_kwargs=True))
     try:
         with teacher_modes(model):

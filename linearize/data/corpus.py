@@ -570,3 +570,17 @@ def iterate_batches(
                 yield tensor[torch.from_numpy(mine)]
 
     return batches()
+
+
+def heldout_tokens(tokenizer, data: DataConfig | str = "wiki", *, max_tokens: int | None = None) -> torch.Tensor:
+    """A long held-out stream: the held-out rows of ``build_dataset(data)`` flattened, (N,) int64.
+
+    The rows pack the held-out documents (each followed by eos) in order, so flattening gives their
+    concatenation (less the final partial row). Pass the training recipe's DataConfig to evaluate on
+    exactly the documents its training never saw.
+    """
+    config = DataConfig(source=data) if isinstance(data, str) else data
+    if config.source == "teacher":
+        raise ValueError("held-out text must be fixed: source 'teacher' is sampled by the model")
+    stream = build_dataset(config, tokenizer).heldout.flatten()
+    return stream[:max_tokens] if max_tokens is not None else stream

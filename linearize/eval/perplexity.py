@@ -32,7 +32,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..io import save_png
-from ..data import DataConfig, build_dataset
+from ..data import heldout_tokens
 from ..runtime import check_length, eval_mode, max_positions
 
 logger = logging.getLogger(__name__)
@@ -133,20 +133,6 @@ def perplexity_by_length(
         result = perplexity(model, tokens, context_length=length, stride=min(stride or length, length), batch_size=batch_size, device=device)
         rows.append({"length": length, **result})
     return rows
-
-
-def heldout_tokens(tokenizer, data: DataConfig | str = "wiki", *, max_tokens: int | None = None) -> Tensor:
-    """A long held-out stream: the held-out rows of ``build_dataset(data)`` flattened, (N,) int64.
-
-    The rows pack the held-out documents (each followed by eos) in order, so flattening gives their
-    concatenation (less the final partial row). Pass the training recipe's DataConfig to evaluate on
-    exactly the documents its training never saw.
-    """
-    config = DataConfig(source=data) if isinstance(data, str) else data
-    if config.source == "teacher":
-        raise ValueError("held-out perplexity needs fixed text: source 'teacher' is sampled by the model")
-    stream = build_dataset(config, tokenizer).heldout.flatten()
-    return stream[:max_tokens] if max_tokens is not None else stream
 
 
 def plot_perplexity_vs_length(results: dict[str, list[dict[str, Any]]], path: str | Path, *, title: str = "held-out perplexity vs context length") -> None:

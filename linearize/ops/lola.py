@@ -136,10 +136,8 @@ def lola_attention(
     0: never.
     Memory per chunk is O(C (window + sparse + C)); no T x T tensor is formed.
     """
-    if isinstance(weight_tokens, bool) or not isinstance(weight_tokens, int) or weight_tokens < 0:
-        raise ValueError(f"weight_tokens must be an integer >= 0 (0: off), got {weight_tokens!r}")
     weights = _check_args(q, k, v, window=window, sparse=sparse, chunk=chunk, window_factor=window_factor, q_lin=q_lin,
-                          k_lin=k_lin, sinks=sinks, linear_weight=linear_weight)  # (Hq,)
+                          k_lin=k_lin, sinks=sinks, linear_weight=linear_weight, weight_tokens=weight_tokens)  # (Hq,)
     n_rep = gqa_groups(q, k)
     batch, hq, t_len, d = q.shape
     hkv, dv = k.shape[1], v.shape[-1]
@@ -198,7 +196,7 @@ class _ChunkContext:
     read_sparse: bool
     sinks: int  # the first ``sinks`` positions of a sequence are never evicted from the sparse cache
     linear_weight: Tensor  # (1, Hq, 1, 1) weight of the linear term in the shared denominator (1 = LoLCATs)
-    weight_tokens: int  # > 0: the weight falls as weight_tokens / n once the state holds n > weight_tokens tokens
+    weight_tokens: int  # > 0: the weight falls as weight_tokens / n for a query reading n > weight_tokens tokens linearly
 
     def phi(self, fn: FeatureFn, x: Tensor) -> Tensor:
         """Feature map in the model's dtype (float32 state keys round-trip exactly), result float32."""
@@ -346,8 +344,10 @@ def _empty_state(batch, hq, hkv, window, sparse, d, dv, feats, device, linear_ke
 
 def _check_args(q: Tensor, k: Tensor, v: Tensor, *, window: int, sparse: int, chunk: int, window_factor: Tensor,
                 q_lin: Tensor | None = None, k_lin: Tensor | None = None, sinks: int = 0,
-                linear_weight=1.0) -> Tensor:
+                linear_weight=1.0, weight_tokens: int = 0) -> Tensor:
     """ValueError naming a bad argument; the linear weights per query head (Hq,), checked."""
+    if isinstance(weight_tokens, bool) or not isinstance(weight_tokens, int) or weight_tokens < 0:
+        raise ValueError(f"weight_tokens must be an integer >= 0 (0: off), got {weight_tokens!r}")
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     if not 0 <= sinks <= sparse:

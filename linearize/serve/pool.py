@@ -39,7 +39,7 @@ from ..cache import StateCacheLayer
 from ..layers.base import ConvertedAttention, project_qkv
 from ..modeling import decoder_layers
 from .levels import LevelMemory
-from .runner import check_rows, decoder_forward, split_rows
+from .runner import check_rows, decoder_forward, next_positions, split_rows
 
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 """The attention backends the pooled runner lets SDPA choose from (not cuDNN: a graph per key length)."""
@@ -148,7 +148,7 @@ class PooledRunner:
         if need > self._capacity:
             limit = getattr(self.model.config, "max_position_embeddings", None) or need
             self._grow(capacity=max(need, min(2 * self._capacity, limit)))
-        positions = torch.tensor([s.position for s in seqs], device=device)[:, None] + torch.arange(t, device=device)  # (B, T)
+        positions = next_positions(seqs, ids)  # (B, T)
         converted_rows = [self.levels.converted_layers(s.level) for s in seqs]
         groups: dict[tuple[int, ...], _Group] = {}
 
@@ -166,7 +166,7 @@ class PooledRunner:
                 out.index_copy_(0, group.rows, o)
             return out
 
-        return decoder_forward(self.model, self._layers, seqs, ids, attention)
+        return decoder_forward(self.model, self._layers, seqs, ids, positions, attention)
 
     def _attention(self, attn, h: Tensor, pe: tuple[Tensor, Tensor], group: "_Group", i: int, converted: bool) -> Tensor:
         b, t, _ = h.shape

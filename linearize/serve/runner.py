@@ -101,7 +101,7 @@ class Runner:
                     out.index_copy_(0, idx, o)
             return out
 
-        return decoder_forward(self.model, self._layers, seqs, ids, attention)
+        return decoder_forward(self.model, self._layers, seqs, ids, next_positions(seqs, ids), attention)
 
     def _attention(self, attn, h: Tensor, pe: tuple[Tensor, Tensor], seqs: list[Sequence], i: int, converted: bool) -> Tensor:
         states = [s.states[i] for s in seqs]
@@ -130,16 +130,21 @@ def split_rows(converted_rows: list[set[int] | frozenset[int]], i: int) -> tuple
     return ([r for r, c in enumerate(converted_rows) if i in c], [r for r, c in enumerate(converted_rows) if i not in c])
 
 
-def decoder_forward(model, layers, seqs, ids: Tensor, attention) -> Tensor:
-    """The decoder stack both runners drive: embed ``ids`` (B, T) at each row's next positions
-    (``seqs[b].position`` on), then per layer norm, ``attention(i, self_attn, h, cos, sin)`` (its
-    output after o_proj, (B, T, hidden); the runner's own row grouping and memory), residual and MLP;
-    advance every sequence's position by T. Returns each row's last-position logits (B, vocab), float32."""
+def next_positions(seqs, ids: Tensor) -> Tensor:
+    """(B, T) positions of ``ids`` (B, T): row b continues ``seqs[b]`` from ``seqs[b].position``."""
+    start = torch.tensor([s.position for s in seqs], device=ids.device)  # (B,)
+    return start[:, None] + torch.arange(ids.shape[1], device=ids.device)
+
+
+def decoder_forward(model, layers, seqs, ids: Tensor, positions: Tensor, attention) -> Tensor:
+    """The decoder stack both runners drive: embed ``ids`` (B, T) at ``positions`` (B, T; see
+    ``next_positions``), then per layer norm, ``attention(i, self_attn, h, cos, sin)`` (its output
+    after o_proj, (B, T, hidden); the runner's own row grouping and memory), residual and MLP; advance
+    every sequence's position by T. Returns each row's last-position logits (B, vocab), float32."""
     base = model.model
     t = ids.shape[1]
     x = base.embed_tokens(ids)  # (B, T, hidden)
-    start = torch.tensor([s.position for s in seqs], device=ids.device)  # (B,)
-    cos, sin = base.rotary_emb(x, start[:, None] + torch.arange(t, device=ids.device))
+    cos, sin = base.rotary_emb(x, positions)
     for i, layer in enumerate(layers):
         x = x + attention(i, layer.self_attn, layer.input_layernorm(x), cos, sin)
         x = x + layer.mlp(layer.post_attention_layernorm(x))

@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..checks import check_int, is_int
+
 if TYPE_CHECKING:
     from ..spec import ConversionSpec
 
@@ -71,9 +73,8 @@ class CalibrationConfig:
     """Length of a recall probe's passage (text 'recall-probes')."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.tokens, int) or self.tokens < 2:
-            raise ValueError(f"tokens must be an integer >= 2, got {self.tokens!r}")
-        if self.text == "heldout" and (not isinstance(self.skip, int) or not 0 <= self.skip < self.tokens):
+        check_int("tokens", self.tokens, 2)
+        if self.text == "heldout" and (not is_int(self.skip) or not 0 <= self.skip < self.tokens):
             raise ValueError(f"skip must be an integer in [0, tokens={self.tokens}), got {self.skip!r}")
         if not self.grid or any(not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0 for w in self.grid):
             raise ValueError(f"grid must be non-empty numbers >= 0, got {self.grid!r}")
@@ -81,10 +82,8 @@ class CalibrationConfig:
             raise ValueError(f"inputs must be one of {', '.join(CALIBRATION_INPUTS)}, got {self.inputs!r}")
         if self.text not in CALIBRATION_TEXTS:
             raise ValueError(f"text must be one of {', '.join(CALIBRATION_TEXTS)}, got {self.text!r}")
-        if not isinstance(self.probes, int) or isinstance(self.probes, bool) or self.probes < 1:
-            raise ValueError(f"probes must be an integer >= 1, got {self.probes!r}")
-        if self.text == "recall-probes" and (not isinstance(self.passage, int) or isinstance(self.passage, bool)
-                                             or not 2 <= self.passage <= (self.tokens - 1) // 2):
+        check_int("probes", self.probes, 1)
+        if self.text == "recall-probes" and (not is_int(self.passage) or not 2 <= self.passage <= (self.tokens - 1) // 2):
             raise ValueError(f"passage must be an integer in 2..{(self.tokens - 1) // 2} (tokens={self.tokens}), got {self.passage!r}")
 
     def scored(self) -> slice:
@@ -98,11 +97,8 @@ def calibration_inputs(tokenizer, config: CalibrationConfig):
     from .. import data
     from .sensitivity import recall_probes
 
-    if config.source == "teacher":
-        raise ValueError("calibration needs fixed held-out text: source 'teacher' is sampled by the model")
     rows = 1 if config.text == "heldout" else config.probes + 1
-    stream = data.build_dataset(data.DataConfig(source=config.source, seq_len=64), tokenizer).heldout.flatten()
-    ids = stream[: rows * config.tokens]  # the held-out documents in order, each followed by eos
+    ids = data.heldout_tokens(tokenizer, data.DataConfig(source=config.source, seq_len=64), max_tokens=rows * config.tokens)
     if ids.numel() < rows * config.tokens:
         raise ValueError(f"the held-out part of {config.source!r} has {ids.numel()} tokens, fewer than the "
                          f"{rows} x {config.tokens} calibration needs (text {config.text!r})")
@@ -190,8 +186,7 @@ def _chained_input(model, input_ids, layer: int, weights: dict[int, list[float]]
     captured = []
 
     def hook(module, args, kwargs):
-        hidden = kwargs.get("hidden_states", args[0] if args else None)
-        captured.append(LayerInput(hidden.detach(), kwargs["position_embeddings"], kwargs.get("attention_mask"), None))
+        captured.append(LayerInput.from_call(args, kwargs))
         raise _Stop
 
     with kept_modes(model) as modules:

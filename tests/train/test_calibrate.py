@@ -131,13 +131,11 @@ def test_recall_probe_calibration_scores_only_the_repeat_over_every_probe():
 def test_calibration_inputs_are_the_heldout_stream_or_probes_built_from_its_rows(monkeypatch):
     """The probes' layout over the held-out stream (the stream itself is the data pipeline's, tested
     with it; here a known stream stands in so every token's place can be checked)."""
-    from types import SimpleNamespace
-
     import linearize.data
     from linearize.train.calibrate import calibration_inputs
 
     stream = torch.arange(1000, 1000 + 5 * 48)
-    monkeypatch.setattr(linearize.data, "build_dataset", lambda config, tokenizer: SimpleNamespace(heldout=stream.view(5, 48)))
+    monkeypatch.setattr(linearize.data, "heldout_tokens", lambda tokenizer, data, max_tokens=None: stream[:max_tokens])
     plain = calibration_inputs(None, CalibrationConfig(tokens=48, skip=16))
     probes = calibration_inputs(None, CalibrationConfig(tokens=48, text="recall-probes", probes=3, passage=8))
     with pytest.raises(ValueError, match="fewer than the 7 x 48"):
