@@ -12,6 +12,13 @@ from .cache import cache_nbytes, output_cache
 from .checks import check_text
 
 
+DECODERS = ("auto", "static", "generate")
+"""How ``generate_text`` decodes: "static" (``linearize.decoding.StaticDecoder``: static buffers, each
+step one CUDA graph replay on CUDA), "generate" (``model.generate()`` with the model's cache), "auto"
+(static on CUDA where every layer has a static decode step in its mode, else generate: on CPU the
+cache path's fused C kernels decode faster than the static step's PyTorch operations)."""
+
+
 @dataclass
 class GenerationResult:
     text: str
@@ -20,6 +27,7 @@ class GenerationResult:
     seconds: float
     memory_bytes: int  # KV + state bytes the request holds at the end
     memory_by_layer: dict[int, int] = field(default_factory=dict)
+    decoder: str = "generate"  # "static" or "generate": how the tokens were decoded
 
     @property
     def tokens_per_second(self) -> float:
@@ -65,18 +73,61 @@ def text_streamer(tokenizer, on_text: Callable[[str], None]):
     return _Streamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
 
 
+def _eos_ids(model, tokenizer) -> set[int]:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos = tokenizer.eos_token_id if eos is None else eos
+    return set() if eos is None else {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+
+
+def _static_generate(model, tokenizer, input_ids, max_new_tokens: int, streamer) -> tuple[list[int], dict[int, int]]:
+    """Greedy tokens (up to and including an end-of-sequence token) from a StaticDecoder, and the bytes
+    each layer's static memory holds."""
+    from .decoding import StaticDecoder
+
+    eos = _eos_ids(model, tokenizer)
+    decoder = StaticDecoder(model, batch_size=1, max_length=input_ids.shape[1] + max_new_tokens)
+    if streamer is not None:
+        streamer.put(input_ids.cpu())  # the prompt: skipped
+    token = decoder.prefill(input_ids)
+    new = []
+    while True:
+        new.append(int(token[0]))
+        if streamer is not None:
+            streamer.put(torch.tensor([new[-1]]))
+        if new[-1] in eos or len(new) == max_new_tokens:
+            break
+        token = decoder.step()
+    if streamer is not None:
+        streamer.end()
+    return new, decoder.nbytes_by_layer()
+
+
 @torch.inference_mode()
 def generate_text(model, tokenizer, prompt: str, *, max_new_tokens: int = 64, chat: bool = True,
-                  on_text: Callable[[str], None] | None = None) -> GenerationResult:
-    """Greedy generation of one prompt; memory is what the cache holds after the last token.
-    ``on_text``: called with each new piece of the answer as it is generated."""
-    ids = encode_prompt(tokenizer, prompt, chat=chat)
+                  on_text: Callable[[str], None] | None = None, decoder: str = "auto") -> GenerationResult:
+    """Greedy generation of one prompt; memory is what the request holds after the last token.
+    ``on_text``: called with each new piece of the answer as it is generated. ``decoder``: one of
+    ``DECODERS`` (both decoders give the same tokens: the static one is the fast path)."""
+    from .checks import check_choice
+    from .decoding import static_decoding_supported
+
+    check_choice("decoder", decoder, DECODERS)
     device = next(model.parameters()).device
+    static = decoder == "static" or (decoder == "auto" and device.type == "cuda" and static_decoding_supported(model))
+    ids = encode_prompt(tokenizer, prompt, chat=chat)
     input_ids = torch.tensor([ids], device=device)
+    streamer = None if on_text is None else text_streamer(tokenizer, on_text)
     start = time.perf_counter()
+    if static:
+        new, by_layer = _static_generate(model, tokenizer, input_ids, max_new_tokens, streamer)
+        seconds = time.perf_counter() - start
+        return GenerationResult(
+            text=tokenizer.decode(new, skip_special_tokens=True).strip(), context_tokens=len(ids) + len(new), new_tokens=len(new),
+            seconds=seconds, memory_bytes=sum(by_layer.values()), memory_by_layer=by_layer, decoder="static",
+        )  # fmt: skip
     out = model.generate(
         input_ids,
-        streamer=None if on_text is None else text_streamer(tokenizer, on_text),
+        streamer=streamer,
         attention_mask=torch.ones_like(input_ids),
         max_new_tokens=max_new_tokens,
         do_sample=False,

@@ -15,7 +15,7 @@ LEVELS = {
     # 1: converted attention modules (one file per kind, the kind registry) and their cache slots
     "layers": 1, "cache": 1,
     # 2: core: the spec, conversion, loading, memory, data, teacher targets
-    "__init__": 2, "spec": 2, "modeling": 2, "convert": 2, "memory": 2, "api": 2, "hub": 2, "generate": 2,
+    "__init__": 2, "spec": 2, "modeling": 2, "convert": 2, "memory": 2, "api": 2, "hub": 2, "generate": 2, "decoding": 2,
     "summary": 2, "data": 2, "teacher": 2, "runtime": 2, "names": 2,
     # 3: workflows, none of which imports another
     "train": 3, "eval": 3, "bench": 3, "serve": 3,

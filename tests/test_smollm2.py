@@ -169,3 +169,21 @@ def test_cli_calibrate_writes_an_adapter_that_reads_with_the_chosen_weights(smol
         assert m.options.linear_weight == report["weights"][str(i)] and len(m.options.linear_weight) == m.num_heads
         assert set(m.options.linear_weight) <= {0.0, 1.0}
     assert (out / "calibration.png").stat().st_size > 0
+
+
+def test_static_decoder_gives_generates_text_for_the_shipped_conversions():
+    """The shipped lolcats and dsla-chained (15 layers converted, 15 softmax) answer a chat prompt with
+    the same greedy text through the static decoder as through model.generate(), streamed alike."""
+    from linearize.generate import generate_text
+
+    try:
+        find_smollm2_gguf()
+    except FileNotFoundError as err:
+        pytest.skip(f"SmolLM2 GGUF not available: {err}")
+    for name in ("smollm2-135m-lolcats", "smollm2-135m-dsla-chained"):
+        model, tokenizer = linearize.load_model(name)
+        pieces: list[str] = []
+        static = generate_text(model, tokenizer, "Name three colours.", max_new_tokens=12, decoder="static", on_text=pieces.append)
+        reference = generate_text(model, tokenizer, "Name three colours.", max_new_tokens=12, decoder="generate")
+        assert static.decoder == "static" and static.text == reference.text and static.new_tokens == reference.new_tokens
+        assert "".join(pieces).strip() == static.text

@@ -124,21 +124,54 @@ def bench_prefill(
     return rows
 
 
+def _decoder_name(decoder) -> str:
+    """How decode steps ran: 'cache' (the model's forward with its cache; ``decoder`` None) or
+    'static' (+ '-compiled' where the compiled step ran, + '-graph' where it was a CUDA graph)."""
+    if decoder is None:
+        return "cache"
+    return "static" + ("-compiled" if decoder.compiled else "") + ("-graph" if decoder.graphs else "")
+
+
+def _static_decoder(model, ids: Tensor, batch_size: int, max_steps: int, compile: bool = False):
+    """A StaticDecoder of ``batch_size`` rows with ``ids`` (1, L) prefilled."""
+    from ..decoding import StaticDecoder
+
+    decoder = StaticDecoder(model, batch_size=batch_size, max_length=ids.shape[1] + max_steps + 1, compile=compile)
+    decoder.prefill(ids)
+    return decoder
+
+
 @torch.inference_mode()
 def bench_decode(
     model, context_lengths: Sequence[int], *, steps: int = 16, batch_size: int = 1, warmup: int = 2,
-    device: str | torch.device | None = None, seed: int = 0,
+    device: str | torch.device | None = None, seed: int = 0, static: bool | str = False,
 ) -> list[dict[str, Any]]:
-    """Median per-token decode latency after prefilling each context length: rows of context, median_s, tokens_per_s."""
+    """Median per-token decode latency after prefilling each context length: rows of context, median_s, tokens_per_s.
+
+    ``static``: decode with ``linearize.decoding.StaticDecoder`` (static buffers; on CUDA each step
+    is one CUDA graph replay, captured during the untimed steps; "compile": its step compiled with
+    ``torch.compile`` first), after one prompt repeated to the batch; otherwise ``model(...)`` with
+    the model's cache, after a batch of prompts. Rows say which in ``decoder``."""
     device = _place(model, device)
     rows = []
+    if static:
+        from ..decoding import WARMUP_STEPS
+
+        warmup = max(warmup, WARMUP_STEPS + 1)  # the timed steps replay the graph
     with eval_mode(model):
         for context in tqdm(context_lengths, desc="decode", unit="context", disable=len(context_lengths) < 2):
-            check_length(model, context + warmup + steps)
-            step = _decoder(model, _random_ids(model, batch_size, context, device, seed), warmup + steps)
+            check_length(model, context + warmup + steps + bool(static))
+            decoder = None
+            if static:
+                decoder = _static_decoder(model, _random_ids(model, 1, context, device, seed), batch_size, warmup + steps,
+                                          compile=static == "compile")  # fmt: skip
+                step = decoder.step
+            else:
+                step = _decoder(model, _random_ids(model, batch_size, context, device, seed), warmup + steps)
             _time_calls(step, warmup, device)
             median = statistics.median(_time_calls(step, steps, device))
-            rows.append({"context": context, "batch_size": batch_size, "steps": steps, "median_s": median, "tokens_per_s": batch_size / median})
+            rows.append({"context": context, "batch_size": batch_size, "steps": steps, "warmup": warmup, "median_s": median,
+                         "tokens_per_s": batch_size / median, "decoder": _decoder_name(decoder)})  # fmt: skip
             logger.info("decode batch %d @ %d: %.2f ms/token", batch_size, context, median * 1e3)
     return rows
 
@@ -185,8 +218,10 @@ def benchmark(
     warmup: int = 1,
     repeats: int = 3,
     device: str | torch.device | None = None,
+    static_decode: bool | str = False,
 ) -> dict[str, Any]:
     """Teacher vs converted: convert ``model`` in place with ``spec`` and measure both; JSON-able result.
+    ``static_decode``: as ``bench_decode``'s ``static`` (True or "compile"), for both sides.
 
     The teacher is the same model with every converted layer in 'teacher' mode (the original attention
     and plain KV: the teacher's exact compute); at each length the teacher runs first, then the
@@ -200,16 +235,16 @@ def benchmark(
         raise ValueError("the model is not converted: pass a conversion spec (e.g. {'attention': 'hybrid', 'window': 64})")
     spec = ConversionSpec.coerce(spec) if spec is not None else None
     memory_contexts = sorted(set(prefill_lengths) | set(decode_contexts)) if memory_contexts is None else list(memory_contexts)
-    for length in [*prefill_lengths, *memory_contexts, *(c + warmup + decode_steps for c in decode_contexts)]:
+    for length in [*prefill_lengths, *memory_contexts, *(c + warmup + decode_steps + 3 * bool(static_decode) for c in decode_contexts)]:
         check_length(model, length)  # fail before any measurement
     device = _place(model, device)
     settings = dict(prefill_lengths=list(prefill_lengths), decode_contexts=list(decode_contexts), memory_contexts=memory_contexts,
-                    batch_size=batch_size, decode_steps=decode_steps, warmup=warmup, repeats=repeats)  # fmt: skip
+                    batch_size=batch_size, decode_steps=decode_steps, warmup=warmup, repeats=repeats, static_decode=static_decode)  # fmt: skip
     if spec is not None:
         convert(model, spec)
     teacher, converted = _interleaved(model, [
         ("prefill", bench_prefill, prefill_lengths, dict(batch_size=batch_size, warmup=warmup, repeats=repeats)),
-        ("decode", bench_decode, decode_contexts, dict(steps=decode_steps, batch_size=batch_size, warmup=warmup)),
+        ("decode", bench_decode, decode_contexts, dict(steps=decode_steps, batch_size=batch_size, warmup=warmup, static=static_decode)),
         ("memory", memory_per_request, memory_contexts, {}),
     ])  # fmt: skip
     return {
@@ -263,6 +298,10 @@ def _ratios(teacher: dict, converted: dict) -> dict[str, list[dict[str, Any]]]:
 # ----------------------------------------------------------------------------- reports
 
 
+_STATIC_NOTE = {True: "; StaticDecoder: static buffers, each step a CUDA graph replay on CUDA",
+                "compile": "; StaticDecoder with torch.compile: static buffers, each step a CUDA graph replay on CUDA"}
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.2f}"
 
@@ -281,7 +320,9 @@ def to_markdown(result: dict[str, Any]) -> str:
         "|---:|---:|---:|---:|",
         *(f"| {x['length']} | {x['teacher_s'] * 1e3:.2f} | {x['converted_s'] * 1e3:.2f} | {x['ratio']:.3g} |" for x in r["prefill"]),
         "",
-        f"Decode, per token (median of {s['decode_steps']} steps after {s['warmup']} warm-up)",
+        f"Decode, per token (median of {s['decode_steps']} steps after "
+        f"{result['converted']['decode'][0].get('warmup', s['warmup']) if result['converted']['decode'] else s['warmup']} warm-up"
+        f"{_STATIC_NOTE.get(s.get('static_decode') or False, '')})",
         "",
         "| context tokens | teacher ms | converted ms | converted / teacher |",
         "|---:|---:|---:|---:|",
@@ -340,6 +381,7 @@ def run_efficiency(
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
     out_dir: str | Path | None = None,
+    static_decode: bool | str = False,
 ) -> dict[str, Any]:
     """Entry for the CLI: load the model (a name for ``linearize.load_model``, or a model), benchmark it,
     and with ``out_dir`` write efficiency.json, efficiency.md and efficiency.png there (each atomically)."""
@@ -353,7 +395,7 @@ def run_efficiency(
         model = model_name_or_model
     result = benchmark(
         model, spec, prefill_lengths=prefill_lengths, decode_contexts=decode_contexts, batch_size=batch_size,
-        decode_steps=decode_steps, warmup=warmup, repeats=repeats, device=device,
+        decode_steps=decode_steps, warmup=warmup, repeats=repeats, device=device, static_decode=static_decode,
     )  # fmt: skip
     if isinstance(model_name_or_model, (str, Path)):
         result["model"] = str(model_name_or_model)

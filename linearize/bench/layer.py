@@ -44,6 +44,7 @@ from transformers import DynamicCache
 from ..cache import cache_kwargs, state_layer
 from ..checks import check_choice
 from ..convert import convert
+from ..decoding import cuda_graph
 from ..hub import build_tiny_llama
 from ..io import save_png, write_results
 from ..layers.base import project_qkv
@@ -179,17 +180,19 @@ def _median(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: i
 
 
 def _fastest_backend(make_run: Callable[[], Callable[[], Any]], device: torch.device, warmup: int, repeats: int,
-                     per_call: int = 1) -> tuple[str, float, dict[str, float | str]]:
-    """Time a fresh ``make_run()`` under each SDPA backend (seconds per call / ``per_call``);
+                     per_call: int = 1, skip: tuple[str, ...] = ()) -> tuple[str, float, dict[str, float | str]]:
+    """Time a fresh ``make_run()`` under each SDPA backend but ``skip`` (seconds per call / ``per_call``);
     (fastest backend, its seconds, every backend's seconds or why it did not run)."""
     from torch.nn.attention import sdpa_kernel
 
-    times: dict[str, float | str] = {}
+    times: dict[str, float | str] = {name: "not timed" for name in skip}
     for name, backend in sdpa_backends(device).items():
+        if name in skip:
+            continue
         try:
-            run = make_run()
             with sdpa_kernel([backend]), warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # "kernel not used because ...": the error below says it
+                run = make_run()  # inside: a CUDA graph records the backend chosen here
                 times[name] = _median(run, device, warmup, repeats) / per_call
         except RuntimeError as err:  # the backend does not take these shapes on this device
             times[name] = f"unsupported: {str(err).splitlines()[0][:120]}"
@@ -218,15 +221,23 @@ def bench_layer(
     bandwidth: float = H200_BANDWIDTH,
     flops: float = H200_FLOPS,
     seed: int = 0,
+    graphs: bool = False,
     on_row: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Converted layer vs softmax on SDPA, prefill and decode; JSON-able result with roofline columns.
+
+    ``graphs`` (CUDA): each side's decode step is captured once as a CUDA graph and replayed, so the
+    time is the kernels' alone, without the host's launches: the softmax step at its context, the
+    converted step on its state in static form (``static_decoding``; kinds without one run eagerly,
+    and the row says so).
 
     A prefill case runs when batch x length <= ``max_prefill_tokens`` (one long prompt, or a batch of
     shorter ones); cases that run out of device memory are recorded as such, not raised."""
     spec = ConversionSpec.coerce(spec)
     shape = layer_shape(shape)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if graphs and device.type != "cuda":
+        raise ValueError(f"graphs=True needs a CUDA device; got {device}")
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     for name, values in (("prefill length", prefill_lengths), ("decode context", decode_contexts), ("batch size", batch_sizes)):
         bad = [v for v in values if not isinstance(v, int) or v < 1]
@@ -247,7 +258,7 @@ def bench_layer(
         "versions": {"torch": torch.__version__},
         "kernel": _kernel(attn),
         "settings": dict(decode_steps=decode_steps, state_prefill=state_prefill, max_prefill_tokens=max_prefill_tokens, warmup=warmup,
-                         repeats=repeats, bandwidth=bandwidth, flops=flops),  # fmt: skip
+                         repeats=repeats, bandwidth=bandwidth, flops=flops, graphs=graphs),  # fmt: skip
         "rows": rows,
     }
     cases = [("prefill", b, n) for b in batch_sizes for n in prefill_lengths if b * n <= max_prefill_tokens]
@@ -259,8 +270,8 @@ def bench_layer(
             if phase == "prefill":
                 t_soft, best, backends, t_conv = _prefill_times(model, softmax, shape, batch, length, warmup, repeats, gen, device, dtype)
             else:
-                t_soft, best, backends, t_conv = _decode_times(model, softmax, shape, batch, length, decode_steps, state_prefill,
-                                                               warmup, repeats, gen, device, dtype)  # fmt: skip
+                t_soft, best, backends, t_conv, row["converted_graph"] = _decode_times(
+                    model, softmax, shape, batch, length, decode_steps, state_prefill, warmup, repeats, gen, device, dtype, graphs)
         except torch.OutOfMemoryError:
             row["error"] = "out of memory"
             torch.cuda.empty_cache()
@@ -300,8 +311,9 @@ def _prefill_times(model, softmax, shape, batch, length, warmup, repeats, gen, d
     return t_soft, best, backends, t_conv
 
 
-def _decode_times(model, softmax, shape, batch, context, steps, state_prefill, warmup, repeats, gen, device, dtype):
-    """(softmax seconds per step, its backend, every backend's time, converted seconds per step)."""
+def _decode_times(model, softmax, shape, batch, context, steps, state_prefill, warmup, repeats, gen, device, dtype, graphs=False):
+    """(softmax seconds per step, its backend, every backend's time, converted seconds per step,
+    whether the converted step ran as a CUDA graph)."""
     attn = model.model.layers[0].self_attn
     x1 = torch.randn(batch, 1, shape.hidden, generator=gen, device=device, dtype=dtype)
     n_steps = (warmup + repeats) * steps
@@ -318,9 +330,19 @@ def _decode_times(model, softmax, shape, batch, context, steps, state_prefill, w
 
     def soft_run():
         softmax.fill(batch, context, n_steps, device, dtype)  # a fresh static cache for each backend
+        if graphs:  # one step at the context, recorded after two warm-up steps; each replay rewrites its slot
+            return repeated(cuda_graph(lambda: softmax.step(x1, *pe[0]), device).replay)
         return stepper(softmax.step)
 
-    best, t_soft, backends = _fastest_backend(soft_run, device, warmup, repeats, per_call=steps)
+    def repeated(replay):
+        def run():
+            for _ in range(steps):
+                replay()
+
+        return run
+
+    # cuDNN is left out of graphs: it builds its own graph per shape, and a failed capture spoils the device's next calls
+    best, t_soft, backends = _fastest_backend(soft_run, device, warmup, repeats, per_call=steps, skip=("cudnn",) if graphs else ())
     softmax.k_cache = softmax.v_cache = None
 
     cache = DynamicCache()
@@ -333,8 +355,10 @@ def _decode_times(model, softmax, shape, batch, context, steps, state_prefill, w
     def conv(x, cos, sin):
         attn(x, position_embeddings=(cos, sin), attention_mask=None, **cache_kwargs(cache))
 
-    t_conv = _median(stepper(conv), device, warmup, repeats) / steps
-    return t_soft, best, backends, t_conv
+    graphed = graphs and attn.static_decoding(slot, batch, device, dtype)
+    run = repeated(cuda_graph(lambda: conv(x1, *pe[0]), device).replay) if graphed else stepper(conv)
+    t_conv = _median(run, device, warmup, repeats) / steps
+    return t_soft, best, backends, t_conv, graphed
 
 
 # ----------------------------------------------------------------------------- report
@@ -361,9 +385,11 @@ def layer_markdown(results: Sequence[dict[str, Any]]) -> str:
                 if "error" in row:
                     lines.append(f"| {label} | {row['batch_size']} | {row['length']} | {row['error']} | | | | | |")
                     continue
+                graphed = " (graph)" if phase == "decode" and result["settings"].get("graphs") else ""
+                conv_graphed = " (graph)" if graphed and row.get("converted_graph") else ""
                 lines.append(
-                    f"| {label} | {row['batch_size']} | {row['length']} | {_fmt_s(row['softmax_s'])} ({row['softmax_backend']}) "
-                    f"| {_fmt_s(row['converted_s'])} | {row['ratio']:.3f} | {row['softmax_roofline_fraction'] * 100:.3g}% "
+                    f"| {label} | {row['batch_size']} | {row['length']} | {_fmt_s(row['softmax_s'])} ({row['softmax_backend']}{graphed}) "
+                    f"| {_fmt_s(row['converted_s'])}{conv_graphed} | {row['ratio']:.3f} | {row['softmax_roofline_fraction'] * 100:.3g}% "
                     f"| {row['converted_roofline_fraction'] * 100:.3g}% | {row['converted_roofline']['bound']} |"
                 )
         if lines:

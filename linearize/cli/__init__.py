@@ -85,6 +85,9 @@ def _add_model_commands(sub) -> None:
     p.add_argument("--max-new-tokens", type=POSITIVE, default=64)
     p.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text (no chat template)")
     p.add_argument("--mode", choices=MODES, metavar="MODE", help=f"component mode of converted layers ({', '.join(MODES)}; each kind has a subset)")
+    p.add_argument("--decoder", default="auto",
+                   help="static: static buffers, each decode step one CUDA graph replay on CUDA (softmax, hybrid and dsla layers); "
+                        "generate: model.generate() with the model's cache; auto (default): static on CUDA where every layer has it")
     p.add_argument("--json", action="store_true")
     add_spec_flags(p)
     p.set_defaults(func=cmd_generate)
@@ -209,6 +212,11 @@ def _add_eval_commands(sub) -> None:
     p.add_argument("--batch-sizes", type=positive_int_list, help="--layer: batch sizes to run (default: --batch-size)")
     p.add_argument("--decode-steps", type=POSITIVE, default=16)
     p.add_argument("--repeats", type=POSITIVE, default=3)
+    p.add_argument("--graphs", action="store_true",
+                   help="decode on static buffers, each step one CUDA graph replay, for the teacher and the conversion alike "
+                        "(with spec flags or a converted --model: linearize.decoding.StaticDecoder, which also runs on CPU, "
+                        "eagerly; with --layer: CUDA only)")
+    p.add_argument("--compile", action="store_true", help="with --graphs and a model: compile the decode step with torch.compile first")
     p.add_argument("--device", help="cpu | cuda (default: cpu)")
     p.add_argument("--out", help="directory for efficiency.{json,md,png} (--layer: layer.{json,md,png})")
     add_spec_flags(p)

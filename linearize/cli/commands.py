@@ -53,12 +53,13 @@ def cmd_generate(args) -> int:
     if args.mode:
         set_mode(model, args.mode)
     stream = None if args.json else stream_to_stdout
-    result = generate_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, chat=not args.no_chat, on_text=stream)
+    result = generate_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, chat=not args.no_chat, on_text=stream,
+                           decoder=args.decoder)  # fmt: skip
     if args.json:
         print(json.dumps(result.as_dict(), indent=2))
     else:
         print()
-        print(f"\n[{result.new_tokens} tokens in {result.seconds:.2f} s = {result.tokens_per_second:.1f} tok/s; "
+        print(f"\n[{result.new_tokens} tokens in {result.seconds:.2f} s = {result.tokens_per_second:.1f} tok/s ({result.decoder} decoder); "
               f"memory held for this request: {mib(result.memory_bytes)}]")
     return 0
 
@@ -329,6 +330,8 @@ LAYER_KINDS = ({"attention": "hybrid", "window": 64}, {"attention": "dsla"},
 
 
 def cmd_bench(args) -> int:
+    if args.compile and (not args.graphs or args.layer):
+        raise ValueError("--compile applies to --graphs decoding of a model (not with --layer); add --graphs")
     if args.layer:
         return _bench_layer(args)
     from ..bench.efficiency import run_decode_speed, run_efficiency, speed_markdown, to_markdown
@@ -343,9 +346,10 @@ def cmd_bench(args) -> int:
                                   device=args.device, out_dir=args.out)  # fmt: skip
         print(speed_markdown(result))
         return 0
-    result = run_efficiency(args.model, spec, prefill_lengths=args.prefill_lengths or [256, 512, 1024],
-                            decode_contexts=args.decode_contexts or [512, 1024], batch_size=args.batch_size,
-                            decode_steps=args.decode_steps, repeats=args.repeats, device=args.device, out_dir=args.out)
+    result = run_efficiency(args.model, spec, prefill_lengths=[256, 512, 1024] if args.prefill_lengths is None else args.prefill_lengths,
+                            decode_contexts=[512, 1024] if args.decode_contexts is None else args.decode_contexts, batch_size=args.batch_size,
+                            decode_steps=args.decode_steps, repeats=args.repeats, device=args.device, out_dir=args.out,
+                            static_decode="compile" if args.compile and args.graphs else args.graphs)  # fmt: skip
     print(to_markdown(result))
     return 0
 
@@ -359,6 +363,7 @@ def _bench_layer(args) -> int:
         prefill_lengths=[2048, 8192, 32768] if args.prefill_lengths is None else args.prefill_lengths,
         decode_contexts=[4096, 32768] if args.decode_contexts is None else args.decode_contexts,
         batch_sizes=args.batch_sizes or [args.batch_size], decode_steps=args.decode_steps, repeats=args.repeats, device=args.device,
+        graphs=args.graphs,
     )  # fmt: skip
     print(layer_markdown(results))
     return 0

@@ -243,6 +243,17 @@ class ConvertedAttention(nn.Module):
         (e.g. RoPE when the linear part sees q/k before it). Only called without gradients."""
         return None
 
+    def has_static_decoding(self) -> bool:
+        """Whether ``static_decoding`` applies to this layer in its current mode."""
+        return False
+
+    def static_decoding(self, slot, batch: int, device, dtype) -> bool:
+        """Put ``slot``'s state (``batch`` rows) in the decode form ``decode_step`` updates in place
+        with no host reads (every index a device tensor, no shape that changes with the step), so
+        that a whole decode step can be captured once in a CUDA graph and replayed; False where this
+        kind or mode has no such form (``has_static_decoding``; nothing is changed then)."""
+        return False
+
     # --- forward -----------------------------------------------------------------------------
     def forward(
         self,
@@ -320,7 +331,10 @@ def derived(module: nn.Module, name: str, sources: tuple[Tensor, ...], build: Ca
     in-place update (its version counter). The decode path reads weights it would otherwise rebuild
     every token (fused feature-map and gate weights, sigmoids of logits) this way; training updates
     are seen at the next call. Inference tensors (parameters of a model loaded under
-    ``torch.inference_mode``) keep no version counter: nothing trains them, so their storage is the key."""
+    ``torch.inference_mode``) keep no version counter: nothing trains them, so their storage is the key.
+    Inside ``torch.compile`` the value is built in the graph (storage and versions are not traced)."""
+    if torch.compiler.is_compiling():
+        return build()
     store = module.__dict__.setdefault("_derived", {})
     hit = store.get(name)
     if hit is not None and len(hit[0]) == len(sources):

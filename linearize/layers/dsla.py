@@ -140,7 +140,7 @@ class DslaAttention(ConvertedAttention):
     def decode_step(self, x, position_embeddings, slot):
         if self.mode not in self.GAMMA:
             return None
-        lib = cpu_kernels.library() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+        lib = cpu_kernels.library() if x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling() else None
         if lib is not None:
             weights = self._kernel_weights()
             if weights is not None:
@@ -160,6 +160,15 @@ class DslaAttention(ConvertedAttention):
         out = dsla_decode_step(ds, qf, kf, v, decay, weights, normalize=self.normalize)
         slot.advance(ds, 1)
         return out
+
+    def has_static_decoding(self) -> bool:
+        return self.mode in self.GAMMA
+
+    def static_decoding(self, slot, batch: int, device, dtype) -> bool:
+        if not self.has_static_decoding():
+            return False
+        slot.advance(self._decode_state(slot, batch, device, dtype), 0)  # already updated in place, no host reads
+        return True
 
     def _decode_state(self, slot, b: int, device, dtype) -> DslaDecodeState:
         """The slot's decode state, made from its state (zeros when empty) before the first token."""

@@ -153,7 +153,9 @@ class HybridAttention(WindowedLinearAttention):
         branches = self.BRANCHES.get(self.mode)
         if branches is None or (self.window_dropout is not None and bool(self.window_dropout.any())):
             return None
-        lib = cpu_kernels.library() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+        static = isinstance(slot.decode_state, HybridDecodeState) and slot.decode_state.index is not None
+        kernel = x.device.type == "cpu" and x.dtype == torch.float32 and not static and not torch.compiler.is_compiling()
+        lib = cpu_kernels.library() if kernel else None
         if lib is not None:
             weights = self._kernel_weights()
             if weights is not None:
@@ -166,6 +168,15 @@ class HybridAttention(WindowedLinearAttention):
                                  scale=self.scaling, k_lin=p.k_lin if p.separate else None, **self._mix_factor(ds.keys.dtype))  # fmt: skip
         slot.advance(ds, 1)
         return out
+
+    def has_static_decoding(self) -> bool:
+        return self.BRANCHES.get(self.mode) is not None and self.window_dropout is None
+
+    def static_decoding(self, slot, batch: int, device, dtype) -> bool:
+        if not self.has_static_decoding():
+            return False
+        slot.advance(self._decode_state(slot, batch, device, dtype).make_static(), 0)
+        return True
 
     def _decode_state(self, slot, b: int, device, dtype) -> HybridDecodeState:
         """The slot's decode state, made from its state (empty before any token) before the first token."""

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from ..checks import check_int, is_int
-from ..ops.lola import lola_attention
+from ..ops.lola import LolaDecodeState, lola_attention, lola_decode_step, lola_state_empty
 from ..ops.states import LolaState
 from .base import STATE_BYTES, AttentionKind, Attend, SpecError, expect_state, head_sizes
 from .hybrid import WindowedLinearAttention, WindowOptions, linear_state_bytes, window_bytes
@@ -59,6 +59,38 @@ class LolaAttention(WindowedLinearAttention):
             "no_sparse": self._lola(read_state=True, read_sparse=False),
             "window_only": self._lola(read_state=False, read_sparse=False),
         }
+
+    READS = {"hybrid": (True, True), "no_state": (False, True), "no_sparse": (True, False), "window_only": (False, False)}
+    """Mode -> (read_state, read_sparse)."""
+
+    def has_static_decoding(self) -> bool:
+        return self.mode in self.READS
+
+    def static_decoding(self, slot, batch: int, device, dtype) -> bool:
+        if not self.has_static_decoding():
+            return False
+        state = expect_state(slot.state, LolaState, self)
+        o = self.options
+        if state is None:  # nothing prefilled: the empty memory
+            state = lola_state_empty(batch, self.num_heads, self.num_kv_heads, o.window, o.sparse_cache, self.head_dim, self.head_dim,
+                                     o.features(self.head_dim), device, linear_keys=self.separate_linear_inputs)  # fmt: skip
+        read_state, read_sparse = self.READS[self.mode]
+        slot.advance(LolaDecodeState.from_state(
+            state, phi_q=self.feature_map_q, phi_k=self.feature_map_k, window_factor=self.window_factor(), scale=self.scaling,
+            dtype=dtype, read_state=read_state, read_sparse=read_sparse, sinks=o.sinks, linear_weight=o.linear_weight,
+            weight_tokens=o.linear_weight_tokens), 0)  # fmt: skip
+        return True
+
+    def decode_step(self, x, position_embeddings, slot):
+        """The per-token path of a static decode state (``static_decoding``); None otherwise (the
+        general op decodes)."""
+        ds = slot.decode_state
+        if not isinstance(ds, LolaDecodeState) or (ds.context.read_state, ds.context.read_sparse) != self.READS.get(self.mode):
+            return None  # (a mode switched since: the general op reads the state in the new mode)
+        p = self.project(x, position_embeddings)
+        out = lola_decode_step(ds, p.q, p.k, p.v, **self.linear_inputs(p))
+        slot.advance(ds, 1)
+        return out
 
     def _lola(self, *, read_state: bool, read_sparse: bool) -> Attend:
         def attend(p, x, valid, state):

@@ -403,6 +403,13 @@ class HybridDecodeState:
     full: bool = False  # every slot of every row holds a token (no masking needed)
     start: int = 0
     steps: int = 0
+    index: Tensor | None = None
+    """Static form (``make_static``): the ring index of the oldest slot as a 0-dim device tensor,
+    advanced on the device, so that a step reads nothing on the host and can be captured in a CUDA
+    graph; None: the host's ``head``."""
+    count: Tensor | None = None
+    """Static form: the tokens decoded since ``make_static`` (0-dim, on the device; the host's
+    ``steps`` stops there)."""
     kernel_args: Any = field(default=None, repr=False)
     """What the CPU kernel (``cpu_kernels.hybrid_step``) keeps between tokens: its argument block,
     scratch buffer and the weights the block points at."""
@@ -435,24 +442,36 @@ class HybridDecodeState:
             full=bool(ws.valid.all()),
         )  # fmt: skip
 
+    def make_static(self) -> "HybridDecodeState":
+        """Switch to the static form: the ring index and the token count live on the device and every
+        step masks the empty slots (no host read of ``valid``), so a step replayed from a CUDA graph
+        misses nothing; ``canonical`` reads the count back."""
+        if self.index is None:
+            self.index = torch.tensor(self.head, dtype=torch.long, device=self.keys.device)
+            self.count = torch.zeros((), dtype=torch.long, device=self.keys.device)
+            self.full = False
+        return self
+
     def canonical(self) -> HybridState:
         """The HybridState this stands for (window oldest first, right-aligned)."""
         bk, w, d = self.keys.shape
         b = self.valid.shape[0]
         hkv, dv = bk // b, self.values.shape[-1] - 1
+        steps = self.steps + (0 if self.count is None else int(self.count))  # static form: the device counts
+        head = (self.start + steps) % w
         valid, positions = self.valid.clone(), self.positions.clone()
-        if self.steps:
-            new = torch.arange(max(0, self.steps - w), self.steps, device=valid.device)  # tokens still in the window
+        if steps:
+            new = torch.arange(max(0, steps - w), steps, device=valid.device)  # tokens still in the window
             slots = (self.start + new) % w
             valid[:, slots] = True
             positions[:, slots] = self.last[:, None] + 1 + new
 
         def order(x: Tensor | None) -> Tensor | None:  # ring (bk, W, X) -> canonical (B, Hkv, W, X)
-            return None if x is None else x.roll(-self.head, dims=1).view(b, hkv, w, -1)
+            return None if x is None else x.roll(-head, dims=1).view(b, hkv, w, -1)
 
         window = WindowState(
-            keys=order(self.keys), values=order(self.values)[..., :dv].contiguous(), valid=valid.roll(-self.head, dims=1),
-            positions=positions.roll(-self.head, dims=1), linear_keys=order(self.linear_keys),
+            keys=order(self.keys), values=order(self.values)[..., :dv].contiguous(), valid=valid.roll(-head, dims=1),
+            positions=positions.roll(-head, dims=1), linear_keys=order(self.linear_keys),
         )  # fmt: skip
         f = self.linear.shape[1]
         kv = self.linear.view(b, self.heads, f, dv + 1)
@@ -494,19 +513,32 @@ def hybrid_decode_step(
     bk, w, _ = state.keys.shape
     n_rep, dt, dv = hq // (bk // b), state.keys.dtype, v.shape[-1]
     scale = d**-0.5 if scale is None else scale
-    i = state.head
-    # The oldest slot leaves the window: its features (zero for an empty slot) join [S | z].
-    state.linear.view(bk, -1, dv + 1).baddbmm_(state.features[:, i : i + 1].transpose(1, 2), state.values[:, i : i + 1])
-    # The new token takes its slot.
-    state.keys[:, i] = k.reshape(bk, d)
-    if state.linear_keys is not None:
-        state.linear_keys[:, i] = (k if k_lin is None else k_lin).reshape(bk, d)
-    state.values[:, i, :dv] = v.reshape(bk, dv)
-    if not state.full:
-        state.values[:, i, dv] = 1.0
-        state.valid[:, i] = True
-    state.features[:, i] = kf.reshape(bk, -1)
-    state.steps += 1
+    if state.index is None:
+        i = state.head
+        # The oldest slot leaves the window: its features (zero for an empty slot) join [S | z].
+        state.linear.view(bk, -1, dv + 1).baddbmm_(state.features[:, i : i + 1].transpose(1, 2), state.values[:, i : i + 1])
+        # The new token takes its slot.
+        state.keys[:, i] = k.reshape(bk, d)
+        if state.linear_keys is not None:
+            state.linear_keys[:, i] = (k if k_lin is None else k_lin).reshape(bk, d)
+        state.values[:, i, :dv] = v.reshape(bk, dv)
+        if not state.full:
+            state.values[:, i, dv] = 1.0
+            state.valid[:, i] = True
+        state.features[:, i] = kf.reshape(bk, -1)
+    else:  # the same with the ring index on the device (static form)
+        i = state.index.view(1)
+        state.linear.view(bk, -1, dv + 1).baddbmm_(state.features.index_select(1, i).transpose(1, 2), state.values.index_select(1, i))
+        state.keys.index_copy_(1, i, k.reshape(bk, 1, d).to(dt))
+        if state.linear_keys is not None:
+            state.linear_keys.index_copy_(1, i, (k if k_lin is None else k_lin).reshape(bk, 1, d).to(dt))
+        state.values.index_copy_(1, i, F.pad(v.reshape(bk, 1, dv).to(dt), (0, 1), value=1.0))
+        state.valid.index_fill_(1, i, True)
+        state.features.index_copy_(1, i, kf.reshape(bk, 1, -1).to(dt))
+        state.index.add_(1).remainder_(w)
+        state.count.add_(1)  # the host's ``steps`` stays
+    if state.index is None:
+        state.steps += 1
 
     qf = qf.reshape(b * hq, 1, -1)  # (B Hq, 1, F)
     if qf.dtype != dt:
@@ -521,7 +553,8 @@ def hybrid_decode_step(
     scores = torch.bmm(qs if qs.dtype == dt else qs.to(dt), state.keys.transpose(1, 2)).mul_(scale)  # (bk, n_rep, W)
     if not state.full:
         scores.masked_fill_(~state.valid[:, None, None, :].expand(b, bk // b, 1, w).reshape(bk, 1, w), float("-inf"))
-        state.full = bool(state.valid.all())
+        if state.index is None:
+            state.full = bool(state.valid.all())
     e = scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()  # the new token is in the window: the max is finite
     sw = torch.bmm(e, state.values).view(b, hq, dv + 1)  # [sum e v, sum e]
     if branches == "window":

@@ -146,7 +146,7 @@ def lola_attention(
     separate = k_lin is not None  # the feature maps see their own inputs (e.g. before RoPE)
     if state is None:
         feats = phi_k(k.new_zeros(batch, hq, 1, d)).shape[-1]
-        state = _empty_state(batch, hq, hkv, window, sparse, d, dv, feats, q.device, linear_keys=separate)
+        state = lola_state_empty(batch, hq, hkv, window, sparse, d, dv, feats, q.device, linear_keys=separate)
     _check_state(state, batch, hq, hkv, window, sparse, d, dv, separate)
     if chunk > window:
         logger.debug("lola_attention: chunk %d capped at the window %d", chunk, window)
@@ -334,7 +334,63 @@ def _lola_chunk(
     return out, LolaState(window=window, sparse=cache, linear=linear)
 
 
-def _empty_state(batch, hq, hkv, window, sparse, d, dv, feats, device, linear_keys: bool = False) -> LolaState:
+# ----------------------------------------------------------------------------- per-token decoding
+
+
+@dataclass
+class LolaDecodeState:
+    """A ``LolaState`` decoded token by token in place: each step writes the new memory into the same
+    tensors (a copy of the state it was made from, which is never changed), so nothing is allocated
+    from step to step and a step can be captured once as a CUDA graph. ``context`` holds the per-call
+    constants (window factor, linear weights) already on the device: a step reads nothing on the host."""
+
+    state: LolaState
+    context: _ChunkContext
+
+    @classmethod
+    def from_state(cls, state: LolaState, *, phi_q: FeatureFn, phi_k: FeatureFn, window_factor: Tensor, scale: float,
+                   dtype: torch.dtype, read_state: bool = True, read_sparse: bool = True, sinks: int = 0,
+                   linear_weight: float | Sequence[float] | Tensor = 1.0, weight_tokens: int = 0) -> "LolaDecodeState":
+        """The decode form of ``state`` for ``lola_attention``'s arguments of the same names (checked
+        once here; ``dtype``: the inputs' dtype, in which the feature maps run)."""
+        hq, hkv = state.sparse.keys.shape[1], state.window.keys.shape[1]
+        sparse = state.sparse.keys.shape[2]
+        if isinstance(weight_tokens, bool) or not isinstance(weight_tokens, int) or weight_tokens < 0:
+            raise ValueError(f"weight_tokens must be an integer >= 0 (0: off), got {weight_tokens!r}")
+        if not 0 <= sinks <= sparse:
+            raise ValueError(f"sinks must lie in [0, sparse={sparse}] (they occupy sparse-cache slots), got {sinks}")
+        if window_factor.shape != (hq,):
+            raise ValueError(f"window_factor must have shape ({hq},), got {tuple(window_factor.shape)}")
+        device = state.linear.kv.device
+        weights = head_weights(linear_weight, hq).to(device).view(1, hq, 1, 1)
+        factor = window_factor.detach().to(device, torch.float32).view(1, hq, 1, 1)
+        context = _ChunkContext(phi_q, phi_k, factor, scale, hq // hkv, dtype, read_state, read_sparse, sinks, weights, weight_tokens)
+        return cls(state.clone(), context)
+
+    def canonical(self) -> LolaState:
+        return self.state.clone()
+
+
+def lola_decode_step(ds: LolaDecodeState, q: Tensor, k: Tensor, v: Tensor, q_lin: Tensor | None = None,
+                     k_lin: Tensor | None = None) -> Tensor:
+    """One new real token per row (q (B, Hq, 1, D), k/v (B, Hkv, 1, D|Dv), no padding): the output
+    (B, Hq, 1, Dv) in q's dtype; ``ds.state`` updated in place. The same numbers as ``lola_attention``
+    on that token (its one-token chunk, without the packing of padding; tested against it)."""
+    st = ds.state
+    if (k_lin is not None) != (st.window.linear_keys is not None):
+        raise ValueError("the decode state " + ("keeps" if k_lin is None else "does not keep") + " separate feature-map keys: "
+                         "give q_lin/k_lin exactly when it does")  # fmt: skip
+    cvalid = torch.ones(q.shape[0], 1, dtype=torch.bool, device=q.device)  # (B, 1)
+    cpos = st.window.positions[:, -1:] + 1  # (B, 1) the newest token sits in the last slot
+    lin = None if k_lin is None else (q_lin.float(), k_lin.float())
+    out, new = _lola_chunk(st, q.float(), k.float(), v.float(), cvalid, cpos, ds.context, lin)
+    for old, value in zip(st.tensors(), new.tensors()):
+        old.copy_(value)
+    return out.to(q.dtype)
+
+
+def lola_state_empty(batch, hq, hkv, window, sparse, d, dv, feats, device, linear_keys: bool = False) -> LolaState:
+    """The memory before any token: an empty window and sparse cache, zero linear sums (float32)."""
     return LolaState(
         window=WindowState.empty(batch, hkv, window, d, dv, device=device, linear_keys=linear_keys),
         sparse=SparseCacheState.empty(batch, hq, sparse, d, dv, device=device, linear_keys=linear_keys),

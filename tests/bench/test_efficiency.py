@@ -66,6 +66,21 @@ def test_run_efficiency_writes_reports_and_measures_a_converted_model(tmp_path):
     assert linearize.layer_modes(model) == {1: "hybrid"}  # the teacher measurement left the modes as they were
 
 
+def test_static_decode_measures_both_sides_on_static_buffers(tmp_path):
+    """--graphs: the teacher and the conversion both decode through StaticDecoder (eagerly on CPU)."""
+    model = linearize.convert(build_tiny_llama(), {"attention": "hybrid", "window": 4, "layers": [1]})
+    out = run_efficiency(model, None, prefill_lengths=[16], decode_contexts=[16, 32], batch_size=3, decode_steps=2, warmup=1,
+                         repeats=1, static_decode=True)  # fmt: skip
+    assert out["settings"]["static_decode"] and [r["context"] for r in out["ratios"]["decode"]] == [16, 32]
+    assert {r["decoder"] for r in out["teacher"]["decode"] + out["converted"]["decode"]} == {"static"}
+    assert all(r["batch_size"] == 3 and r["tokens_per_s"] > 0 for r in out["teacher"]["decode"] + out["converted"]["decode"])
+    assert "StaticDecoder" in to_markdown(out)
+    model = linearize.convert(build_tiny_llama(), {"attention": "hybrid", "window": 4})
+    linearize.set_mode(model, "sinks_only")
+    with pytest.raises(ValueError, match="no static decode step"):
+        run_efficiency(model, None, prefill_lengths=[16], decode_contexts=[16], decode_steps=2, static_decode=True)
+
+
 def test_lengths_beyond_the_limit_raise_before_measuring():
     model = build_tiny_llama()
     with pytest.raises(ValueError, match="max_position_embeddings"):

@@ -70,6 +70,8 @@ def test_bad_layer_inputs_name_the_value():
     with pytest.raises(ValueError, match=r"prefill lengths must be positive integers, got \[0\]"):
         bench_layer(TINY, {"attention": "hybrid"}, prefill_lengths=[0], device="cpu")
     assert set(SHAPES) == {"smollm2-135m", "llama3-8b"}
+    with pytest.raises(ValueError, match="graphs=True needs a CUDA device; got cpu"):
+        bench_layer(TINY, {"attention": "hybrid"}, device="cpu", graphs=True)
 
 
 def test_cli_layer_bench_runs_every_kind(tmp_path, capsys):

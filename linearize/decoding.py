@@ -1,0 +1,277 @@
+"""Greedy decoding on static buffers, captured once as a CUDA graph (the gpt-fast pattern).
+
+    decoder = StaticDecoder(model, batch_size=8, max_length=4096)
+    tokens = decoder.generate(input_ids, max_new_tokens=256)     # (B, 256)
+
+A decode step reads and writes only buffers allocated before the first token: the step's token and
+position, every layer's memory, the next token. So the same kernels run at every token, and on CUDA
+the whole step (embedding, RoPE, every layer, final norm, lm_head, argmax) is captured once after
+two eager warm-up steps and replayed per token: no Python, no kernel launches on the host.
+
+Each layer's memory:
+- softmax (an unconverted attention layer, or a converted one in mode 'teacher'): keys and values
+  in (B, Hkv, max_length, D) buffers. A step writes its slot and attends over the whole buffer with
+  the slots after its position masked, as gpt-fast does: its cost is that of ``max_length`` tokens,
+  so set ``max_length`` to what the requests need. Query heads read their KV head's keys through a
+  grouped matmul (no repeated KV heads).
+- converted: the layer's per-token decode path (``decode_step``) on its state in static form
+  (``ConvertedAttention.static_decoding``: every index a device tensor), updated in place. Kinds
+  without one (LoLA) raise: they decode through ``model.generate()``.
+
+The prompt is prefilled by the model's own forward (its fast prefill paths), then each layer's
+memory is moved into the static buffers. Rows share one position: prompts of one length (a single
+prompt row is repeated to the batch). Decoding matches the model's forward on the whole sequence
+(tested); it takes no gradients and changes no weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+from transformers import DynamicCache
+
+from .cache import StateCacheLayer, cache_kwargs, state_layer
+from .checks import check_int
+from .layers.base import ConvertedAttention, project_qkv
+from .modeling import decoder_layers
+from .runtime import check_length
+
+logger = logging.getLogger(__name__)
+
+WARMUP_STEPS = 2
+"""Eager steps before the CUDA graph is captured (they allocate what the step needs and let the
+kernels pick their configurations); they are real steps: their tokens are kept."""
+
+
+@dataclass
+class _SoftmaxMemory:
+    """A softmax layer's keys and values in static buffers (B, Hkv, max_length, D)."""
+
+    keys: Tensor
+    values: Tensor
+
+    def step(self, attn: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, position: Tensor, after: Tensor) -> Tensor:
+        """The layer's attention output (B, 1, hidden) for ``h`` (B, 1, hidden) at ``position`` (1,);
+        ``after`` (max_length,) marks the slots after it."""
+        q, k, v, _, _ = project_qkv(attn, h, (cos, sin))  # (B, Hq, 1, D), (B, Hkv, 1, D) x 2
+        self.keys.index_copy_(2, position, k.to(self.keys.dtype))
+        self.values.index_copy_(2, position, v.to(self.values.dtype))
+        b, hkv, _, d = self.keys.shape
+        hq = q.shape[1]
+        scores = torch.matmul(q.reshape(b, hkv, hq // hkv, d).to(self.keys.dtype), self.keys.transpose(-1, -2))  # (B, Hkv, n_rep, L)
+        weights = (scores.float() * attn.scaling).masked_fill_(after, float("-inf")).softmax(dim=-1)
+        o = torch.matmul(weights.to(self.values.dtype), self.values)  # (B, Hkv, n_rep, D)
+        return attn.o_proj(o.reshape(b, 1, hq * d).to(h.dtype))
+
+
+class _StaticSlot:
+    """What a converted layer's ``decode_step`` reads of its cache slot, for static decoding: the
+    decode state, and an ``advance`` that counts nothing (no Python value changes from step to step,
+    so a compiled step is not recompiled and a replayed one misses nothing)."""
+
+    def __init__(self, decode_state) -> None:
+        self.decode_state = decode_state
+
+    def advance(self, decode_state, new_positions: int) -> None:
+        return None
+
+
+def _softmax_layer(attn: nn.Module) -> bool:
+    """Whether the layer's attention runs softmax over plain keys and values (the teacher's, a
+    converted layer in mode 'teacher', or the 'softmax' kind)."""
+    return not isinstance(attn, ConvertedAttention) or attn.mode == "teacher" or (attn.spec.attention, attn.mode) == ("softmax", "hybrid")
+
+
+def _prefilled_kv(cache, i: int) -> tuple[Tensor, Tensor]:
+    """Layer i's keys and values (B, Hkv, T, D) after the prefill: a transformers cache layer's, or
+    the KVState of the 'softmax' kind (a prompt has no padding: every slot is real)."""
+    layer = cache.layers[i]
+    if isinstance(layer, StateCacheLayer):
+        return layer.state.keys, layer.state.values
+    return layer.keys, layer.values
+
+
+class StaticDecoder:
+    """Greedy decoding of ``batch_size`` rows up to ``max_length`` tokens (prompt included), every
+    step on static buffers; ``graphs`` (default: on CUDA) captures the step as a CUDA graph;
+    ``compile``: the step goes through ``torch.compile`` first (fused elementwise kernels: norms,
+    RoPE, state updates), compiled during the first warm-up step."""
+
+    def __init__(self, model, *, batch_size: int, max_length: int, graphs: bool | None = None, compile: bool = False) -> None:
+        check_int("batch_size", batch_size, 1)
+        check_int("max_length", max_length, 2)
+        check_length(model, max_length)
+        self.model = model
+        self.batch_size, self.max_length = batch_size, max_length
+        self.device = next(model.parameters()).device
+        if graphs is None:
+            graphs = self.device.type == "cuda"
+        if graphs and self.device.type != "cuda":
+            raise ValueError(f"graphs=True needs a CUDA device; the model is on {self.device}")
+        self.graphs = graphs
+        self.compiled = compile
+        self._run_step = torch.compile(self._step, dynamic=False) if compile else self._step
+        self.layers = list(decoder_layers(model))
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            if not _static_layer(attn):
+                raise ValueError(f"layer {i} ({attn.spec.attention}, mode {attn.mode!r}) has no static decode step; "
+                                 "decode it with model.generate() (kinds with one: hybrid and dsla, in their attention modes)")
+        self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=self.device)  # (B, 1) the step's input
+        self.position = torch.zeros(1, dtype=torch.long, device=self.device)  # the step's position
+        self.slots = torch.arange(max_length, device=self.device)
+        self.logits = torch.zeros(batch_size, model.config.vocab_size, device=self.device)
+        """(B, vocab) float32: the logits the last token came from (prefill's or the last step's)."""
+        self.memory: list[_SoftmaxMemory | _StaticSlot] = []
+        self.length = 0
+        self._steps = 0
+        self._graph = None
+
+    # --- prefill -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, input_ids: Tensor) -> Tensor:
+        """Run the prompt ``input_ids`` (B or 1, T; one row is repeated to the batch) through the
+        model, move every layer's memory into static buffers; returns the first new token (B,)."""
+        if input_ids.dim() != 2 or input_ids.shape[0] not in (1, self.batch_size):
+            raise ValueError(f"input_ids must be (1 or {self.batch_size}, tokens); got {tuple(input_ids.shape)}")
+        t = input_ids.shape[1]
+        if not 1 <= t < self.max_length:
+            raise ValueError(f"the prompt has {t} tokens; it must have 1 to {self.max_length - 1} (max_length {self.max_length})")
+        ids = input_ids.to(self.device)
+        cache = DynamicCache()
+        out = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1, **cache_kwargs(cache))
+        repeat = self.batch_size if ids.shape[0] == 1 and self.batch_size > 1 else 1
+        dtype = self.model.dtype
+        self.memory = []
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            if _softmax_layer(attn):
+                keys, values = _prefilled_kv(cache, i)
+                shape = (self.batch_size, keys.shape[1], self.max_length, keys.shape[-1])
+                mem = _SoftmaxMemory(keys.new_zeros(shape, dtype=dtype), values.new_zeros(shape, dtype=dtype))
+                mem.keys[:, :, :t] = keys
+                mem.values[:, :, :t] = values
+            else:
+                mem = StateCacheLayer()
+                prefilled = state_layer(cache, i)
+                state = prefilled.state
+                mem.store(state.select([0] * repeat) if repeat > 1 else state, t)
+                if not attn.static_decoding(mem, self.batch_size, self.device, dtype):
+                    raise ValueError(f"layer {i} ({attn.spec.attention}) has no static decode step in mode {attn.mode!r}")
+                mem = _StaticSlot(mem.decode_state)
+            self.memory.append(mem)
+        self.length, self._steps, self._graph = t, 0, None
+        self.logits.copy_(out.logits[:, -1].float().expand(self.batch_size, -1))
+        self.token.copy_(self.logits.argmax(dim=-1, keepdim=True))
+        self.position.fill_(t)
+        return self.token[:, 0].clone()
+
+    # --- the step ----------------------------------------------------------------------------
+    def _step(self) -> None:
+        """Feed ``token`` at ``position``; write the next token into ``token`` and advance ``position``."""
+        base = self.model.model
+        x = base.embed_tokens(self.token)  # (B, 1, hidden)
+        cos, sin = base.rotary_emb(x, self.position.expand(self.batch_size)[:, None])
+        after = self.slots > self.position  # (L,)
+        for layer, mem in zip(self.layers, self.memory):
+            h = layer.input_layernorm(x)
+            attn = layer.self_attn
+            if isinstance(mem, _SoftmaxMemory):
+                a = mem.step(attn, h, cos, sin, self.position, after)
+            else:
+                o = attn.decode_step(h, (cos, sin), mem)  # (B, Hq, 1, D)
+                a = attn.o_proj(o.transpose(1, 2).reshape(self.batch_size, 1, -1).to(h.dtype))
+            x = x + a
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        logits = self.model.lm_head(base.norm(x))[:, 0]  # (B, vocab)
+        self.logits.copy_(logits)
+        self.token.copy_(logits.argmax(dim=-1, keepdim=True))
+        self.position.add_(1)
+
+    @torch.inference_mode()
+    def step(self) -> Tensor:
+        """One token for every row: the next token (B,) after feeding the current one."""
+        if not self.memory:
+            raise RuntimeError("prefill a prompt before decoding")
+        if self.length >= self.max_length:
+            raise RuntimeError(f"max_length {self.max_length} reached; make a decoder with a larger max_length")
+        if self._graph is not None:
+            self._graph.replay()
+        elif self.graphs and self._steps >= WARMUP_STEPS:
+            self._capture()
+            self._graph.replay()
+        elif self.compiled and self._steps == 0:
+            self._first_compiled_step()
+        else:
+            self._run_step()
+        self._steps += 1
+        self.length += 1
+        return self.token[:, 0].clone()
+
+    def _first_compiled_step(self) -> None:
+        """The first step, which compiles: where the compiler fails (the step has not run then), the
+        decoder logs why and goes on with the step uncompiled (still captured as a graph on CUDA)."""
+        from torch._dynamo.exc import BackendCompilerFailed
+
+        try:
+            self._run_step()
+        except BackendCompilerFailed as err:
+            logger.warning("torch.compile failed on the decode step (batch %d): %s; decoding uncompiled",
+                           self.batch_size, str(err).splitlines()[0][:300])  # fmt: skip
+            self.compiled, self._run_step = False, self._step
+            self._step()
+
+    def _capture(self) -> None:
+        """Record one step (nothing runs: the warm-up steps were real ones)."""
+        self._graph = cuda_graph(self._run_step, self.device, warmup=0)
+        logger.info("decode step captured as a CUDA graph (batch %d, max_length %d)", self.batch_size, self.max_length)
+
+    def nbytes_by_layer(self) -> dict[int, int]:
+        """Bytes of every layer's memory (the static buffers: softmax layers' keys and values for
+        ``max_length`` tokens, converted layers' decode states)."""
+        out = {}
+        for i, mem in enumerate(self.memory):
+            state = mem if isinstance(mem, _SoftmaxMemory) else mem.decode_state
+            out[i] = sum(t.numel() * t.element_size() for t in vars(state).values() if isinstance(t, Tensor))
+        return out
+
+    @torch.inference_mode()
+    def generate(self, input_ids: Tensor, max_new_tokens: int) -> Tensor:
+        """Prefill ``input_ids`` and decode greedily: the ``max_new_tokens`` new tokens (B, n)."""
+        check_int("max_new_tokens", max_new_tokens, 1)
+        if input_ids.shape[-1] + max_new_tokens > self.max_length:
+            raise ValueError(f"{input_ids.shape[-1]} prompt tokens + {max_new_tokens} new exceed max_length {self.max_length}")
+        out = [self.prefill(input_ids)]
+        for _ in range(max_new_tokens - 1):
+            out.append(self.step())
+        return torch.stack(out, dim=1)
+
+
+def cuda_graph(fn: Callable[[], object], device: torch.device, *, warmup: int = 2) -> torch.cuda.CUDAGraph:
+    """``fn`` (no arguments: it reads and writes static buffers) recorded as a CUDA graph after
+    ``warmup`` calls, on a side stream as capture needs (the warm-up calls run; the recorded one does
+    not). ``graph.replay()`` runs its kernels again."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def _static_layer(attn: nn.Module) -> bool:
+    return _softmax_layer(attn) or attn.has_static_decoding()
+
+
+def static_decoding_supported(model) -> bool:
+    """Whether every layer of ``model`` can decode on static buffers (``StaticDecoder``) in its current mode."""
+    return all(_static_layer(layer.self_attn) for layer in decoder_layers(model))
+

@@ -1,0 +1,222 @@
+"""Static-buffer decoding (``StaticDecoder``): every step equals the model's forward on the whole sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from linearize.decoding import StaticDecoder, static_decoding_supported
+from linearize.ops.hybrid import HybridDecodeState, hybrid_attention, hybrid_decode_step
+from linearize.ops.lola import LolaDecodeState, lola_attention, lola_decode_step
+
+from .test_model import VARIANTS, convert, tiny
+
+STATIC = ["softmax", "hybrid-joint", "hybrid-joint-overlap", "hybrid-gate", "hybrid-nope", "hybrid-nope-la_only", "hybrid-swa_only",
+          "dsla", "dsla-partial", "dsla-nope", "dsla-recent_only", "lola", "lola-no_state", "lola-nope-sinks-weight", "lola-nope-s0-C3"]
+
+
+def _model(name: str | None):
+    if name is None:
+        return tiny()
+    spec, mode = VARIANTS[name]
+    return convert(tiny(), spec, mode)
+
+
+@pytest.mark.parametrize("name", [None, *STATIC], ids=["teacher", *STATIC])
+@pytest.mark.parametrize("rows", [1, 3], ids=["one-row", "three-rows"])
+@torch.no_grad()
+def test_static_decoding_matches_full_forward(name, rows):
+    """Prefill, then 9 static steps (past the 4-token windows): each step's logits equal the full
+    forward's at that position, and the tokens are its greedy choices."""
+    model = _model(name)
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, model.config.vocab_size, (rows, 7), generator=gen)
+    decoder = StaticDecoder(model, batch_size=3, max_length=20)
+    first = decoder.prefill(prompt)
+    tokens, logits = [first], [decoder.logits.clone()]
+    for _ in range(9):
+        tokens.append(decoder.step())
+        logits.append(decoder.logits.clone())
+    seq = torch.cat([prompt.expand(3, -1), torch.stack(tokens[:-1], dim=1)], dim=1)  # (3, 16): every token fed
+    full = model(seq).logits[:, prompt.shape[1] - 1 :]  # (3, 10): the logits each new token came from
+    torch.testing.assert_close(torch.stack(logits, dim=1), full, atol=2e-5, rtol=2e-5)
+    assert torch.equal(torch.stack(tokens, dim=1), full.argmax(dim=-1))
+    assert decoder.length == 16
+
+
+@pytest.mark.parametrize("name", ["hybrid-nope", "dsla-partial"])
+@torch.no_grad()
+def test_compiled_step_equals_the_eager_step(name):
+    """torch.compile'd steps (one compilation: nothing in the step changes a Python value) give the
+    eager steps' tokens and logits."""
+    model = _model(name)
+    prompt = torch.randint(3, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(4))
+    runs = []
+    for compile in (False, True):
+        decoder = StaticDecoder(model, batch_size=2, max_length=16, compile=compile)
+        runs.append((decoder.generate(prompt, max_new_tokens=8), decoder.logits.clone()))
+    assert torch.equal(runs[1][0], runs[0][0])
+    torch.testing.assert_close(runs[1][1], runs[0][1], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_a_failed_compilation_falls_back_to_the_eager_step(caplog):
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    model = _model("hybrid-joint")
+    prompt = torch.randint(3, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(5))
+    want = StaticDecoder(model, batch_size=1, max_length=12).generate(prompt, max_new_tokens=5)
+    decoder = StaticDecoder(model, batch_size=1, max_length=12, compile=True)
+
+    def failing():
+        raise BackendCompilerFailed(lambda: None, RuntimeError("inductor failed"), None)
+
+    decoder._run_step = failing
+    with caplog.at_level("WARNING", logger="linearize.decoding"):
+        assert torch.equal(decoder.generate(prompt, max_new_tokens=5), want)
+    assert not decoder.compiled and "torch.compile failed on the decode step" in caplog.text
+
+
+@torch.no_grad()
+def test_generate_returns_the_new_tokens_and_checks_lengths():
+    model = _model("hybrid-joint")
+    prompt = torch.randint(3, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(2))
+    decoder = StaticDecoder(model, batch_size=2, max_length=12)
+    out = decoder.generate(prompt, max_new_tokens=7)
+    assert out.shape == (2, 7) and torch.equal(out[0], out[1])
+    ref = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=7, do_sample=False, pad_token_id=0)
+    assert torch.equal(out[0], ref[0, 5:])
+    with pytest.raises(ValueError, match="exceed max_length 12"):
+        decoder.generate(prompt, max_new_tokens=8)
+    decoder.step()  # feeds the 7th new token at position 11, the last slot
+    with pytest.raises(RuntimeError, match="max_length 12 reached"):
+        decoder.step()
+
+
+def test_bad_settings_and_unsupported_modes_are_named():
+    model = _model("hybrid-sinks_only")
+    assert not static_decoding_supported(model) and static_decoding_supported(_model("lola"))
+    with pytest.raises(ValueError, match=r"layer 0 \(hybrid, mode 'sinks_only'\).*model.generate\(\)"):
+        StaticDecoder(model, batch_size=1, max_length=8)
+    teacher = tiny()
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        StaticDecoder(teacher, batch_size=1, max_length=8, graphs=True)
+    with pytest.raises(ValueError, match="max_length"):
+        StaticDecoder(teacher, batch_size=1, max_length=1)
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
+        StaticDecoder(teacher, batch_size=1, max_length=10_000)
+    decoder = StaticDecoder(teacher, batch_size=2, max_length=8)
+    with pytest.raises(RuntimeError, match="prefill a prompt"):
+        decoder.step()
+    with pytest.raises(ValueError, match=r"input_ids must be \(1 or 2, tokens\)"):
+        decoder.prefill(torch.ones(3, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="1 to 7"):
+        decoder.prefill(torch.ones(1, 8, dtype=torch.long))
+
+
+@pytest.mark.parametrize("mix", ["joint", "gate"])
+@torch.no_grad()
+def test_static_hybrid_step_equals_the_host_ring_step(mix):
+    """The static form (ring index on the device, empty slots always masked) gives the host form's
+    outputs and state over 11 tokens past a 4-token window that starts half full."""
+    torch.manual_seed(0)
+    b, hq, hkv, d, w = 2, 4, 2, 8, 4
+    phi = torch.nn.functional.softplus
+    q, k, v = torch.randn(b, hq, 2, d), torch.randn(b, hkv, 2, d), torch.randn(b, hkv, 2, d)
+    _, state = hybrid_attention(q, k, v, phi_q=phi, phi_k=phi, window=w, mix=mix)
+    host = HybridDecodeState.from_state(state, phi, hq)
+    static = HybridDecodeState.from_state(state, phi, hq).make_static()
+    for _ in range(11):
+        q, k, v = torch.randn(b, hq, 1, d), torch.randn(b, hkv, 1, d), torch.randn(b, hkv, 1, d)
+        qf, kf = phi(q)[:, :, 0], phi(k.repeat_interleave(hq // hkv, dim=1))[:, :, 0]
+        outs = [hybrid_decode_step(s, q, k, v, qf, kf, mix=mix) for s in (host, static)]
+        torch.testing.assert_close(outs[1], outs[0], atol=1e-6, rtol=1e-6)
+    assert int(static.index) == host.head and static.steps == 0 and host.steps == int(static.count) == 11
+    for name in ("keys", "values", "features", "linear", "valid"):
+        torch.testing.assert_close(getattr(static, name), getattr(host, name), atol=1e-6, rtol=1e-6)
+    for got, want in zip(static.canonical().tensors(), host.canonical().tensors()):  # the same state back
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("linear", [False, True], ids=["rope-maps", "separate-maps"])
+@torch.no_grad()
+def test_lola_decode_step_equals_the_op_on_one_token(linear):
+    """lola_decode_step (state updated in place, constants on the device) gives lola_attention's
+    outputs and states token by token, with per-head weights, sinks and a length-scaled weight,
+    from a prefilled state past the window and the sparse cache's capacity."""
+    torch.manual_seed(0)
+    b, hq, hkv, d, w, lam = 2, 4, 2, 8, 3, 4
+    phi = torch.nn.functional.softplus
+    factor = torch.rand(hq)
+    kw = dict(phi_q=phi, phi_k=phi, window=w, sparse=lam, window_factor=factor, sinks=1, linear_weight=[0.2, 0.5, 1.0, 0.0],
+              weight_tokens=3)
+
+    def inputs(t):
+        q, k, v = torch.randn(b, hq, t, d), torch.randn(b, hkv, t, d), torch.randn(b, hkv, t, d)
+        return (q, k, v, {"q_lin": torch.randn(b, hq, t, d), "k_lin": torch.randn(b, hkv, t, d)} if linear else {})
+
+    q, k, v, lin = inputs(9)
+    _, state = lola_attention(q, k, v, chunk=3, **kw, **lin)
+    ds = LolaDecodeState.from_state(state, phi_q=phi, phi_k=phi, window_factor=factor, scale=d**-0.5, dtype=torch.float32,
+                                    sinks=1, linear_weight=[0.2, 0.5, 1.0, 0.0], weight_tokens=3)  # fmt: skip
+    tensors = [t.data_ptr() for t in ds.state.tensors()]
+    for _ in range(7):
+        q, k, v, lin = inputs(1)
+        want, state = lola_attention(q, k, v, chunk=1, state=state, **kw, **lin)
+        torch.testing.assert_close(lola_decode_step(ds, q, k, v, **lin), want, atol=1e-6, rtol=1e-6)
+    for got, ref in zip(ds.canonical().tensors(), state.tensors()):
+        torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-6)
+    assert [t.data_ptr() for t in ds.state.tensors()] == tensors  # updated in place
+    with pytest.raises(ValueError, match="separate feature-map keys"):
+        lola_decode_step(ds, q, k, v, **({} if linear else {"q_lin": q, "k_lin": k}))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", [None, "hybrid-joint", "hybrid-nope", "dsla-partial", "lola-nope-sinks-weight"],
+                         ids=["teacher", "hybrid-joint", "hybrid-nope", "dsla-partial", "lola"])
+@torch.no_grad()
+def test_cuda_graph_replays_equal_eager_steps(name):
+    """On CUDA the step is captured after two eager steps; replays give the eager decoder's logits."""
+    model = _model(name).cuda()
+    prompt = torch.randint(3, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(3)).cuda()
+    runs = []
+    for graphs, compile in ((False, False), (True, False), (True, True)):
+        decoder = StaticDecoder(model, batch_size=2, max_length=20, graphs=graphs, compile=compile)
+        decoder.prefill(prompt)
+        runs.append(torch.stack([decoder.step() for _ in range(10)]))
+        runs.append(decoder.logits.clone())
+        assert (decoder._graph is not None) == graphs
+    for tokens, logits in ((runs[2], runs[3]), (runs[4], runs[5])):
+        assert torch.equal(tokens, runs[0])
+        torch.testing.assert_close(logits, runs[1], atol=1e-5, rtol=1e-5)
+
+
+class _ByteTokenizer:
+    """A byte-level tokenizer for the tiny model's 128-token vocabulary (the real one is tested with
+    SmolLM2 in test_smollm2.py)."""
+
+    eos_token_id = pad_token_id = 0
+    chat_template = None
+
+    def __call__(self, text):
+        return {"input_ids": [3 + b % 125 for b in text.encode()]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(96 + int(i) % 26) for i in ids if not (skip_special_tokens and int(i) == 0))
+
+
+def test_generate_text_decodes_statically_where_it_can():
+    """generate_text's static decoder gives model.generate()'s text; 'auto' picks generate() on CPU;
+    a kind without a static step and a bad choice are named."""
+    from linearize.generate import generate_text
+
+    tokenizer = _ByteTokenizer()
+    model = _model("hybrid-joint")
+    results = {d: generate_text(model, tokenizer, "hi there", max_new_tokens=6, chat=False, decoder=d) for d in ("static", "generate", "auto")}
+    assert results["static"].text == results["generate"].text and results["static"].new_tokens == results["generate"].new_tokens
+    assert [results[d].decoder for d in ("static", "generate", "auto")] == ["static", "generate", "generate"]  # auto: static on CUDA
+    assert results["static"].memory_bytes == sum(results["static"].memory_by_layer.values()) > 0
+    with pytest.raises(ValueError, match="no static decode step"):
+        generate_text(_model("hybrid-none"), tokenizer, "hi", max_new_tokens=2, chat=False, decoder="static")
+    with pytest.raises(ValueError, match="unknown decoder 'fast'; valid choices: auto, static, generate"):
+        generate_text(model, tokenizer, "hi", decoder="fast")
