@@ -15,8 +15,8 @@ Each layer's memory:
   so set ``max_length`` to what the requests need. Query heads read their KV head's keys through a
   grouped matmul (no repeated KV heads).
 - converted: the layer's per-token decode path (``decode_step``) on its state in static form
-  (``ConvertedAttention.static_decoding``: every index a device tensor), updated in place. Kinds
-  without one (LoLA) raise: they decode through ``model.generate()``.
+  (``ConvertedAttention.static_decoding``: every index a device tensor), updated in place. Layers
+  without one (the diagnostic modes sinks_only and none) raise: they decode through ``model.generate()``.
 
 The prompt is prefilled by the model's own forward (its fast prefill paths), then each layer's
 memory is moved into the static buffers. Rows share one position: prompts of one length (a single
@@ -120,7 +120,7 @@ class StaticDecoder:
             attn = layer.self_attn
             if not _static_layer(attn):
                 raise ValueError(f"layer {i} ({attn.spec.attention}, mode {attn.mode!r}) has no static decode step; "
-                                 "decode it with model.generate() (kinds with one: hybrid and dsla, in their attention modes)")
+                                 "decode it with model.generate() (kinds with one: hybrid, dsla and lola, in their attention modes)")
         self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=self.device)  # (B, 1) the step's input
         self.position = torch.zeros(1, dtype=torch.long, device=self.device)  # the step's position
         self.slots = torch.arange(max_length, device=self.device)
@@ -175,7 +175,7 @@ class StaticDecoder:
         """Feed ``token`` at ``position``; write the next token into ``token`` and advance ``position``."""
         base = self.model.model
         x = base.embed_tokens(self.token)  # (B, 1, hidden)
-        cos, sin = base.rotary_emb(x, self.position.expand(self.batch_size)[:, None])
+        cos, sin = base.rotary_emb(x, self.position.repeat(self.batch_size).view(self.batch_size, 1))  # a copy, not a view of a buffer the step changes
         after = self.slots > self.position  # (L,)
         for layer, mem in zip(self.layers, self.memory):
             h = layer.input_layernorm(x)

@@ -233,11 +233,13 @@ def load_base_model(
 # ----------------------------------------------------------------------------- tiny test model
 
 
-def build_tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
-    """A tiny random Llama on CPU for tests (no download), identical for identical seed and overrides.
+def build_tiny_llama(seed: int = 0, *, device=None, dtype: torch.dtype | None = None, **overrides) -> LlamaForCausalLM:
+    """A random Llama (no download), tiny by default (tests), identical for identical seed and overrides.
 
     Defaults: 2 layers, hidden 64, 4 heads, 2 KV heads, head dim 16, vocab 128, 512 positions,
-    rope theta 1e4, tied embeddings (as SmolLM2). `overrides` are LlamaConfig fields.
+    rope theta 1e4, tied embeddings (as SmolLM2). `overrides` are LlamaConfig fields. ``device`` and
+    ``dtype`` (default CPU, float32): where and in what the parameters are created (a large shape is
+    materialised once, on the device).
     """
     fields = {
         "vocab_size": 128,
@@ -255,9 +257,18 @@ def build_tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
         "pad_token_id": None,
     }
     config = LlamaConfig(**(fields | overrides))
-    with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG untouched
+    device = torch.device(device or "cpu")
+    previous = torch.get_default_dtype()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # leave the caller's RNG untouched
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        if device.type == "cpu" and dtype is None:
+            return LlamaForCausalLM(config).eval()
+        torch.set_default_dtype(dtype or previous)
+        try:
+            with torch.device(device):
+                model = LlamaForCausalLM(config)
+        finally:
+            torch.set_default_dtype(previous)
     return model.eval()
 
 

@@ -36,6 +36,7 @@ from .commands import (
 )
 from .demo import DEFAULT_CONVERSION, DEMO_PROMPT, cmd_demo
 from ..bench.shapes import SHAPES as _SHAPES
+from ..bench.shapes import STACKS as _STACKS
 from .serve import add_serve_parser
 from .spec_flags import add_spec_flags, int_at_least, int_list_or_none, non_negative_float, non_negative_float_list, positive_int_list, spec_from_args, stored_flag_table
 
@@ -216,7 +217,15 @@ def _add_eval_commands(sub) -> None:
                    help="decode on static buffers, each step one CUDA graph replay, for the teacher and the conversion alike "
                         "(with spec flags or a converted --model: linearize.decoding.StaticDecoder, which also runs on CPU, "
                         "eagerly; with --layer: CUDA only)")
-    p.add_argument("--compile", action="store_true", help="with --graphs and a model: compile the decode step with torch.compile first")
+    p.add_argument("--compile", action="store_true",
+                   help="with --graphs or --capacity: compile the model's decode step with torch.compile first")
+    p.add_argument("--capacity", type=POSITIVE, metavar="CONTEXT",
+                   help="throughput at equal memory: the teacher's and the conversion's largest batch at CONTEXT tokens within "
+                        "one memory budget, and their decode tokens/s there (StaticDecoder; --out: capacity.json/md)")
+    p.add_argument("--stack", choices=tuple(_STACKS), help="with --capacity: a random-weight model of this shape instead of --model")
+    p.add_argument("--memory-gib", type=float, help="with --capacity: the memory budget in GiB (default: --memory-fraction of free GPU memory)")
+    p.add_argument("--memory-fraction", type=float, default=0.9, help="with --capacity on CUDA: the share of free memory to fill")
+    p.add_argument("--max-batch", type=POSITIVE, default=65536, help="with --capacity: the largest batch tried")
     p.add_argument("--device", help="cpu | cuda (default: cpu)")
     p.add_argument("--out", help="directory for efficiency.{json,md,png} (--layer: layer.{json,md,png})")
     add_spec_flags(p)

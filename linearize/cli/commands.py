@@ -330,8 +330,12 @@ LAYER_KINDS = ({"attention": "hybrid", "window": 64}, {"attention": "dsla"},
 
 
 def cmd_bench(args) -> int:
-    if args.compile and (not args.graphs or args.layer):
-        raise ValueError("--compile applies to --graphs decoding of a model (not with --layer); add --graphs")
+    if args.compile and (args.layer or not (args.graphs or args.capacity)):
+        raise ValueError("--compile applies to a model's static decoding (--graphs or --capacity), not to --layer")
+    if (args.stack or args.memory_gib is not None) and not args.capacity:
+        raise ValueError("--stack and --memory-gib go with --capacity CONTEXT")
+    if args.capacity:
+        return _bench_capacity(args)
     if args.layer:
         return _bench_layer(args)
     from ..bench.efficiency import run_decode_speed, run_efficiency, speed_markdown, to_markdown
@@ -351,6 +355,31 @@ def cmd_bench(args) -> int:
                             decode_steps=args.decode_steps, repeats=args.repeats, device=args.device, out_dir=args.out,
                             static_decode="compile" if args.compile and args.graphs else args.graphs)  # fmt: skip
     print(to_markdown(result))
+    return 0
+
+
+def _bench_capacity(args) -> int:
+    from ..bench.capacity import capacity_markdown, run_capacity
+    from ..bench.shapes import STACKS
+    from ..hub import build_tiny_llama
+    from ..runtime import check_device
+
+    spec = spec_from_args(args)
+    device = check_device(args.device or "cpu")
+    if args.stack:
+        import torch
+
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        model = build_tiny_llama(0, device=device, dtype=dtype, **STACKS[args.stack])
+        model.config.linearize_base_model = f"random {args.stack}"
+        if spec is None:
+            raise ValueError(f"--stack {args.stack} has random weights and no conversion: give spec flags (e.g. --attention hybrid)")
+    else:
+        model = args.model
+    memory = None if args.memory_gib is None else int(args.memory_gib * 2**30)
+    result = run_capacity(model, spec, out_dir=args.out, context=args.capacity, steps=args.decode_steps, memory_bytes=memory,
+                          memory_fraction=args.memory_fraction, max_batch=args.max_batch, compile=args.compile, device=device)  # fmt: skip
+    print(capacity_markdown(result))
     return 0
 
 

@@ -1,0 +1,212 @@
+"""Throughput at equal memory: the largest batch each model fits at one context, and its tokens/s there.
+
+    result = bench_capacity(model, {"attention": "hybrid", "window": 64}, context=32768, memory_bytes=100 * 2**30)
+    print(capacity_markdown(result))
+
+The teacher (the model with its converted layers in mode 'teacher') and the conversion are measured
+alike, each with ``linearize.decoding.StaticDecoder`` (on CUDA each step one CUDA graph replay):
+
+- bytes per request: what one row of a StaticDecoder holds for ``context + steps`` tokens (softmax
+  layers' keys and values; converted layers' decode states; the row's logits), measured on a
+  one-row decoder, plus the step's working memory per row (``working_bytes_per_row``);
+- batch: the memory budget // bytes per request, at most ``max_batch``. On CUDA a batch that runs
+  out of memory is retried at 7/8 of its size, and the row records the batch that ran;
+- tokens/s: batch / the median step time over ``steps`` steps after the decoder's warm-up, after
+  a one-row prompt of ``context`` random tokens repeated to the batch.
+
+The budget is ``memory_bytes``, or on CUDA ``memory_fraction`` of the memory free once the model is
+loaded. A model whose position limit is below ``context + steps`` has it lifted for the benchmark
+(RoPE is defined at every position; the result says so): speed and memory do not depend on quality.
+Nothing here asserts on time.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from ..checks import check_int
+from ..convert import convert, converted_layers
+from ..decoding import WARMUP_STEPS, StaticDecoder
+from ..io import write_results
+from ..runtime import max_positions
+from ..spec import ConversionSpec
+from ..teacher import teacher_modes
+from .efficiency import _random_ids, _time_calls
+
+logger = logging.getLogger(__name__)
+
+
+def working_bytes_per_row(model) -> int:
+    """The decode step's transient memory per row: its logits in the model's dtype and in float32
+    (twice, for the argmax and the copy) and a few hidden-sized activations."""
+    config = model.config
+    elem = torch.tensor([], dtype=model.dtype).element_size()
+    return config.vocab_size * (elem + 8) + 8 * max(config.hidden_size, config.intermediate_size) * elem
+
+
+def request_bytes(model, max_length: int) -> int:
+    """Bytes one row of a StaticDecoder of ``max_length`` tokens holds (its memory and logits)."""
+    decoder = StaticDecoder(model, batch_size=1, max_length=max_length, graphs=False)
+    device = next(model.parameters()).device
+    decoder.prefill(torch.zeros(1, 1, dtype=torch.long, device=device))
+    held = sum(decoder.nbytes_by_layer().values()) + decoder.logits.numel() * decoder.logits.element_size()
+    del decoder
+    return held
+
+
+def _lift_position_limit(model, length: int) -> int | None:
+    """Raise the model's position limit to ``length`` when it is lower; the old limit, or None."""
+    limit = max_positions(model)
+    if limit is None or limit >= length:
+        return None
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config.max_position_embeddings = length
+    logger.info("position limit lifted from %d to %d for this benchmark", limit, length)
+    return limit
+
+
+def _budget(device: torch.device, memory_bytes: int | None, memory_fraction: float) -> int:
+    if memory_bytes is not None:
+        return int(memory_bytes)
+    if device.type != "cuda":
+        raise ValueError("give memory_bytes (the memory budget) on a device other than CUDA")
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free * memory_fraction)
+
+
+@torch.inference_mode()
+def _measure(model, side: str, *, context: int, steps: int, budget: int, max_batch: int, compile: bool, seed: int) -> dict[str, Any]:
+    device = next(model.parameters()).device
+    max_length = context + WARMUP_STEPS + steps + 2
+    per_request = request_bytes(model, max_length) + working_bytes_per_row(model)
+    batch = min(max_batch, budget // per_request)
+    row: dict[str, Any] = {"side": side, "bytes_per_request": per_request, "fits": int(budget // per_request)}
+    if batch < 1:
+        row["error"] = f"one request ({per_request} bytes) does not fit in {budget} bytes"
+        return row
+    ids = _random_ids(model, 1, context, device, seed)
+    while True:
+        try:
+            decoder = StaticDecoder(model, batch_size=batch, max_length=max_length, compile=compile)
+            decoder.prefill(ids)
+            _time_calls(decoder.step, WARMUP_STEPS + 1, device)  # eager steps, then the capture
+            median = statistics.median(_time_calls(decoder.step, steps, device))
+            break
+        except torch.OutOfMemoryError:
+            if device.type != "cuda" or batch == 1:
+                raise
+            decoder = None
+            gc.collect()
+            torch.cuda.empty_cache()
+            logger.warning("%s: batch %d ran out of memory; trying %d", side, batch, batch * 7 // 8)
+            batch = max(1, batch * 7 // 8)
+    row.update(batch_size=batch, step_s=median, tokens_per_s=batch / median, compiled=decoder.compiled, graphs=decoder.graphs,
+               held_bytes=batch * per_request)  # fmt: skip
+    if device.type == "cuda":
+        row["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+    del decoder
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    logger.info("%s: %d bytes per request, batch %d, %.0f tokens/s", side, per_request, batch, row["tokens_per_s"])
+    return row
+
+
+def bench_capacity(
+    model,
+    spec: ConversionSpec | dict[str, Any] | None,
+    *,
+    context: int = 32768,
+    steps: int = 8,
+    memory_bytes: int | None = None,
+    memory_fraction: float = 0.9,
+    max_batch: int = 65536,
+    compile: bool = False,
+    device: str | torch.device | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """The teacher and the conversion (``model`` converted in place with ``spec``; an already converted
+    model with ``spec`` None is measured as it is) at their largest batch within one memory budget."""
+    check_int("context", context, 1)
+    check_int("steps", steps, 1)
+    check_int("max_batch", max_batch, 1)
+    if memory_bytes is not None:
+        check_int("memory_bytes", memory_bytes, 1)
+    if not 0 < memory_fraction <= 1:
+        raise ValueError(f"memory_fraction must lie in (0, 1], got {memory_fraction!r}")
+    if spec is None and not converted_layers(model):
+        raise ValueError("the model is not converted: pass a conversion spec (e.g. {'attention': 'hybrid', 'window': 64})")
+    if device is not None:
+        model.to(device)
+    device = next(model.parameters()).device
+    lifted = _lift_position_limit(model, context + WARMUP_STEPS + steps + 2)
+    if spec is not None:
+        convert(model, spec)
+    model.eval()
+    budget = _budget(device, memory_bytes, memory_fraction)
+    kw = dict(context=context, steps=steps, budget=budget, max_batch=max_batch, compile=compile, seed=seed)
+    with teacher_modes(model):
+        teacher = _measure(model, "teacher", **kw)
+    converted = _measure(model, "converted", **kw)
+    result = {
+        "model": str(getattr(model.config, "linearize_base_model", None) or getattr(model, "name_or_path", "") or model.config.model_type),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "spec": getattr(model.config, "linearize", None),
+        "settings": dict(context=context, steps=steps, memory_bytes=memory_bytes, memory_fraction=memory_fraction, budget_bytes=budget,
+                         max_batch=max_batch, compile=compile, position_limit_lifted_from=lifted),  # fmt: skip
+        "teacher": teacher,
+        "converted": converted,
+    }
+    if "tokens_per_s" in teacher and "tokens_per_s" in converted:
+        result["throughput_ratio"] = converted["tokens_per_s"] / teacher["tokens_per_s"]
+    return result
+
+
+def capacity_markdown(result: dict[str, Any]) -> str:
+    """The two rows (teacher, conversion) and the throughput ratio as a markdown table."""
+    s = result["settings"]
+    lines = [
+        f"**{result['model']}** on {result['device']} ({result['dtype']}): largest batch within {s['budget_bytes'] / 2**30:.2f} GiB "
+        f"at {s['context']} tokens of context, greedy decode tokens/s there (StaticDecoder"
+        f"{', compiled' if s['compile'] else ''}; median of {s['steps']} steps)"
+        + (f"; position limit lifted from {s['position_limit_lifted_from']}" if s["position_limit_lifted_from"] else ""),
+        "",
+        "| model | MiB per request | batch | ms per step | tokens/s |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for row in (result["teacher"], result["converted"]):
+        if "error" in row:
+            lines.append(f"| {row['side']} | {row['bytes_per_request'] / 2**20:.2f} | {row['error']} | | |")
+        else:
+            lines.append(f"| {row['side']} | {row['bytes_per_request'] / 2**20:.2f} | {row['batch_size']} | {row['step_s'] * 1e3:.2f} "
+                         f"| {row['tokens_per_s']:.0f} |")  # fmt: skip
+    if "throughput_ratio" in result:
+        lines += ["", f"Converted / teacher tokens/s: **{result['throughput_ratio']:.2f}x**"]
+    return "\n".join(lines) + "\n"
+
+
+def run_capacity(model_name_or_model, spec=None, *, out_dir: str | Path | None = None, **kwargs) -> dict[str, Any]:
+    """Entry for the CLI: load the model (a name for ``linearize.load_model``, or a model), run
+    ``bench_capacity``, and with ``out_dir`` write capacity.json and capacity.md there (atomically)."""
+    if isinstance(model_name_or_model, (str, Path)):
+        from ..api import load_model
+
+        model, _ = load_model(str(model_name_or_model), device=kwargs.get("device"))
+    else:
+        model = model_name_or_model
+    result = bench_capacity(model, spec, **kwargs)
+    if isinstance(model_name_or_model, (str, Path)):
+        result["model"] = str(model_name_or_model)
+    if out_dir is not None:
+        write_results(Path(out_dir), "capacity", result, capacity_markdown(result))
+    return result

@@ -1,0 +1,68 @@
+"""Throughput at equal memory on a tiny model: bytes per request, the batch that fits, reports. No timed assertions."""
+
+import json
+
+import pytest
+
+import linearize
+from linearize.bench.capacity import capacity_markdown, request_bytes, run_capacity, working_bytes_per_row
+from linearize.cli import main
+from linearize.hub import build_tiny_llama
+
+
+def test_each_side_runs_the_largest_batch_its_requests_fit(tmp_path):
+    """The teacher's request holds its keys and values for every token, the conversion's a fixed
+    state: in the same budget the conversion runs a larger batch; the position limit (64) is lifted
+    to the context and said so; the reports are written."""
+    model = build_tiny_llama(max_position_embeddings=64)
+    out = run_capacity(model, {"attention": "hybrid", "window": 4}, context=96, steps=2, memory_bytes=2**20, max_batch=20,
+                       out_dir=tmp_path)  # fmt: skip
+    teacher, converted = out["teacher"], out["converted"]
+    max_length = 96 + 2 + 2 + 2  # context, warm-up steps, timed steps, margin
+    kv = 2 * 2 * (2 * max_length * 16 * 4)  # layers x (keys, values) x (KV heads x tokens x head dim x float32)
+    assert teacher["bytes_per_request"] == kv + 128 * 4 + working_bytes_per_row(model)  # + the row's logits
+    assert teacher["batch_size"] == 2**20 // teacher["bytes_per_request"] == 17
+    assert converted["bytes_per_request"] < teacher["bytes_per_request"] / 1.9
+    assert converted["fits"] == 2**20 // converted["bytes_per_request"] > 20 and converted["batch_size"] == 20  # capped by max_batch
+    assert out["throughput_ratio"] == converted["tokens_per_s"] / teacher["tokens_per_s"] > 0
+    assert out["settings"]["position_limit_lifted_from"] == 64 and model.config.max_position_embeddings == max_length
+    saved = json.loads((tmp_path / "capacity.json").read_text())
+    assert saved["converted"]["batch_size"] == 20 and "position limit lifted from 64" in (tmp_path / "capacity.md").read_text()
+    assert linearize.layer_modes(model) == {0: "hybrid", 1: "hybrid"}  # the teacher's measurement left the modes
+
+
+def test_a_request_that_does_not_fit_is_reported_and_bad_settings_named():
+    model = linearize.convert(build_tiny_llama(), {"attention": "dsla"})
+    out = run_capacity(model, None, context=16, steps=1, memory_bytes=1000)
+    assert "does not fit in 1000 bytes" in out["teacher"]["error"] and "throughput_ratio" not in out
+    assert "does not fit" in capacity_markdown(out)
+    assert request_bytes(model, 20) == request_bytes(model, 400)  # DSLA: fixed states
+    teacher = build_tiny_llama()
+    assert request_bytes(teacher, 400) - request_bytes(teacher, 20) == 380 * 2 * 2 * 2 * 16 * 4  # tokens x layers x (k, v) x heads x dim x 4
+    with pytest.raises(ValueError, match="not converted"):
+        run_capacity(build_tiny_llama(), None, context=16, memory_bytes=2**20)
+    with pytest.raises(ValueError, match=r"memory_fraction must lie in \(0, 1\], got 1.5"):
+        run_capacity(model, None, context=16, memory_fraction=1.5)
+    with pytest.raises(ValueError, match="give memory_bytes"):
+        run_capacity(model, None, context=16)
+
+
+def test_cli_capacity(tmp_path, capsys):
+    path = tmp_path / "tiny"
+    build_tiny_llama(num_hidden_layers=2).save_pretrained(path)
+    assert main(["bench", "--capacity", "32", "--model", str(path), "--attention", "hybrid", "--window", "4", "--memory-gib", "0.001",
+                 "--decode-steps", "2", "--max-batch", "8", "--out", str(tmp_path / "cap")]) == 0  # fmt: skip
+    assert "Converted / teacher tokens/s" in capsys.readouterr().out and (tmp_path / "cap" / "capacity.json").is_file()
+    assert main(["bench", "--compile", "--model", str(path), "--attention", "hybrid"]) == 2
+    assert "--compile applies to a model's static decoding" in capsys.readouterr().err
+    assert main(["bench", "--stack", "llama3-8b", "--attention", "hybrid"]) == 2
+    assert "--stack and --memory-gib go with --capacity" in capsys.readouterr().err
+
+
+def test_random_models_are_built_in_the_asked_dtype_and_seeded():
+    import torch
+
+    a, b = build_tiny_llama(3, dtype=torch.bfloat16), build_tiny_llama(3, device="cpu", dtype=torch.bfloat16)
+    assert {p.dtype for p in a.parameters()} == {torch.bfloat16} and torch.get_default_dtype() == torch.float32
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert {p.dtype for p in build_tiny_llama(3).parameters()} == {torch.float32}
