@@ -19,8 +19,8 @@ Each layer's memory:
   without one (the diagnostic modes sinks_only and none) raise: they decode through ``model.generate()``.
 
 The prompt is prefilled by the model's own forward (its fast prefill paths), then each layer's
-memory is moved into the static buffers. Rows share one position: prompts of one length (a single
-prompt row is repeated to the batch). Decoding matches the model's forward on the whole sequence
+memory is moved into the static buffers. Prompts of different lengths come left-padded with their
+attention mask (each row continues from its own length); a single prompt row is repeated to the batch. Decoding matches the model's forward on the whole sequence
 (tested); it takes no gradients and changes no weights.
 """
 
@@ -38,6 +38,7 @@ from .cache import StateCacheLayer, cache_kwargs, state_layer
 from .checks import check_int
 from .layers.base import ConvertedAttention, project_qkv
 from .modeling import decoder_layers
+from .ops.states import BatchState
 from .runtime import check_length
 
 logger = logging.getLogger(__name__)
@@ -54,16 +55,17 @@ class _SoftmaxMemory:
     keys: Tensor
     values: Tensor
 
-    def step(self, attn: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, position: Tensor, after: Tensor) -> Tensor:
-        """The layer's attention output (B, 1, hidden) for ``h`` (B, 1, hidden) at ``position`` (1,);
-        ``after`` (max_length,) marks the slots after it."""
+    def step(self, attn: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, slot: Tensor, blocked: Tensor) -> Tensor:
+        """The layer's attention output (B, 1, hidden) for ``h`` (B, 1, hidden) written at buffer
+        ``slot`` (1,); ``blocked`` (B, 1, 1, max_length) marks the slots a row does not read (after
+        ``slot``, and its prompt's padding)."""
         q, k, v, _, _ = project_qkv(attn, h, (cos, sin))  # (B, Hq, 1, D), (B, Hkv, 1, D) x 2
-        self.keys.index_copy_(2, position, k.to(self.keys.dtype))
-        self.values.index_copy_(2, position, v.to(self.values.dtype))
+        self.keys.index_copy_(2, slot, k.to(self.keys.dtype))
+        self.values.index_copy_(2, slot, v.to(self.values.dtype))
         b, hkv, _, d = self.keys.shape
         hq = q.shape[1]
         scores = torch.matmul(q.reshape(b, hkv, hq // hkv, d).to(self.keys.dtype), self.keys.transpose(-1, -2))  # (B, Hkv, n_rep, L)
-        weights = (scores.float() * attn.scaling).masked_fill_(after, float("-inf")).softmax(dim=-1)
+        weights = (scores.float() * attn.scaling).masked_fill_(blocked, float("-inf")).softmax(dim=-1)
         o = torch.matmul(weights.to(self.values.dtype), self.values)  # (B, Hkv, n_rep, D)
         return attn.o_proj(o.reshape(b, 1, hq * d).to(h.dtype))
 
@@ -122,8 +124,10 @@ class StaticDecoder:
                 raise ValueError(f"layer {i} ({attn.spec.attention}, mode {attn.mode!r}) has no static decode step; "
                                  "decode it with model.generate() (kinds with one: hybrid, dsla and lola, in their attention modes)")
         self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=self.device)  # (B, 1) the step's input
-        self.position = torch.zeros(1, dtype=torch.long, device=self.device)  # the step's position
+        self.position = torch.zeros(batch_size, dtype=torch.long, device=self.device)  # (B,) each row's position (RoPE)
+        self.slot = torch.zeros(1, dtype=torch.long, device=self.device)  # the buffer slot the step writes (all rows)
         self.slots = torch.arange(max_length, device=self.device)
+        self.padding = torch.zeros(batch_size, max_length, dtype=torch.bool, device=self.device)  # (B, L) prompt padding
         self.logits = torch.zeros(batch_size, model.config.vocab_size, device=self.device)
         """(B, vocab) float32: the logits the last token came from (prefill's or the last step's)."""
         self.memory: list[_SoftmaxMemory | _StaticSlot] = []
@@ -133,17 +137,26 @@ class StaticDecoder:
 
     # --- prefill -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, input_ids: Tensor) -> Tensor:
-        """Run the prompt ``input_ids`` (B or 1, T; one row is repeated to the batch) through the
-        model, move every layer's memory into static buffers; returns the first new token (B,)."""
+    def prefill(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """Run the prompts ``input_ids`` (B or 1, T; one row is repeated to the batch) through the
+        model, move every layer's memory into static buffers; returns the first new token (B,).
+        ``attention_mask`` (B, T; 1 real, 0 padding): prompts of different lengths, padded on the
+        left (each row then continues from its own length)."""
         if input_ids.dim() != 2 or input_ids.shape[0] not in (1, self.batch_size):
             raise ValueError(f"input_ids must be (1 or {self.batch_size}, tokens); got {tuple(input_ids.shape)}")
         t = input_ids.shape[1]
         if not 1 <= t < self.max_length:
             raise ValueError(f"the prompt has {t} tokens; it must have 1 to {self.max_length - 1} (max_length {self.max_length})")
         ids = input_ids.to(self.device)
+        mask = torch.ones_like(ids) if attention_mask is None else attention_mask.to(self.device).long()
+        if mask.shape != ids.shape:
+            raise ValueError(f"attention_mask has shape {tuple(mask.shape)}; expected that of input_ids {tuple(ids.shape)}")
+        if not bool((mask[:, 1:] >= mask[:, :-1]).all() & (mask[:, -1] == 1).all()):
+            raise ValueError("attention_mask must pad on the left (each row: zeros, then ones, ending in a real token)")
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # (B, T)
         cache = DynamicCache()
-        out = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1, **cache_kwargs(cache))
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
+                         **cache_kwargs(cache))  # fmt: skip
         repeat = self.batch_size if ids.shape[0] == 1 and self.batch_size > 1 else 1
         dtype = self.model.dtype
         self.memory = []
@@ -167,7 +180,10 @@ class StaticDecoder:
         self.length, self._steps, self._graph = t, 0, None
         self.logits.copy_(out.logits[:, -1].float().expand(self.batch_size, -1))
         self.token.copy_(self.logits.argmax(dim=-1, keepdim=True))
-        self.position.fill_(t)
+        self.position.copy_(mask.sum(dim=1).expand(self.batch_size))
+        self.slot.fill_(t)
+        self.padding.zero_()
+        self.padding[:, :t] = (mask == 0).expand(self.batch_size, -1)
         return self.token[:, 0].clone()
 
     # --- the step ----------------------------------------------------------------------------
@@ -175,13 +191,13 @@ class StaticDecoder:
         """Feed ``token`` at ``position``; write the next token into ``token`` and advance ``position``."""
         base = self.model.model
         x = base.embed_tokens(self.token)  # (B, 1, hidden)
-        cos, sin = base.rotary_emb(x, self.position.repeat(self.batch_size).view(self.batch_size, 1))  # a copy, not a view of a buffer the step changes
-        after = self.slots > self.position  # (L,)
+        cos, sin = base.rotary_emb(x, self.position.clone().view(self.batch_size, 1))  # a copy, not a view of a buffer the step changes
+        blocked = ((self.slots > self.slot) | self.padding).view(self.batch_size, 1, 1, self.max_length)  # (B, 1, 1, L)
         for layer, mem in zip(self.layers, self.memory):
             h = layer.input_layernorm(x)
             attn = layer.self_attn
             if isinstance(mem, _SoftmaxMemory):
-                a = mem.step(attn, h, cos, sin, self.position, after)
+                a = mem.step(attn, h, cos, sin, self.slot, blocked)
             else:
                 o = attn.decode_step(h, (cos, sin), mem)  # (B, Hq, 1, D)
                 a = attn.o_proj(o.transpose(1, 2).reshape(self.batch_size, 1, -1).to(h.dtype))
@@ -191,6 +207,7 @@ class StaticDecoder:
         self.logits.copy_(logits)
         self.token.copy_(logits.argmax(dim=-1, keepdim=True))
         self.position.add_(1)
+        self.slot.add_(1)
 
     @torch.inference_mode()
     def step(self) -> Tensor:
@@ -233,19 +250,22 @@ class StaticDecoder:
     def nbytes_by_layer(self) -> dict[int, int]:
         """Bytes of every layer's memory (the static buffers: softmax layers' keys and values for
         ``max_length`` tokens, converted layers' decode states)."""
-        out = {}
-        for i, mem in enumerate(self.memory):
-            state = mem if isinstance(mem, _SoftmaxMemory) else mem.decode_state
-            out[i] = sum(t.numel() * t.element_size() for t in vars(state).values() if isinstance(t, Tensor))
-        return out
+        def nbytes(value) -> int:
+            if isinstance(value, Tensor):
+                return value.numel() * value.element_size()
+            return value.nbytes() if isinstance(value, BatchState) else 0
+
+        return {i: sum(nbytes(v) for v in vars(mem if isinstance(mem, _SoftmaxMemory) else mem.decode_state).values())
+                for i, mem in enumerate(self.memory)}  # fmt: skip
 
     @torch.inference_mode()
-    def generate(self, input_ids: Tensor, max_new_tokens: int) -> Tensor:
-        """Prefill ``input_ids`` and decode greedily: the ``max_new_tokens`` new tokens (B, n)."""
+    def generate(self, input_ids: Tensor, max_new_tokens: int, attention_mask: Tensor | None = None) -> Tensor:
+        """Prefill ``input_ids`` (``attention_mask``: as ``prefill``) and decode greedily: the
+        ``max_new_tokens`` new tokens (B, n)."""
         check_int("max_new_tokens", max_new_tokens, 1)
         if input_ids.shape[-1] + max_new_tokens > self.max_length:
             raise ValueError(f"{input_ids.shape[-1]} prompt tokens + {max_new_tokens} new exceed max_length {self.max_length}")
-        out = [self.prefill(input_ids)]
+        out = [self.prefill(input_ids, attention_mask)]
         for _ in range(max_new_tokens - 1):
             out.append(self.step())
         return torch.stack(out, dim=1)
