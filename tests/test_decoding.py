@@ -92,6 +92,7 @@ def test_left_padded_prompts_of_different_lengths_decode_as_each_alone(name):
         ids[row, 7 - len(p):], mask[row, 7 - len(p):] = p, 1
     batch = StaticDecoder(model, batch_size=3, max_length=20)
     tokens = batch.generate(ids, max_new_tokens=9, attention_mask=mask)
+    assert len(batch.nbytes_by_layer()) == 3 and all(n > 0 for n in batch.nbytes_by_layer().values())  # every kind's memory counted
     for row, p in enumerate(prompts):
         alone = StaticDecoder(model, batch_size=1, max_length=20)
         assert torch.equal(tokens[row], alone.generate(p[None], max_new_tokens=9)[0])
