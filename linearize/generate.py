@@ -73,10 +73,13 @@ def text_streamer(tokenizer, on_text: Callable[[str], None]):
     return _Streamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
 
 
-def _eos_ids(model, tokenizer) -> set[int]:
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    eos = tokenizer.eos_token_id if eos is None else eos
-    return set() if eos is None else {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+def eos_token_ids(model, tokenizer=None) -> frozenset[int]:
+    """The ids that end a generation: the model's generation config's, else its config's, else the
+    tokenizer's (when given); none when none of them names one."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None) or getattr(model.config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    return frozenset() if eos is None else frozenset(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
 
 
 def _static_generate(model, tokenizer, input_ids, max_new_tokens: int, streamer) -> tuple[list[int], dict[int, int]]:
@@ -84,7 +87,7 @@ def _static_generate(model, tokenizer, input_ids, max_new_tokens: int, streamer)
     each layer's static memory holds."""
     from .decoding import StaticDecoder
 
-    eos = _eos_ids(model, tokenizer)
+    eos = eos_token_ids(model, tokenizer)
     decoder = StaticDecoder(model, batch_size=1, max_length=input_ids.shape[1] + max_new_tokens)
     if streamer is not None:
         streamer.put(input_ids.cpu())  # the prompt: skipped

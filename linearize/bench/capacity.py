@@ -33,12 +33,12 @@ import transformers
 
 from ..checks import check_int
 from ..convert import convert, converted_layers
-from ..decoding import WARMUP_STEPS, StaticDecoder
+from ..decoding import StaticDecoder
 from ..io import write_results
 from ..runtime import max_positions
 from ..spec import ConversionSpec
 from ..teacher import teacher_modes
-from .efficiency import _random_ids, _time_calls
+from .efficiency import _decode_tokens, _random_ids, _time_calls, decode_warmup
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def _budget(device: torch.device, memory_bytes: int | None, memory_fraction: flo
 @torch.inference_mode()
 def _measure(model, side: str, *, context: int, steps: int, budget: int, max_batch: int, compile: bool, seed: int) -> dict[str, Any]:
     device = next(model.parameters()).device
-    max_length = context + WARMUP_STEPS + steps + 2
+    max_length = _decode_tokens(context, 0, steps, True)
     per_request = request_bytes(model, max_length) + working_bytes_per_row(model)
     batch = min(max_batch, budget // per_request)
     row: dict[str, Any] = {"side": side, "bytes_per_request": per_request, "fits": int(budget // per_request)}
@@ -96,7 +96,7 @@ def _measure(model, side: str, *, context: int, steps: int, budget: int, max_bat
         try:
             decoder = StaticDecoder(model, batch_size=batch, max_length=max_length, compile=compile)
             decoder.prefill(ids)
-            _time_calls(decoder.step, WARMUP_STEPS + 1, device)  # eager steps, then the capture
+            _time_calls(decoder.step, decode_warmup(0, True), device)  # eager steps, then the capture
             median = statistics.median(_time_calls(decoder.step, steps, device))
             break
         except torch.OutOfMemoryError:
@@ -147,7 +147,7 @@ def bench_capacity(
     if device is not None:
         model.to(device)
     device = next(model.parameters()).device
-    lifted = _lift_position_limit(model, context + WARMUP_STEPS + steps + 2)
+    lifted = _lift_position_limit(model, _decode_tokens(context, 0, steps, True))
     if spec is not None:
         convert(model, spec)
     model.eval()

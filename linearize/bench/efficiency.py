@@ -132,6 +132,19 @@ def _decoder_name(decoder) -> str:
     return "static" + ("-compiled" if decoder.compiled else "") + ("-graph" if decoder.graphs else "")
 
 
+def decode_warmup(warmup: int, static: bool | str) -> int:
+    """The untimed steps before timing decode: ``warmup``, and with a StaticDecoder at least its eager
+    warm-up steps and the capture, so that the timed steps replay the graph."""
+    from ..decoding import WARMUP_STEPS
+
+    return max(warmup, WARMUP_STEPS + 1) if static else warmup
+
+
+def _decode_tokens(context: int, warmup: int, steps: int, static: bool | str) -> int:
+    """Positions a decode measurement reaches (a StaticDecoder holds one more slot)."""
+    return context + decode_warmup(warmup, static) + steps + bool(static)
+
+
 def _static_decoder(model, ids: Tensor, batch_size: int, max_steps: int, compile: bool = False):
     """A StaticDecoder of ``batch_size`` rows with ``ids`` (1, L) prefilled."""
     from ..decoding import StaticDecoder
@@ -154,13 +167,10 @@ def bench_decode(
     the model's cache, after a batch of prompts. Rows say which in ``decoder``."""
     device = _place(model, device)
     rows = []
-    if static:
-        from ..decoding import WARMUP_STEPS
-
-        warmup = max(warmup, WARMUP_STEPS + 1)  # the timed steps replay the graph
+    warmup = decode_warmup(warmup, static)
     with eval_mode(model):
         for context in tqdm(context_lengths, desc="decode", unit="context", disable=len(context_lengths) < 2):
-            check_length(model, context + warmup + steps + bool(static))
+            check_length(model, _decode_tokens(context, warmup, steps, static))
             decoder = None
             if static:
                 decoder = _static_decoder(model, _random_ids(model, 1, context, device, seed), batch_size, warmup + steps,
@@ -235,11 +245,12 @@ def benchmark(
         raise ValueError("the model is not converted: pass a conversion spec (e.g. {'attention': 'hybrid', 'window': 64})")
     spec = ConversionSpec.coerce(spec) if spec is not None else None
     memory_contexts = sorted(set(prefill_lengths) | set(decode_contexts)) if memory_contexts is None else list(memory_contexts)
-    for length in [*prefill_lengths, *memory_contexts, *(c + warmup + decode_steps + 3 * bool(static_decode) for c in decode_contexts)]:
+    for length in [*prefill_lengths, *memory_contexts, *(_decode_tokens(c, warmup, decode_steps, static_decode) for c in decode_contexts)]:
         check_length(model, length)  # fail before any measurement
     device = _place(model, device)
     settings = dict(prefill_lengths=list(prefill_lengths), decode_contexts=list(decode_contexts), memory_contexts=memory_contexts,
-                    batch_size=batch_size, decode_steps=decode_steps, warmup=warmup, repeats=repeats, static_decode=static_decode)  # fmt: skip
+                    batch_size=batch_size, decode_steps=decode_steps, warmup=warmup, decode_warmup=decode_warmup(warmup, static_decode),
+                    repeats=repeats, static_decode=static_decode)  # fmt: skip
     if spec is not None:
         convert(model, spec)
     teacher, converted = _interleaved(model, [
@@ -320,8 +331,7 @@ def to_markdown(result: dict[str, Any]) -> str:
         "|---:|---:|---:|---:|",
         *(f"| {x['length']} | {x['teacher_s'] * 1e3:.2f} | {x['converted_s'] * 1e3:.2f} | {x['ratio']:.3g} |" for x in r["prefill"]),
         "",
-        f"Decode, per token (median of {s['decode_steps']} steps after "
-        f"{result['converted']['decode'][0].get('warmup', s['warmup']) if result['converted']['decode'] else s['warmup']} warm-up"
+        f"Decode, per token (median of {s['decode_steps']} steps after {s.get('decode_warmup', s['warmup'])} warm-up"
         f"{_STATIC_NOTE.get(s.get('static_decode') or False, '')})",
         "",
         "| context tokens | teacher ms | converted ms | converted / teacher |",

@@ -87,7 +87,7 @@ def _add_model_commands(sub) -> None:
     p.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text (no chat template)")
     p.add_argument("--mode", choices=MODES, metavar="MODE", help=f"component mode of converted layers ({', '.join(MODES)}; each kind has a subset)")
     p.add_argument("--decoder", default="auto",
-                   help="static: static buffers, each decode step one CUDA graph replay on CUDA (softmax, hybrid and dsla layers); "
+                   help="static: static buffers, each decode step one CUDA graph replay on CUDA (softmax, hybrid, dsla and lola layers); "
                         "generate: model.generate() with the model's cache; auto (default): static on CUDA where every layer has it")
     p.add_argument("--json", action="store_true")
     add_spec_flags(p)

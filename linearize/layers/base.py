@@ -252,7 +252,15 @@ class ConvertedAttention(nn.Module):
         with no host reads (every index a device tensor, no shape that changes with the step), so
         that a whole decode step can be captured once in a CUDA graph and replayed; False where this
         kind or mode has no such form (``has_static_decoding``; nothing is changed then)."""
-        return False
+        if not self.has_static_decoding():
+            return False
+        slot.advance(self.static_decode_state(slot, batch, device, dtype), 0)
+        return True
+
+    def static_decode_state(self, slot, batch: int, device, dtype):
+        """The static decode form of ``slot``'s state (empty when it has none), for kinds with
+        ``has_static_decoding``."""
+        raise NotImplementedError(f"attention {self.spec.attention!r} has no static decode state")
 
     # --- forward -----------------------------------------------------------------------------
     def forward(

@@ -164,11 +164,8 @@ class DslaAttention(ConvertedAttention):
     def has_static_decoding(self) -> bool:
         return self.mode in self.GAMMA
 
-    def static_decoding(self, slot, batch: int, device, dtype) -> bool:
-        if not self.has_static_decoding():
-            return False
-        slot.advance(self._decode_state(slot, batch, device, dtype), 0)  # already updated in place, no host reads
-        return True
+    def static_decode_state(self, slot, batch: int, device, dtype) -> DslaDecodeState:
+        return self._decode_state(slot, batch, device, dtype)  # already updated in place, no host reads
 
     def _decode_state(self, slot, b: int, device, dtype) -> DslaDecodeState:
         """The slot's decode state, made from its state (zeros when empty) before the first token."""

@@ -66,20 +66,17 @@ class LolaAttention(WindowedLinearAttention):
     def has_static_decoding(self) -> bool:
         return self.mode in self.READS
 
-    def static_decoding(self, slot, batch: int, device, dtype) -> bool:
-        if not self.has_static_decoding():
-            return False
+    def static_decode_state(self, slot, batch: int, device, dtype) -> LolaDecodeState:
         state = expect_state(slot.state, LolaState, self)
         o = self.options
         if state is None:  # nothing prefilled: the empty memory
             state = lola_state_empty(batch, self.num_heads, self.num_kv_heads, o.window, o.sparse_cache, self.head_dim, self.head_dim,
                                      o.features(self.head_dim), device, linear_keys=self.separate_linear_inputs)  # fmt: skip
         read_state, read_sparse = self.READS[self.mode]
-        slot.advance(LolaDecodeState.from_state(
+        return LolaDecodeState.from_state(
             state, phi_q=self.feature_map_q, phi_k=self.feature_map_k, window_factor=self.window_factor(), scale=self.scaling,
             dtype=dtype, read_state=read_state, read_sparse=read_sparse, sinks=o.sinks, linear_weight=o.linear_weight,
-            weight_tokens=o.linear_weight_tokens), 0)  # fmt: skip
-        return True
+            weight_tokens=o.linear_weight_tokens)  # fmt: skip
 
     def decode_step(self, x, position_embeddings, slot):
         """The per-token path of a static decode state (``static_decoding``); None otherwise (the

@@ -526,6 +526,7 @@ def hybrid_decode_step(
             state.values[:, i, dv] = 1.0
             state.valid[:, i] = True
         state.features[:, i] = kf.reshape(bk, -1)
+        state.steps += 1
     else:  # the same with the ring index on the device (static form)
         i = state.index.view(1)
         state.linear.view(bk, -1, dv + 1).baddbmm_(state.features.index_select(1, i).transpose(1, 2), state.values.index_select(1, i))
@@ -537,8 +538,6 @@ def hybrid_decode_step(
         state.features.index_copy_(1, i, kf.reshape(bk, 1, -1).to(dt))
         state.index.add_(1).remainder_(w)
         state.count.add_(1)  # the host's ``steps`` stays
-    if state.index is None:
-        state.steps += 1
 
     qf = qf.reshape(b * hq, 1, -1)  # (B Hq, 1, F)
     if qf.dtype != dt:

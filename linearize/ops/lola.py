@@ -155,9 +155,8 @@ def lola_attention(
     # Pack each row's real tokens to the front (stable), so chunks are cut over real tokens.
     order = torch.argsort((~valid).int(), dim=1, stable=True)  # (B, T)
     n_real = valid.sum(1)  # (B,)
-    factor = window_factor.to(q.device, torch.float32).view(1, hq, 1, 1)  # (1, Hq, 1, 1)
-    ctx = _ChunkContext(phi_q, phi_k, factor, scale, n_rep, q.dtype, read_state, read_sparse, sinks,
-                        weights.to(q.device).view(1, hq, 1, 1), weight_tokens)
+    ctx = _ChunkContext.on(q.device, phi_q, phi_k, window_factor, scale, n_rep, q.dtype, read_state, read_sparse, sinks, weights,
+                           weight_tokens)  # fmt: skip
     next_pos = state.window.positions[:, -1] + 1  # (B,) the newest token sits in the last slot
     outs = []
     for c0 in range(0, t_len, chunk):
@@ -197,6 +196,16 @@ class _ChunkContext:
     sinks: int  # the first ``sinks`` positions of a sequence are never evicted from the sparse cache
     linear_weight: Tensor  # (1, Hq, 1, 1) weight of the linear term in the shared denominator (1 = LoLCATs)
     weight_tokens: int  # > 0: the weight falls as weight_tokens / n for a query reading n > weight_tokens tokens linearly
+
+    @classmethod
+    def on(cls, device, phi_q, phi_k, window_factor: Tensor, scale: float, n_rep: int, dtype, read_state: bool, read_sparse: bool,
+           sinks: int, weights: Tensor, weight_tokens: int) -> "_ChunkContext":
+        """The context with the per-head window factor and linear weights (Hq,) as (1, Hq, 1, 1)
+        float32 tensors on ``device``."""
+        hq = window_factor.shape[0]
+        factor = window_factor.to(device, torch.float32).view(1, hq, 1, 1)
+        return cls(phi_q, phi_k, factor, scale, n_rep, dtype, read_state, read_sparse, sinks, weights.to(device).view(1, hq, 1, 1),
+                   weight_tokens)  # fmt: skip
 
     def phi(self, fn: FeatureFn, x: Tensor) -> Tensor:
         """Feature map in the model's dtype (float32 state keys round-trip exactly), result float32."""
@@ -354,17 +363,10 @@ class LolaDecodeState:
         """The decode form of ``state`` for ``lola_attention``'s arguments of the same names (checked
         once here; ``dtype``: the inputs' dtype, in which the feature maps run)."""
         hq, hkv = state.sparse.keys.shape[1], state.window.keys.shape[1]
-        sparse = state.sparse.keys.shape[2]
-        if isinstance(weight_tokens, bool) or not isinstance(weight_tokens, int) or weight_tokens < 0:
-            raise ValueError(f"weight_tokens must be an integer >= 0 (0: off), got {weight_tokens!r}")
-        if not 0 <= sinks <= sparse:
-            raise ValueError(f"sinks must lie in [0, sparse={sparse}] (they occupy sparse-cache slots), got {sinks}")
-        if window_factor.shape != (hq,):
-            raise ValueError(f"window_factor must have shape ({hq},), got {tuple(window_factor.shape)}")
-        device = state.linear.kv.device
-        weights = head_weights(linear_weight, hq).to(device).view(1, hq, 1, 1)
-        factor = window_factor.detach().to(device, torch.float32).view(1, hq, 1, 1)
-        context = _ChunkContext(phi_q, phi_k, factor, scale, hq // hkv, dtype, read_state, read_sparse, sinks, weights, weight_tokens)
+        weights = _check_options(heads=hq, window=state.window.keys.shape[2], sparse=state.sparse.keys.shape[2], chunk=1,
+                                 window_factor=window_factor, sinks=sinks, linear_weight=linear_weight, weight_tokens=weight_tokens)  # fmt: skip
+        context = _ChunkContext.on(state.linear.kv.device, phi_q, phi_k, window_factor, scale, hq // hkv, dtype, read_state, read_sparse,
+                                   sinks, weights, weight_tokens)  # fmt: skip
         return cls(state.clone(), context)
 
     def canonical(self) -> LolaState:
@@ -402,6 +404,26 @@ def _check_args(q: Tensor, k: Tensor, v: Tensor, *, window: int, sparse: int, ch
                 q_lin: Tensor | None = None, k_lin: Tensor | None = None, sinks: int = 0,
                 linear_weight=1.0, weight_tokens: int = 0) -> Tensor:
     """ValueError naming a bad argument; the linear weights per query head (Hq,), checked."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != 4:
+            raise ValueError(f"{name} must be (B, H, T, D), got shape {tuple(x.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree on (B, Hkv, T)")
+    if (q.shape[0], q.shape[2], q.shape[3]) != (k.shape[0], k.shape[2], k.shape[3]):
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on B, T and D")
+    if (q_lin is None) != (k_lin is None):
+        raise ValueError("q_lin and k_lin go together: give both (the feature maps' inputs) or neither")
+    if q_lin is not None and (q_lin.shape != q.shape or k_lin.shape != k.shape):
+        raise ValueError(f"q_lin/k_lin have shapes {tuple(q_lin.shape)}/{tuple(k_lin.shape)}; expected those of "
+                         f"q/k {tuple(q.shape)}/{tuple(k.shape)}")
+    return _check_options(heads=q.shape[1], window=window, sparse=sparse, chunk=chunk, window_factor=window_factor, sinks=sinks,
+                          linear_weight=linear_weight, weight_tokens=weight_tokens)  # fmt: skip
+
+
+def _check_options(*, heads: int, window: int, sparse: int, chunk: int, window_factor: Tensor, sinks: int, linear_weight,
+                   weight_tokens: int) -> Tensor:
+    """ValueError naming a bad option (the calls' and the decode state's); the linear weights per
+    query head (Hq,), checked."""
     if isinstance(weight_tokens, bool) or not isinstance(weight_tokens, int) or weight_tokens < 0:
         raise ValueError(f"weight_tokens must be an integer >= 0 (0: off), got {weight_tokens!r}")
     if window < 1:
@@ -412,21 +434,9 @@ def _check_args(q: Tensor, k: Tensor, v: Tensor, *, window: int, sparse: int, ch
         raise ValueError(f"sparse must be >= 0, got {sparse}")
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.dim() != 4:
-            raise ValueError(f"{name} must be (B, H, T, D), got shape {tuple(x.shape)}")
-    if k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree on (B, Hkv, T)")
-    if (q.shape[0], q.shape[2], q.shape[3]) != (k.shape[0], k.shape[2], k.shape[3]):
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on B, T and D")
-    if window_factor.shape != (q.shape[1],):
-        raise ValueError(f"window_factor must have shape ({q.shape[1]},), got {tuple(window_factor.shape)}")
-    if (q_lin is None) != (k_lin is None):
-        raise ValueError("q_lin and k_lin go together: give both (the feature maps' inputs) or neither")
-    if q_lin is not None and (q_lin.shape != q.shape or k_lin.shape != k.shape):
-        raise ValueError(f"q_lin/k_lin have shapes {tuple(q_lin.shape)}/{tuple(k_lin.shape)}; expected those of "
-                         f"q/k {tuple(q.shape)}/{tuple(k.shape)}")
-    return head_weights(linear_weight, q.shape[1])
+    if window_factor.shape != (heads,):
+        raise ValueError(f"window_factor must have shape ({heads},), got {tuple(window_factor.shape)}")
+    return head_weights(linear_weight, heads)
 
 
 def _check_state(st: LolaState, batch, hq, hkv, window, sparse, d, dv, separate: bool) -> None:

@@ -28,6 +28,7 @@ from typing import Iterable
 
 import torch
 
+from ..generate import eos_token_ids as default_eos_token_ids
 from .levels import LevelMemory
 from .policy import MemoryView, Policy, RequestView, SoftmaxPolicy
 from .pool import PooledRunner, PooledSequence
@@ -131,10 +132,7 @@ class Engine:
         self.levels, self.config = levels, config
         self.policy = policy or SoftmaxPolicy()
         self.tokenizer = tokenizer
-        if eos_token_ids is None:
-            eos = getattr(model.generation_config, "eos_token_id", None) or getattr(model.config, "eos_token_id", None)
-            eos_token_ids = [eos] if isinstance(eos, int) else (eos or [])
-        self.eos = frozenset(eos_token_ids)
+        self.eos = default_eos_token_ids(model) if eos_token_ids is None else frozenset(eos_token_ids)
         self.device = next(model.parameters()).device
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
