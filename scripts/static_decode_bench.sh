@@ -1,28 +1,54 @@
 #!/usr/bin/env bash
 # Decoding on static buffers, each step one CUDA graph replay, for both sides of every comparison:
 # one attention layer of Llama-3-8B's shape (hybrid, DSLA, LoLA against SDPA softmax), then the whole
-# SmolLM2-135M (the teacher against hybrid and DSLA conversions of all its layers), batch 1 and 64.
-#   usage: scripts/static_decode_bench.sh OUT [layer|model|all]
+# SmolLM2-135M (the teacher against hybrid and DSLA conversions of all its layers), batch 1 and 64;
+# the kernels of one decode step of each side (profile); throughput at equal memory at 32K (capacity).
+#   usage: scripts/static_decode_bench.sh OUT [layer|model|profile|capacity|all]
 # Environment: LINEARIZE (the command; default linearize), LAYER_CONTEXTS (default 4096,32768,131072),
-# B1_CONTEXTS and B64_CONTEXTS (the model's decode contexts at batch 1 and 64; default 1024,4096,8000),
-# COMPILE=1 (model: compile each decode step with torch.compile before capturing it).
+# LAYER_KINDS (default "hybrid dsla lola"), MODEL_KINDS (default "hybrid dsla"), B1_CONTEXTS and
+# B64_CONTEXTS (the model's decode contexts at batch 1 and 64; default 1024,4096,8000), BATCHES
+# (default "1 64"), PREFILL (the model's prefill lengths; default 256, 'none' to skip), COMPILE=1 (model, profile, capacity: compile each decode step with torch.compile first),
+# CAPACITY_CONTEXT (default 32768).
 set -euo pipefail
 LINEARIZE=${LINEARIZE:-linearize}
-OUT=${1:?usage: $0 OUT [layer|model|all]}
+OUT=${1:?usage: $0 OUT [layer|model|profile|capacity|all]}
 PART=${2:-all}
 mkdir -p "$OUT"
+spec() {  # the spec flags of a kind at the settings the shipped models use
+  case "$1" in
+    hybrid) echo "--attention hybrid --window 64" ;;
+    dsla) echo "--attention dsla" ;;
+    lola) echo "--attention lola --window 64 --sparse-cache 256 --chunk 64" ;;
+    *) echo "unknown kind $1 (hybrid, dsla, lola)" >&2; exit 2 ;;
+  esac
+}
 if [ "$PART" = layer ] || [ "$PART" = all ]; then
   L="--layer llama3-8b --device cuda --graphs --batch-sizes 1,64 --prefill-lengths none --decode-contexts ${LAYER_CONTEXTS:-4096,32768,131072}"
-  $LINEARIZE bench $L --attention hybrid --window 64 --out "$OUT/layer/hybrid"
-  $LINEARIZE bench $L --attention dsla --out "$OUT/layer/dsla"
-  $LINEARIZE bench $L --attention lola --window 64 --sparse-cache 256 --chunk 64 --out "$OUT/layer/lola"
+  for kind in ${LAYER_KINDS:-hybrid dsla lola}; do
+    $LINEARIZE bench $L $(spec "$kind") --out "$OUT/layer/$kind"
+  done
 fi
+C=$([ "${COMPILE:-0}" = 1 ] && echo "--compile" || true)
+contexts() { [ "$1" = 1 ] && echo "${B1_CONTEXTS:-1024,4096,8000}" || echo "${B64_CONTEXTS:-1024,4096,8000}"; }
 if [ "$PART" = model ] || [ "$PART" = all ]; then
-  M="--model smollm2-135m --device cuda --graphs --prefill-lengths 256"
-  [ "${COMPILE:-0}" = 1 ] && M="$M --compile"
-  for b in 1 64; do
-    contexts=$([ $b = 1 ] && echo "${B1_CONTEXTS:-1024,4096,8000}" || echo "${B64_CONTEXTS:-1024,4096,8000}")
-    $LINEARIZE bench $M --decode-contexts "$contexts" --attention hybrid --window 64 --batch-size $b --out "$OUT/model/hybrid-b$b"
-    $LINEARIZE bench $M --decode-contexts "$contexts" --attention dsla --batch-size $b --out "$OUT/model/dsla-b$b"
+  for b in ${BATCHES:-1 64}; do
+    for kind in ${MODEL_KINDS:-hybrid dsla}; do
+      $LINEARIZE bench --model smollm2-135m --device cuda --graphs $C --prefill-lengths "${PREFILL:-256}" --decode-contexts "$(contexts $b)" \
+        $(spec "$kind") --batch-size $b --out "$OUT/model/$kind-b$b"
+    done
+  done
+fi
+if [ "$PART" = profile ] || [ "$PART" = all ]; then
+  for b in ${BATCHES:-1 64}; do
+    for kind in ${MODEL_KINDS:-hybrid dsla}; do
+      $LINEARIZE bench --model smollm2-135m --device cuda --profile $C --decode-contexts "$(contexts $b)" $(spec "$kind") \
+        --batch-size $b --out "$OUT/profile/$kind-b$b"
+    done
+  done
+fi
+if [ "$PART" = capacity ] || [ "$PART" = all ]; then
+  for kind in ${MODEL_KINDS:-hybrid dsla}; do
+    $LINEARIZE bench --capacity "${CAPACITY_CONTEXT:-32768}" --model smollm2-135m --device cuda $C $(spec "$kind") --out "$OUT/capacity/smollm2-$kind"
+    $LINEARIZE bench --capacity "${CAPACITY_CONTEXT:-32768}" --stack llama3-8b --device cuda $C $(spec "$kind") --out "$OUT/capacity/llama3-8b-$kind"
   done
 fi

@@ -1,7 +1,14 @@
 """Test-wide hygiene."""
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels (linearize.ops.fused_decode) run in Triton's interpreter on a machine without a GPU.
+    # Only code that asks for them (use_fused(True)) runs them there; it is read when they are compiled.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from linearize.decoding import StaticDecoder, static_decoding_supported
+from linearize.ops import fused_decode
 from linearize.ops.hybrid import HybridDecodeState, hybrid_attention, hybrid_decode_step
 from linearize.ops.lola import LolaDecodeState, lola_attention, lola_decode_step
 
@@ -42,6 +43,33 @@ def test_static_decoding_matches_full_forward(name, rows):
     torch.testing.assert_close(torch.stack(logits, dim=1), full, atol=2e-5, rtol=2e-5)
     assert torch.equal(torch.stack(tokens, dim=1), full.argmax(dim=-1))
     assert decoder.length == 16
+
+
+@pytest.mark.skipif(not fused_decode.triton_available(), reason="needs Triton (the test extra installs it)")
+@pytest.mark.parametrize("name", ["hybrid-joint", "hybrid-gate", "hybrid-nope", "dsla", "dsla-nope"])
+@torch.no_grad()
+def test_fused_decode_kernels_match_full_forward(name, monkeypatch):
+    """With the fused state kernels (in Triton's interpreter without a GPU), each step's logits still
+    equal the full forward's at that position."""
+    calls = []
+    for op in ("hybrid_linear_step", "dsla_state_step"):
+        kernel = getattr(fused_decode, op)
+        monkeypatch.setattr(fused_decode, op, lambda *a, kernel=kernel, op=op: calls.append(op) or kernel(*a))
+    model = _model(name)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = model.to(device)
+    prompt = torch.randint(3, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(5)).to(device)
+    decoder = StaticDecoder(model, batch_size=2, max_length=14, graphs=False)
+    with fused_decode.use_fused(True):
+        tokens, logits = [decoder.prefill(prompt)], [decoder.logits.clone()]
+        for _ in range(6):
+            tokens.append(decoder.step())
+            logits.append(decoder.logits.clone())
+    seq = torch.cat([prompt, torch.stack(tokens[:-1], dim=1)], dim=1)
+    full = model(seq).logits[:, prompt.shape[1] - 1 :]
+    torch.testing.assert_close(torch.stack(logits, dim=1), full, atol=2e-5, rtol=2e-5)
+    assert set(calls) == {"dsla_state_step" if name.startswith("dsla") else "hybrid_linear_step"}
+    assert len(calls) == 6 * model.config.num_hidden_layers  # every layer is converted: one call per layer and step
 
 
 @pytest.mark.parametrize("name", ["hybrid-nope", "dsla-partial"])

@@ -48,6 +48,7 @@ from ..decoding import cuda_graph
 from ..hub import build_tiny_llama
 from ..io import save_png, write_results
 from ..layers.base import project_qkv
+from ..ops import fused_decode
 from ..layers.registry import KINDS
 from ..spec import ConversionSpec
 from .efficiency import _time_calls
@@ -229,7 +230,8 @@ def bench_layer(
     ``graphs`` (CUDA): each side's decode step is captured once as a CUDA graph and replayed, so the
     time is the kernels' alone, without the host's launches: the softmax step at its context, the
     converted step on its state in static form (``static_decoding``; kinds without one run eagerly,
-    and the row says so).
+    and the row says so). Kinds with fused state kernels (``FUSED_KINDS``) are also timed with the
+    torch step they replace (``converted_unfused_s``).
 
     A prefill case runs when batch x length <= ``max_prefill_tokens`` (one long prompt, or a batch of
     shorter ones); cases that run out of device memory are recorded as such, not raised."""
@@ -270,8 +272,9 @@ def bench_layer(
             if phase == "prefill":
                 t_soft, best, backends, t_conv = _prefill_times(model, softmax, shape, batch, length, warmup, repeats, gen, device, dtype)
             else:
-                t_soft, best, backends, t_conv, row["converted_graph"] = _decode_times(
+                t_soft, best, backends, t_conv, extra = _decode_times(
                     model, softmax, shape, batch, length, decode_steps, state_prefill, warmup, repeats, gen, device, dtype, graphs)
+                row.update(extra)
         except torch.OutOfMemoryError:
             row["error"] = "out of memory"
             torch.cuda.empty_cache()
@@ -356,9 +359,18 @@ def _decode_times(model, softmax, shape, batch, context, steps, state_prefill, w
         attn(x, position_embeddings=(cos, sin), attention_mask=None, **cache_kwargs(cache))
 
     graphed = graphs and attn.static_decoding(slot, batch, device, dtype)
+    extra = {"converted_graph": graphed}
+    if graphed and fused_decode.enabled(x1) and attn.spec.attention in FUSED_KINDS:
+        with fused_decode.use_fused(False):  # the torch step, captured on its own, for the same-run comparison
+            unfused = repeated(cuda_graph(lambda: conv(x1, *pe[0]), device).replay)
+        extra["converted_unfused_s"] = _median(unfused, device, warmup, repeats) / steps
     run = repeated(cuda_graph(lambda: conv(x1, *pe[0]), device).replay) if graphed else stepper(conv)
     t_conv = _median(run, device, warmup, repeats) / steps
-    return t_soft, best, backends, t_conv, graphed
+    return t_soft, best, backends, t_conv, extra
+
+
+FUSED_KINDS = ("hybrid", "dsla")
+"""Kinds whose decode step has fused state kernels (``linearize.ops.fused_decode``)."""
 
 
 # ----------------------------------------------------------------------------- report
@@ -387,6 +399,8 @@ def layer_markdown(results: Sequence[dict[str, Any]]) -> str:
                     continue
                 graphed = " (graph)" if phase == "decode" and result["settings"].get("graphs") else ""
                 conv_graphed = " (graph)" if graphed and row.get("converted_graph") else ""
+                if "converted_unfused_s" in row:
+                    conv_graphed += f"; torch step {_fmt_s(row['converted_unfused_s'])}"
                 lines.append(
                     f"| {label} | {row['batch_size']} | {row['length']} | {_fmt_s(row['softmax_s'])} ({row['softmax_backend']}{graphed}) "
                     f"| {_fmt_s(row['converted_s'])}{conv_graphed} | {row['ratio']:.3f} | {row['softmax_roofline_fraction'] * 100:.3g}% "

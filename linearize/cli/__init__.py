@@ -219,6 +219,10 @@ def _add_eval_commands(sub) -> None:
                         "eagerly; with --layer: CUDA only)")
     p.add_argument("--compile", action="store_true",
                    help="with --graphs or --capacity: compile the model's decode step with torch.compile first")
+    p.add_argument("--profile", action="store_true",
+                   help="instead of timing: profile one static decode step of the teacher and the conversion at the first "
+                        "--decode-contexts context and --batch-size (kernels by device time, launches per step; --compile "
+                        "profiles the compiled step; --out: profile.json/md)")
     p.add_argument("--capacity", type=POSITIVE, metavar="CONTEXT",
                    help="throughput at equal memory: the teacher's and the conversion's largest batch at CONTEXT tokens within "
                         "one memory budget, and their decode tokens/s there (StaticDecoder; --out: capacity.json/md)")

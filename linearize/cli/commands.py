@@ -330,8 +330,10 @@ LAYER_KINDS = ({"attention": "hybrid", "window": 64}, {"attention": "dsla"},
 
 
 def cmd_bench(args) -> int:
-    if args.compile and (args.layer or not (args.graphs or args.capacity)):
-        raise ValueError("--compile applies to a model's static decoding (--graphs or --capacity), not to --layer")
+    if args.compile and (args.layer or not (args.graphs or args.capacity or args.profile)):
+        raise ValueError("--compile applies to a model's static decoding (--graphs, --capacity or --profile), not to --layer")
+    if args.profile and (args.layer or args.capacity):
+        raise ValueError("--profile profiles a model's decode step; it does not go with --layer or --capacity")
     if (args.stack or args.memory_gib is not None) and not args.capacity:
         raise ValueError("--stack and --memory-gib go with --capacity CONTEXT")
     if args.capacity:
@@ -349,6 +351,14 @@ def cmd_bench(args) -> int:
         result = run_decode_speed([args.model, *conversions], args.contexts, steps=args.decode_steps,
                                   device=args.device, out_dir=args.out)  # fmt: skip
         print(speed_markdown(result))
+        return 0
+    if args.profile:
+        from ..bench.profile import profile_decode, profile_markdown
+
+        contexts = [1024] if not args.decode_contexts else args.decode_contexts
+        result = profile_decode(args.model, spec, context=contexts[0], batch_size=args.batch_size, compile=args.compile,
+                                device=args.device, out_dir=args.out)  # fmt: skip
+        print(profile_markdown(result))
         return 0
     result = run_efficiency(args.model, spec, prefill_lengths=[256, 512, 1024] if args.prefill_lengths is None else args.prefill_lengths,
                             decode_contexts=[512, 1024] if args.decode_contexts is None else args.decode_contexts, batch_size=args.batch_size,

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..checks import check_choice, check_int
-from ..ops import cpu_kernels
+from ..ops import cpu_kernels, fused_decode
 from ..ops.common import accumulation_dtype, repeat_kv
 from ..ops.dsla import DslaDecodeState, dsla_attention, dsla_decode_step, init_gate_bias, log_gate
 from ..ops.states import DslaState
@@ -140,7 +140,8 @@ class DslaAttention(ConvertedAttention):
     def decode_step(self, x, position_embeddings, slot):
         if self.mode not in self.GAMMA:
             return None
-        lib = cpu_kernels.library() if x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling() else None
+        kernel = x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling() and not fused_decode.enabled(x)
+        lib = cpu_kernels.library() if kernel else None
         if lib is not None:
             weights = self._kernel_weights()
             if weights is not None:

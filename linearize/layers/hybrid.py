@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from ..checks import check_choice, check_int
-from ..ops import cpu_kernels
+from ..ops import cpu_kernels, fused_decode
 from ..ops.common import accumulation_dtype
 from ..ops.hybrid import HybridDecodeState, hybrid_attention, hybrid_attention_weights, hybrid_decode_step, hybrid_state_empty
 from ..ops.states import HybridState
@@ -154,7 +154,8 @@ class HybridAttention(WindowedLinearAttention):
         if branches is None or (self.window_dropout is not None and bool(self.window_dropout.any())):
             return None
         static = isinstance(slot.decode_state, HybridDecodeState) and slot.decode_state.index is not None
-        kernel = x.device.type == "cpu" and x.dtype == torch.float32 and not static and not torch.compiler.is_compiling()
+        kernel = (x.device.type == "cpu" and x.dtype == torch.float32 and not static and not torch.compiler.is_compiling()
+                  and not fused_decode.enabled(x))  # fmt: skip
         lib = cpu_kernels.library() if kernel else None
         if lib is not None:
             weights = self._kernel_weights()

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import fused_decode
 from .common import EMPTY_DENOMINATOR, accumulation_dtype, default_valid, gqa_groups, repeat_kv, safe_divide
 from .naive import dsla_attention_reference, gla_reference  # noqa: F401 (the specification)
 from .states import DslaState
@@ -170,10 +171,14 @@ def dsla_decode_step(
     s = state.states  # (2, B, Hq, Dk, Dv [+ 1])
     _, b, hq, dk, width = s.shape
     hkv, dv = state.values.shape[1], v.shape[-1]
-    state.values[..., :dv] = v.view(b, hkv, dv)
-    write = kf.reshape(b, hkv, hq // hkv, dk, 1) * state.values.view(b, hkv, 1, 1, width)  # (B, Hkv, n_rep, Dk, Dv [+ 1]): k v^T
-    torch.addcmul(write.view(b, hq, dk, width), decay.transpose(0, 1)[..., None], s, out=s)  # S = diag(alpha) S + k v^T, both
-    o = torch.matmul(qf.reshape(1, b, hq, 1, dk), s)  # (2, B, Hq, 1, Dv [+ 1]): both states' reads
+    if fused_decode.enabled(s) and s.dtype == torch.float32:  # one pass over both states
+        o = fused_decode.dsla_state_step(s, qf.reshape(b, hq, dk), kf.reshape(b, hq, dk), v.reshape(b, hkv, dv), decay, normalize)
+        o = o.view(2, b, hq, 1, width)
+    else:
+        state.values[..., :dv] = v.view(b, hkv, dv)
+        write = kf.reshape(b, hkv, hq // hkv, dk, 1) * state.values.view(b, hkv, 1, 1, width)  # (B, Hkv, n_rep, Dk, Dv [+ 1]): k v^T
+        torch.addcmul(write.view(b, hq, dk, width), decay.transpose(0, 1)[..., None], s, out=s)  # S = diag(alpha) S + k v^T, both
+        o = torch.matmul(qf.reshape(1, b, hq, 1, dk), s)  # (2, B, Hq, 1, Dv [+ 1]): both states' reads
     weights = weights.view(2, 1, 1, 1, 1)
     if normalize:  # each state's read over its normaliser, 0 where that is empty (as safe_divide)
         den = o[..., dv:]

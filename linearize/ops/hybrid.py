@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import fused_decode
 from .common import EMPTY_DENOMINATOR, FeatureFn, accumulation_dtype, default_valid, gather_tokens, gqa_groups, repeat_kv, safe_divide
 from .linear_attn import linear_attention_numden
 from .naive import hybrid_attention_reference  # noqa: F401 (the specification)
@@ -513,10 +514,19 @@ def hybrid_decode_step(
     bk, w, _ = state.keys.shape
     n_rep, dt, dv = hq // (bk // b), state.keys.dtype, v.shape[-1]
     scale = d**-0.5 if scale is None else scale
+    qf = qf.reshape(b * hq, -1)  # (B Hq, F)
+    if qf.dtype != dt:
+        qf = qf.to(dt)
+    lin = None
+    if fused_decode.enabled(state.linear) and state.linear.dtype == torch.float32:
+        # The leaving token joins [S | z] and the query reads it, in one pass over the state.
+        lin = fused_decode.hybrid_linear_step(state.linear, state.features, state.values, qf, state.index,
+                                              state.head if state.index is None else 0).view(b, hq, dv + 1)  # fmt: skip
     if state.index is None:
         i = state.head
         # The oldest slot leaves the window: its features (zero for an empty slot) join [S | z].
-        state.linear.view(bk, -1, dv + 1).baddbmm_(state.features[:, i : i + 1].transpose(1, 2), state.values[:, i : i + 1])
+        if lin is None:
+            state.linear.view(bk, -1, dv + 1).baddbmm_(state.features[:, i : i + 1].transpose(1, 2), state.values[:, i : i + 1])
         # The new token takes its slot.
         state.keys[:, i] = k.reshape(bk, d)
         if state.linear_keys is not None:
@@ -529,7 +539,8 @@ def hybrid_decode_step(
         state.steps += 1
     else:  # the same with the ring index on the device (static form)
         i = state.index.view(1)
-        state.linear.view(bk, -1, dv + 1).baddbmm_(state.features.index_select(1, i).transpose(1, 2), state.values.index_select(1, i))
+        if lin is None:
+            state.linear.view(bk, -1, dv + 1).baddbmm_(state.features.index_select(1, i).transpose(1, 2), state.values.index_select(1, i))
         state.keys.index_copy_(1, i, k.reshape(bk, 1, d).to(dt))
         if state.linear_keys is not None:
             state.linear_keys.index_copy_(1, i, (k if k_lin is None else k_lin).reshape(bk, 1, d).to(dt))
@@ -539,10 +550,9 @@ def hybrid_decode_step(
         state.index.add_(1).remainder_(w)
         state.count.add_(1)  # the host's ``steps`` stays
 
-    qf = qf.reshape(b * hq, 1, -1)  # (B Hq, 1, F)
-    if qf.dtype != dt:
-        qf = qf.to(dt)
-    lin = torch.bmm(qf, state.linear).view(b, hq, dv + 1)  # [phi(q) S, phi(q) z]
+    qf = qf.view(b * hq, 1, -1)  # (B Hq, 1, F)
+    if lin is None:
+        lin = torch.bmm(qf, state.linear).view(b, hq, dv + 1)  # [phi(q) S, phi(q) z]
     if overlap or branches == "linear":  # the window tokens' linear part
         a = torch.einsum("brf,bwrf->brw", qf.view(bk, n_rep, -1), state.features.view(bk, w, n_rep, -1))  # (bk, n_rep, W)
         lin = lin + torch.bmm(a, state.values).view(b, hq, dv + 1)

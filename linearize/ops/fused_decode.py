@@ -1,0 +1,230 @@
+"""Fused per-token decode kernels (Triton) for the linear states: one pass over a state per token.
+
+A decode step of a linear-attention kind is bound by its float32 state (B x Hq x F x Dv floats),
+which it must read once for the query and read and write once to take the new token in. The torch
+form of each step (``hybrid_decode_step``, ``dsla_decode_step``) passes over the state three to five
+times (an outer product written out, an in-place update, a matmul that reads the result). The kernels
+here make it one read and one write: each program loads a tile of the state, updates it, stores it
+back and reads it for the query from registers.
+
+- ``hybrid_linear_step``: the hybrid's linear part, [S | z] += phi(k_out) [v_out, 1]^T for the token
+  leaving the window, then phi(q) [S | z].
+- ``dsla_state_step``: DSLA's two gated states together (their query, key and value loaded once),
+  S = diag(alpha) S + phi(k) [v, (1)]^T, then phi(q) S for both.
+
+Each returns the raw reads (numerator and, with a normaliser, the denominator column) in float32; the
+ops combine them exactly as their torch forms do. The torch forms stay the reference these are
+tested against (tests/ops/test_fused_decode.py, on CPU through Triton's interpreter when there is no
+GPU). Both are registered as torch custom ops, so ``torch.compile`` treats them as opaque in-place
+updates and CUDA graphs capture them like any kernel.
+
+``enabled(tensor)`` says whether a step on that tensor takes the fused path: on CUDA with Triton
+importable, unless turned off with ``use_fused(False)`` (the benchmarks time both forms that way);
+``use_fused(True)`` with ``TRITON_INTERPRET=1`` runs them on the CPU (the tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+_FORCED: list[bool] = []
+
+
+@functools.cache
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """Triton runs its kernels on the CPU, in Python (``TRITON_INTERPRET=1``, set before import)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def enabled(x: Tensor) -> bool:
+    """Whether a decode step on ``x``'s device takes the fused kernels: by default on CUDA (with
+    Triton importable); inside ``use_fused(True)`` also on the CPU when Triton interprets."""
+    forced = _FORCED[-1] if _FORCED else None
+    if forced is False or not triton_available():
+        return False
+    return x.is_cuda or (forced is True and interpreting() and x.device.type == "cpu")
+
+
+@contextlib.contextmanager
+def use_fused(on: bool) -> Iterator[None]:
+    """Within the block, decode steps take the fused kernels if ``on`` (where they apply: CUDA, or
+    the CPU under Triton's interpreter) and never if not."""
+    _FORCED.append(bool(on))
+    try:
+        yield
+    finally:
+        _FORCED.pop()
+
+
+@functools.cache
+def _kernels():
+    """The Triton kernels, compiled on first use (Triton is imported only then)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["slot"])
+    def hybrid_kernel(
+        linear, features, values, qf, out, index,
+        slot, n_rep, s_fb, s_fw, s_vb, s_vw, s_q,
+        F: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DEVICE_INDEX: tl.constexpr,
+    ):  # fmt: skip
+        r = tl.program_id(0).to(tl.int64)  # one (batch row, query head)
+        iv = tl.program_id(1)
+        kr = r // n_rep  # its (batch row, KV head): the window is kept per KV head
+        j = r % n_rep
+        if DEVICE_INDEX:
+            w = tl.load(index).to(tl.int64)
+        else:
+            w = slot.to(tl.int64)
+        ov = iv * BV + tl.arange(0, BV)
+        mv = ov < V
+        vv = tl.load(values + kr * s_vb + w * s_vw + ov, mask=mv, other=0.0).to(tl.float32)  # [v, 1] of the leaving token
+        acc = tl.zeros([BV], dtype=tl.float32)
+        base = linear + r * F * V
+        for k0 in range(0, F, BK):
+            ok = k0 + tl.arange(0, BK)
+            mk = ok < F
+            f = tl.load(features + kr * s_fb + w * s_fw + j * F + ok, mask=mk, other=0.0).to(tl.float32)
+            q = tl.load(qf + r * s_q + ok, mask=mk, other=0.0).to(tl.float32)
+            ptr = base + ok[:, None] * V + ov[None, :]
+            m = mk[:, None] & mv[None, :]
+            s = tl.load(ptr, mask=m, other=0.0)
+            s += f[:, None] * vv[None, :]
+            tl.store(ptr, s, mask=m)
+            acc += tl.sum(q[:, None] * s, axis=0)
+        tl.store(out + r * V + ov, acc, mask=mv)
+
+    @triton.jit
+    def dsla_kernel(
+        states, qf, kf, v, decay, out,
+        n_rep, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_db, s_ds, s_dh,
+        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DV: tl.constexpr, ROWS: tl.constexpr,
+        BK: tl.constexpr, BV: tl.constexpr, NORMALIZE: tl.constexpr,
+    ):  # fmt: skip
+        r = tl.program_id(0).to(tl.int64)  # one (batch row, query head)
+        iv = tl.program_id(1)
+        b = r // H
+        h = r % H
+        ov = iv * BV + tl.arange(0, BV)
+        mv = ov < V
+        vv = tl.load(v + b * s_vb + (h // n_rep) * s_vh + ov, mask=ov < DV, other=0.0).to(tl.float32)
+        if NORMALIZE:
+            vv = tl.where(ov == DV, 1.0, vv)  # the normaliser's column
+        acc0 = tl.zeros([BV], dtype=tl.float32)
+        acc1 = tl.zeros([BV], dtype=tl.float32)
+        base0 = states + r * K * V  # history
+        base1 = states + (ROWS + r) * K * V  # recent
+        for k0 in range(0, K, BK):
+            ok = k0 + tl.arange(0, BK)
+            mk = ok < K
+            q = tl.load(qf + b * s_qb + h * s_qh + ok, mask=mk, other=0.0).to(tl.float32)
+            k = tl.load(kf + b * s_kb + h * s_kh + ok, mask=mk, other=0.0).to(tl.float32)
+            a0 = tl.load(decay + b * s_db + h * s_dh + ok, mask=mk, other=0.0).to(tl.float32)
+            a1 = tl.load(decay + b * s_db + s_ds + h * s_dh + ok, mask=mk, other=0.0).to(tl.float32)
+            m = mk[:, None] & mv[None, :]
+            kv = k[:, None] * vv[None, :]
+            offs = ok[:, None] * V + ov[None, :]
+            s0 = tl.load(base0 + offs, mask=m, other=0.0)
+            s0 = a0[:, None] * s0 + kv
+            tl.store(base0 + offs, s0, mask=m)
+            acc0 += tl.sum(q[:, None] * s0, axis=0)
+            s1 = tl.load(base1 + offs, mask=m, other=0.0)
+            s1 = a1[:, None] * s1 + kv
+            tl.store(base1 + offs, s1, mask=m)
+            acc1 += tl.sum(q[:, None] * s1, axis=0)
+        tl.store(out + r * V + ov, acc0, mask=mv)
+        tl.store(out + (ROWS + r) * V + ov, acc1, mask=mv)
+
+    return hybrid_kernel, dsla_kernel
+
+
+BLOCK_K = 32
+BLOCK_V = 64
+NUM_WARPS = 4
+
+
+def _check(name: str, x: Tensor, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> None:
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
+    if dtype is not None and x.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {x.dtype}")
+
+
+@torch.library.custom_op("linearize::hybrid_linear_step", mutates_args=("linear",))
+def hybrid_linear_step(linear: Tensor, features: Tensor, values: Tensor, qf: Tensor, index: Tensor | None, slot: int) -> Tensor:
+    """The hybrid decode step's linear part, in place: ``linear`` (B Hq, F, Dv + 1) float32 [S | z]
+    takes the leaving token, window slot ``index`` (0-dim long tensor on the device; None: the
+    host's ``slot``) of ``features`` (B Hkv, W, n_rep F) and ``values`` (B Hkv, W, Dv + 1); returns
+    phi(q) [S | z] (B Hq, Dv + 1) float32 for ``qf`` (B Hq, F)."""
+    rows, f, width = linear.shape
+    bk, w = values.shape[:2]
+    n_rep = rows // bk
+    if not linear.is_contiguous() or linear.dtype != torch.float32:
+        raise ValueError(f"linear must be a contiguous float32 tensor, got {linear.dtype} with strides {linear.stride()}")
+    _check("features", features, (bk, w, n_rep * f))
+    _check("values", values, (bk, w, width))
+    _check("qf", qf, (rows, f))
+    if features.stride(-1) != 1 or values.stride(-1) != 1 or qf.stride(-1) != 1:
+        raise ValueError("features, values and qf must be contiguous in their last axis")
+    out = torch.empty(rows, width, device=linear.device, dtype=torch.float32)
+    kernel, _ = _kernels()
+    grid = (rows, -(-width // BLOCK_V))
+    kernel[grid](
+        linear, features, values, qf, out, linear if index is None else index,
+        slot, n_rep, features.stride(0), features.stride(1), values.stride(0), values.stride(1), qf.stride(0),
+        F=f, V=width, BK=BLOCK_K, BV=BLOCK_V, DEVICE_INDEX=index is not None, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return out
+
+
+@hybrid_linear_step.register_fake
+def _(linear, features, values, qf, index, slot):
+    return linear.new_empty(linear.shape[0], linear.shape[2])
+
+
+@torch.library.custom_op("linearize::dsla_state_step", mutates_args=("states",))
+def dsla_state_step(states: Tensor, qf: Tensor, kf: Tensor, v: Tensor, decay: Tensor, normalize: bool) -> Tensor:
+    """DSLA's decode step on both states, in place: ``states`` (2, B, Hq, Dk, Dv [+ 1]) float32,
+    history first, become diag(alpha) S + phi(k) [v, (1)]^T for ``kf`` (B, Hq, Dk), ``v`` (B, Hkv,
+    Dv) and ``decay`` (B, 2, Hq, Dk) = alpha; returns both reads phi(q) S (2, B, Hq, Dv [+ 1])
+    float32 for ``qf`` (B, Hq, Dk). With ``normalize`` the last column is the normaliser's (its
+    value is 1 for every token)."""
+    _, b, hq, dk, width = states.shape
+    hkv, dv = v.shape[1], v.shape[-1]
+    if not states.is_contiguous() or states.dtype != torch.float32:
+        raise ValueError(f"states must be a contiguous float32 tensor, got {states.dtype} with strides {states.stride()}")
+    if width != dv + int(normalize):
+        raise ValueError(f"states have {width} columns; v's {dv} values" + (" and the normaliser" if normalize else "") + " need "
+                         f"{dv + int(normalize)}")  # fmt: skip
+    _check("qf", qf, (b, hq, dk))
+    _check("kf", kf, (b, hq, dk))
+    _check("v", v, (b, hkv, dv))
+    _check("decay", decay, (b, 2, hq, dk))
+    if any(x.stride(-1) != 1 for x in (qf, kf, v, decay)):
+        raise ValueError("qf, kf, v and decay must be contiguous in their last axis")
+    out = torch.empty(2, b, hq, width, device=states.device, dtype=torch.float32)
+    _, kernel = _kernels()
+    grid = (b * hq, -(-width // BLOCK_V))
+    kernel[grid](
+        states, qf, kf, v, decay, out,
+        hq // hkv, qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), v.stride(0), v.stride(1),
+        decay.stride(0), decay.stride(1), decay.stride(2),
+        H=hq, K=dk, V=width, DV=dv, ROWS=b * hq, BK=BLOCK_K, BV=BLOCK_V, NORMALIZE=normalize, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return out
+
+
+@dsla_state_step.register_fake
+def _(states, qf, kf, v, decay, normalize):
+    return states.new_empty(2, states.shape[1], states.shape[2], states.shape[4])

@@ -1,0 +1,137 @@
+"""The fused decode kernels (Triton) against the torch decode steps they replace: outputs and the
+states they update in place, token by token (on the GPU when there is one, else in Triton's
+interpreter on the CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from linearize.ops import fused_decode
+from linearize.ops.dsla import DslaDecodeState, dsla_attention, dsla_decode_step
+from linearize.ops.hybrid import HybridDecodeState, hybrid_attention, hybrid_decode_step
+
+pytestmark = pytest.mark.skipif(not fused_decode.triton_available(), reason="needs Triton (the test extra installs it)")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _phi(x):
+    return torch.nn.functional.softplus(x)
+
+
+@pytest.mark.parametrize("form", ["host", "static"])
+@pytest.mark.parametrize("mix", ["joint", "gate"])
+@pytest.mark.parametrize("feats", [8, 37], ids=["F8", "F37"])  # 37: blocks of the feature and value axes masked
+@torch.no_grad()
+def test_hybrid_fused_step_equals_the_torch_step(form, mix, feats):
+    """From a window half full, 9 tokens (past the 4-token window, so slots leave it): the fused
+    step's outputs and every state tensor equal the torch step's."""
+    torch.manual_seed(0)
+    b, hq, hkv, d, w = 2, 4, 2, feats, 4
+    q, k, v = (torch.randn(b, h, 2, d, device=DEVICE) for h in (hq, hkv, hkv))
+    _, state = hybrid_attention(q, k, v, phi_q=_phi, phi_k=_phi, window=w, mix=mix)
+    runs = []
+    for _ in range(2):  # torch, fused
+        ds = HybridDecodeState.from_state(state, _phi, hq)
+        runs.append(ds.make_static() if form == "static" else ds)
+    ptr = runs[1].linear.data_ptr()
+    for _ in range(9):
+        q, k, v = (torch.randn(b, h, 1, d, device=DEVICE) for h in (hq, hkv, hkv))
+        qf, kf = _phi(q)[:, :, 0], _phi(k.repeat_interleave(hq // hkv, dim=1))[:, :, 0]
+        outs = []
+        for fused, ds in zip((False, True), runs):
+            with fused_decode.use_fused(fused):
+                outs.append(hybrid_decode_step(ds, q, k, v, qf, kf, mix=mix))
+        torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+    assert runs[1].linear.data_ptr() == ptr  # updated in place
+    for got, want in zip(runs[1].canonical().tensors(), runs[0].canonical().tensors()):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("normalize", [True, False], ids=["normalised", "plain"])
+@pytest.mark.parametrize("dims", [(8, 8), (37, 70)], ids=["F8-D8", "F37-D70"])
+@torch.no_grad()
+def test_dsla_fused_step_equals_the_torch_step(normalize, dims):
+    """Both gated states decayed and written in one pass: outputs and states equal the torch step's
+    over 6 tokens from a prefilled state, with grouped KV heads."""
+    torch.manual_seed(1)
+    b, hq, hkv = 2, 4, 2
+    feats, dv = dims
+    dk = feats if normalize else dv
+    runs = []
+    start = torch.randn(2, b, hq, dk, dv + normalize, device=DEVICE).abs()
+    for _ in range(2):
+        runs.append(DslaDecodeState(start.clone(), start.new_zeros(b, hkv, dv + normalize).index_fill_(-1, torch.tensor([dv], device=DEVICE), 1.0)
+                                    if normalize else start.new_zeros(b, hkv, dv)))  # fmt: skip
+    weights = torch.tensor([0.7, 0.3], device=DEVICE)
+    ptr = runs[1].states.data_ptr()
+    for _ in range(6):
+        qf, kf = torch.rand(b, hq, dk, device=DEVICE), torch.rand(b, hq, dk, device=DEVICE)
+        v = torch.randn(b, hkv, 1, dv, device=DEVICE)
+        decay = torch.rand(b, 2, hq, dk, device=DEVICE)
+        outs = []
+        for fused, ds in zip((False, True), runs):
+            with fused_decode.use_fused(fused):
+                outs.append(dsla_decode_step(ds, qf, kf, v, decay, weights, normalize=normalize))
+        torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+    assert runs[1].states.data_ptr() == ptr
+    torch.testing.assert_close(runs[1].states, runs[0].states, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_dsla_fused_steps_continue_the_chunked_op():
+    """The fused steps continue a prefilled dsla_attention exactly as the op does on each token."""
+    torch.manual_seed(2)
+    b, hq, hkv, d = 1, 4, 2, 16
+    q, k = torch.rand(b, hq, 5, d, device=DEVICE), torch.rand(b, hkv, 5, d, device=DEVICE)
+    v = torch.randn(b, hkv, 5, d, device=DEVICE)
+    g1, g2 = -torch.rand(b, hq, 5, d, device=DEVICE), -torch.rand(b, hq, 5, d, device=DEVICE) * 3
+    gamma = torch.tensor(0.3, device=DEVICE)
+    _, state = dsla_attention(q[:, :, :3], k[:, :, :3], v[:, :, :3], g1[:, :, :3], g2[:, :, :3], gamma, normalize=True)
+    ds = DslaDecodeState.from_state(state, hkv, normalize=True)
+    for t in range(3, 5):
+        step = slice(t, t + 1)
+        want, state = dsla_attention(q[:, :, step], k[:, :, step], v[:, :, step], g1[:, :, step], g2[:, :, step], gamma,
+                                     normalize=True, state=state)  # fmt: skip
+        decay = torch.stack((g1[:, :, t], g2[:, :, t]), dim=1).exp()  # (B, 2, Hq, Dk)
+        with fused_decode.use_fused(True):
+            got = dsla_decode_step(ds, q[:, :, t], k[:, :, t].repeat_interleave(hq // hkv, dim=1), v[:, :, step], decay,
+                                   torch.stack((gamma, 1 - gamma)), normalize=True)  # fmt: skip
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ds.canonical().history, state.history, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ds.canonical().recent, state.recent, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_shapes_are_named():
+    linear = torch.zeros(4, 8, 9)
+    with pytest.raises(ValueError, match=r"features must have shape \(2, 3, 16\)"):
+        fused_decode.hybrid_linear_step(linear, torch.zeros(2, 3, 8), torch.zeros(2, 3, 9), torch.zeros(4, 8), None, 0)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        fused_decode.hybrid_linear_step(linear.double(), torch.zeros(2, 3, 16), torch.zeros(2, 3, 9), torch.zeros(4, 8), None, 0)
+    states = torch.zeros(2, 1, 2, 4, 5)
+    with pytest.raises(ValueError, match="states have 5 columns"):
+        fused_decode.dsla_state_step(states, torch.zeros(1, 2, 4), torch.zeros(1, 2, 4), torch.zeros(1, 1, 5), torch.zeros(1, 2, 2, 4), True)
+    with pytest.raises(ValueError, match=r"decay must have shape \(1, 2, 2, 4\)"):
+        fused_decode.dsla_state_step(states, torch.zeros(1, 2, 4), torch.zeros(1, 2, 4), torch.zeros(1, 1, 4), torch.zeros(1, 2, 4), True)
+
+
+def test_use_fused_switches_the_path():
+    x = torch.zeros(1, device=DEVICE)
+    with fused_decode.use_fused(False):
+        assert not fused_decode.enabled(x)
+    with fused_decode.use_fused(True):
+        assert fused_decode.enabled(x) == (x.is_cuda or fused_decode.interpreting())
+    assert fused_decode.enabled(x) == x.is_cuda
+
+
+@torch.no_grad()
+def test_custom_ops_pass_torch_library_checks():
+    """The custom ops' registrations (in-place mutation, fake tensors for torch.compile) are consistent."""
+    linear = torch.randn(4, 8, 9, device=DEVICE)
+    args = (linear, torch.randn(2, 3, 16, device=DEVICE), torch.randn(2, 3, 9, device=DEVICE), torch.randn(4, 8, device=DEVICE),
+            torch.tensor(1, device=DEVICE), 0)  # fmt: skip
+    torch.library.opcheck(fused_decode.hybrid_linear_step, args, test_utils=("test_schema", "test_faketensor"))
+    states = torch.randn(2, 1, 2, 4, 5, device=DEVICE)
+    args = (states, torch.randn(1, 2, 4, device=DEVICE), torch.randn(1, 2, 4, device=DEVICE), torch.randn(1, 1, 4, device=DEVICE),
+            torch.rand(1, 2, 2, 4, device=DEVICE), True)  # fmt: skip
+    torch.library.opcheck(fused_decode.dsla_state_step, args, test_utils=("test_schema", "test_faketensor"))
