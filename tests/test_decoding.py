@@ -67,7 +67,8 @@ def test_fused_decode_kernels_match_full_forward(name, monkeypatch):
             logits.append(decoder.logits.clone())
     seq = torch.cat([prompt, torch.stack(tokens[:-1], dim=1)], dim=1)
     full = model(seq).logits[:, prompt.shape[1] - 1 :]
-    torch.testing.assert_close(torch.stack(logits, dim=1), full, atol=2e-5, rtol=2e-5)
+    tol = 2e-5 if device == "cpu" else 2e-3  # on CUDA the full forward's fla kernels multiply in TF32
+    torch.testing.assert_close(torch.stack(logits, dim=1), full, atol=tol, rtol=tol)
     assert set(calls) == {"dsla_state_step" if name.startswith("dsla") else "hybrid_linear_step"}
     assert len(calls) == 6 * model.config.num_hidden_layers  # every layer is converted: one call per layer and step
 

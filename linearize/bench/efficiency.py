@@ -317,13 +317,23 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f}"
 
 
+def _describe(spec: dict[str, Any]) -> str:
+    """'hybrid (window 64), layers all' from a spec's dict (``ConversionSpec.to_dict``)."""
+    given = spec.get("options")
+    if given is None:  # results written before the spec nested its options
+        given = {k: spec[k] for k in ("window",) if k in spec}
+    options = ", ".join(f"{k.replace('_', ' ')} {given[k]}" for k in ("window", "sparse_cache", "chunk") if k in given)
+    layers = spec.get("layers")
+    return f"{spec.get('attention', '?')}" + (f" ({options})" if options else "") + f", layers {'all' if layers is None else layers}"
+
+
 def to_markdown(result: dict[str, Any]) -> str:
     """Markdown tables of the result: times, bytes and the converted / teacher ratios."""
     r, s = result["ratios"], result["settings"]
     spec = result.get("spec") or {}
     lines = [
         f"**{result['model']}** on {result['device']} ({result['dtype']}), batch {s['batch_size']}; converted: "
-        f"{spec.get('attention', '?')}, window {spec.get('window', '?')}, layers {spec.get('layers', '?')}",
+        f"{_describe(spec)}",
         "",
         f"Prefill (median of {s['repeats']} after {s['warmup']} warm-up)",
         "",

@@ -37,9 +37,12 @@ from torch import Tensor
 _FORCED: list[bool] = []
 
 
-@functools.cache
+_TRITON = importlib.util.find_spec("triton") is not None
+
+
 def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    """Whether Triton is installed (looked up once, at import: a compiled step reads a constant)."""
+    return _TRITON
 
 
 def interpreting() -> bool:

@@ -544,8 +544,10 @@ def hybrid_decode_step(
         state.keys.index_copy_(1, i, k.reshape(bk, 1, d).to(dt))
         if state.linear_keys is not None:
             state.linear_keys.index_copy_(1, i, (k if k_lin is None else k_lin).reshape(bk, 1, d).to(dt))
-        state.values.index_copy_(1, i, F.pad(v.reshape(bk, 1, dv).to(dt), (0, 1), value=1.0))
-        state.valid.index_fill_(1, i, True)
+        v1 = v.reshape(bk, 1, dv).to(dt)
+        state.values.index_copy_(1, i, torch.cat([v1, torch.ones_like(v1[..., :1])], dim=-1))  # [v, 1]
+        # Slot i holds a token from now on; a whole-tensor update (index_fill_ on this bool tensor fails torch.compile at batch 1).
+        state.valid.copy_(state.valid | (torch.arange(w, device=i.device) == i))
         state.features.index_copy_(1, i, kf.reshape(bk, 1, -1).to(dt))
         state.index.add_(1).remainder_(w)
         state.count.add_(1)  # the host's ``steps`` stays

@@ -48,6 +48,7 @@ def test_markdown_and_plot(result, tmp_path):
         for r in result["ratios"][part]:
             assert f"| {r['ratio']:.3g} |" in md
     assert "converted / teacher" in md and "| 64 |" in md
+    assert f"converted: hybrid (window {WINDOW}), layers all" in md.splitlines()[0]
     path = tmp_path / "eff.png"
     plot_efficiency(result, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 1000
