@@ -70,7 +70,7 @@ class _SoftmaxMemory:
         return attn.o_proj(o.reshape(b, 1, hq * d).to(h.dtype))
 
 
-class _StaticSlot:
+class StaticSlot:
     """What a converted layer's ``decode_step`` reads of its cache slot, for static decoding: the
     decode state, and an ``advance`` that counts nothing (no Python value changes from step to step,
     so a compiled step is not recompiled and a replayed one misses nothing)."""
@@ -130,7 +130,7 @@ class StaticDecoder:
         self.padding = torch.zeros(batch_size, max_length, dtype=torch.bool, device=self.device)  # (B, L) prompt padding
         self.logits = torch.zeros(batch_size, model.config.vocab_size, device=self.device)
         """(B, vocab) float32: the logits the last token came from (prefill's or the last step's)."""
-        self.memory: list[_SoftmaxMemory | _StaticSlot] = []
+        self.memory: list[_SoftmaxMemory | StaticSlot] = []
         self.length = 0
         self._steps = 0
         self._graph = None
@@ -175,7 +175,7 @@ class StaticDecoder:
                 mem.store(state.select([0] * repeat) if repeat > 1 else state, t)
                 if not attn.static_decoding(mem, self.batch_size, self.device, dtype):
                     raise ValueError(f"layer {i} ({attn.spec.attention}) has no static decode step in mode {attn.mode!r}")
-                mem = _StaticSlot(mem.decode_state)
+                mem = StaticSlot(mem.decode_state)
             self.memory.append(mem)
         self.length, self._steps, self._graph = t, 0, None
         self.logits.copy_(out.logits[:, -1].float().expand(self.batch_size, -1))

@@ -7,7 +7,7 @@
 # Environment: LINEARIZE (the command; default linearize), LAYER_CONTEXTS (default 4096,32768,131072),
 # LAYER_KINDS (default "hybrid dsla lola"), MODEL_KINDS (default "hybrid dsla"), B1_CONTEXTS and
 # B64_CONTEXTS (the model's decode contexts at batch 1 and 64; default 1024,4096,8000), BATCHES
-# (default "1 64"), PREFILL (the model's prefill lengths; default 256, 'none' to skip), COMPILE=1 (model, profile, capacity: compile each decode step with torch.compile first),
+# (default "1 64"), PREFILL (the model's prefill lengths; default 256, 'none' to skip), COMPILE=1 (every part: compile each side's decode step with torch.compile first),
 # CAPACITY_CONTEXT (default 32768).
 set -euo pipefail
 LINEARIZE=${LINEARIZE:-linearize}
@@ -22,13 +22,13 @@ spec() {  # the spec flags of a kind at the settings the shipped models use
     *) echo "unknown kind $1 (hybrid, dsla, lola)" >&2; exit 2 ;;
   esac
 }
+C=$([ "${COMPILE:-0}" = 1 ] && echo "--compile" || true)
 if [ "$PART" = layer ] || [ "$PART" = all ]; then
   L="--layer llama3-8b --device cuda --graphs --batch-sizes 1,64 --prefill-lengths none --decode-contexts ${LAYER_CONTEXTS:-4096,32768,131072}"
   for kind in ${LAYER_KINDS:-hybrid dsla lola}; do
-    $LINEARIZE bench $L $(spec "$kind") --out "$OUT/layer/$kind"
+    $LINEARIZE bench $L $C $(spec "$kind") --out "$OUT/layer/$kind"
   done
 fi
-C=$([ "${COMPILE:-0}" = 1 ] && echo "--compile" || true)
 contexts() { [ "$1" = 1 ] && echo "${B1_CONTEXTS:-1024,4096,8000}" || echo "${B64_CONTEXTS:-1024,4096,8000}"; }
 if [ "$PART" = model ] || [ "$PART" = all ]; then
   for b in ${BATCHES:-1 64}; do

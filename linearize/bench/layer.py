@@ -44,7 +44,7 @@ from transformers import DynamicCache
 from ..cache import cache_kwargs, state_layer
 from ..checks import check_choice
 from ..convert import convert
-from ..decoding import cuda_graph
+from ..decoding import StaticSlot, cuda_graph
 from ..hub import build_tiny_llama
 from ..io import save_png, write_results
 from ..layers.base import project_qkv
@@ -121,7 +121,17 @@ class SoftmaxLayer:
         gen = torch.Generator(device=device).manual_seed(0)
         self.k_cache = torch.randn(size, generator=gen, device=device, dtype=dtype)
         self.v_cache = torch.randn(size, generator=gen, device=device, dtype=dtype)
-        self.position = context
+        self.position = self.context = context
+
+    def fixed_step(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """``step`` at the context, always (its slot rewritten each call): the same shapes every
+        call, so a compiled step compiles once."""
+        q, k, v, _, _ = project_qkv(self.attn, x, (cos, sin))
+        p = self.context
+        self.k_cache[:, :, p : p + 1].copy_(k)
+        self.v_cache[:, :, p : p + 1].copy_(v)
+        o = F.scaled_dot_product_attention(q, self.k_cache[:, :, : p + 1], self.v_cache[:, :, : p + 1], enable_gqa=True)
+        return self._out(o)
 
     def step(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         q, k, v, _, _ = project_qkv(self.attn, x, (cos, sin))
@@ -223,6 +233,7 @@ def bench_layer(
     flops: float = H200_FLOPS,
     seed: int = 0,
     graphs: bool = False,
+    compile: bool = False,
     on_row: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Converted layer vs softmax on SDPA, prefill and decode; JSON-able result with roofline columns.
@@ -231,7 +242,9 @@ def bench_layer(
     time is the kernels' alone, without the host's launches: the softmax step at its context, the
     converted step on its state in static form (``static_decoding``; kinds without one run eagerly,
     and the row says so). Kinds with fused state kernels (``FUSED_KINDS``) are also timed with the
-    torch step they replace (``converted_unfused_s``).
+    torch step they replace (``converted_unfused_s``). ``compile``: each side's decode step goes
+    through ``torch.compile`` first (the softmax step at the context, once per SDPA backend; the
+    converted step on its state in static form, o_proj included), then, with ``graphs``, is captured.
 
     A prefill case runs when batch x length <= ``max_prefill_tokens`` (one long prompt, or a batch of
     shorter ones); cases that run out of device memory are recorded as such, not raised."""
@@ -240,6 +253,7 @@ def bench_layer(
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if graphs and device.type != "cuda":
         raise ValueError(f"graphs=True needs a CUDA device; got {device}")
+
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     for name, values in (("prefill length", prefill_lengths), ("decode context", decode_contexts), ("batch size", batch_sizes)):
         bad = [v for v in values if not isinstance(v, int) or v < 1]
@@ -248,6 +262,8 @@ def bench_layer(
     max_positions = max([*prefill_lengths, *(c + (warmup + repeats) * decode_steps for c in decode_contexts)])
     model = build_layer(shape, spec, max_positions=max_positions, device=device, dtype=dtype, seed=seed)
     attn = model.model.layers[0].self_attn
+    if compile and decode_contexts and not attn.has_static_decoding():
+        raise ValueError(f"compile=True compiles the static decode step; attention {spec.attention!r} has none")
     softmax = SoftmaxLayer(attn, shape)
     elem = torch.tensor([], dtype=dtype).element_size()
     rows: list[dict[str, Any]] = []
@@ -260,7 +276,7 @@ def bench_layer(
         "versions": {"torch": torch.__version__},
         "kernel": _kernel(attn),
         "settings": dict(decode_steps=decode_steps, state_prefill=state_prefill, max_prefill_tokens=max_prefill_tokens, warmup=warmup,
-                         repeats=repeats, bandwidth=bandwidth, flops=flops, graphs=graphs),  # fmt: skip
+                         repeats=repeats, bandwidth=bandwidth, flops=flops, graphs=graphs, compile=compile),  # fmt: skip
         "rows": rows,
     }
     cases = [("prefill", b, n) for b in batch_sizes for n in prefill_lengths if b * n <= max_prefill_tokens]
@@ -273,7 +289,7 @@ def bench_layer(
                 t_soft, best, backends, t_conv = _prefill_times(model, softmax, shape, batch, length, warmup, repeats, gen, device, dtype)
             else:
                 t_soft, best, backends, t_conv, extra = _decode_times(
-                    model, softmax, shape, batch, length, decode_steps, state_prefill, warmup, repeats, gen, device, dtype, graphs)
+                    model, softmax, shape, batch, length, decode_steps, state_prefill, warmup, repeats, gen, device, dtype, graphs, compile)
                 row.update(extra)
         except torch.OutOfMemoryError:
             row["error"] = "out of memory"
@@ -314,9 +330,10 @@ def _prefill_times(model, softmax, shape, batch, length, warmup, repeats, gen, d
     return t_soft, best, backends, t_conv
 
 
-def _decode_times(model, softmax, shape, batch, context, steps, state_prefill, warmup, repeats, gen, device, dtype, graphs=False):
+def _decode_times(model, softmax, shape, batch, context, steps, state_prefill, warmup, repeats, gen, device, dtype, graphs=False,
+                  compile=False):
     """(softmax seconds per step, its backend, every backend's time, converted seconds per step,
-    whether the converted step ran as a CUDA graph)."""
+    the row's other fields: whether the converted step ran as a CUDA graph, the torch step's time)."""
     attn = model.model.layers[0].self_attn
     x1 = torch.randn(batch, 1, shape.hidden, generator=gen, device=device, dtype=dtype)
     n_steps = (warmup + repeats) * steps
@@ -333,6 +350,11 @@ def _decode_times(model, softmax, shape, batch, context, steps, state_prefill, w
 
     def soft_run():
         softmax.fill(batch, context, n_steps, device, dtype)  # a fresh static cache for each backend
+        if compile:  # compiled under this backend (a fresh compilation), at the context
+            torch._dynamo.reset()
+            step = torch.compile(softmax.fixed_step, dynamic=False)
+            call = lambda: step(x1, *pe[0])  # noqa: E731
+            return repeated(cuda_graph(call, device).replay if graphs else call)
         if graphs:  # one step at the context, recorded after two warm-up steps; each replay rewrites its slot
             return repeated(cuda_graph(lambda: softmax.step(x1, *pe[0]), device).replay)
         return stepper(softmax.step)
@@ -358,14 +380,29 @@ def _decode_times(model, softmax, shape, batch, context, steps, state_prefill, w
     def conv(x, cos, sin):
         attn(x, position_embeddings=(cos, sin), attention_mask=None, **cache_kwargs(cache))
 
-    graphed = graphs and attn.static_decoding(slot, batch, device, dtype)
+    static = (graphs or compile) and attn.static_decoding(slot, batch, device, dtype)
+    graphed = graphs and static
     extra = {"converted_graph": graphed}
-    if graphed and fused_decode.enabled(x1) and attn.spec.attention in FUSED_KINDS:
-        with fused_decode.use_fused(False):  # the torch step, captured on its own, for the same-run comparison
-            unfused = repeated(cuda_graph(lambda: conv(x1, *pe[0]), device).replay)
-        extra["converted_unfused_s"] = _median(unfused, device, warmup, repeats) / steps
-    run = repeated(cuda_graph(lambda: conv(x1, *pe[0]), device).replay) if graphed else stepper(conv)
-    t_conv = _median(run, device, warmup, repeats) / steps
+
+    def converted_run() -> Callable[[], None]:
+        call = lambda: conv(x1, *pe[0])  # noqa: E731
+        if compile:  # the static step and o_proj, as StaticDecoder runs them; a fresh compilation (no cache limit reached)
+            torch._dynamo.reset()
+            sslot = StaticSlot(slot.decode_state)
+
+            def step(x, cos, sin):
+                o = attn.decode_step(x, (cos, sin), sslot)  # (B, Hq, 1, D)
+                return attn.o_proj(o.transpose(1, 2).reshape(batch, 1, -1).to(x.dtype))
+
+            compiled = torch.compile(step, dynamic=False)
+            call = lambda: compiled(x1, *pe[0])  # noqa: E731
+        return repeated(cuda_graph(call, device).replay) if graphed else repeated(call) if compile else stepper(conv)
+
+    if static and fused_decode.enabled(x1) and attn.spec.attention in FUSED_KINDS:
+        with fused_decode.use_fused(False):  # the torch step, built on its own, for the same-run comparison
+            unfused = converted_run()
+            extra["converted_unfused_s"] = _median(unfused, device, warmup, repeats) / steps
+    t_conv = _median(converted_run(), device, warmup, repeats) / steps
     return t_soft, best, backends, t_conv, extra
 
 

@@ -218,7 +218,7 @@ def _add_eval_commands(sub) -> None:
                         "(with spec flags or a converted --model: linearize.decoding.StaticDecoder, which also runs on CPU, "
                         "eagerly; with --layer: CUDA only)")
     p.add_argument("--compile", action="store_true",
-                   help="with --graphs or --capacity: compile the model's decode step with torch.compile first")
+                   help="with --graphs, --capacity, --profile or --layer: compile the decode step (each side's) with torch.compile first")
     p.add_argument("--profile", action="store_true",
                    help="instead of timing: profile one static decode step of the teacher and the conversion at the first "
                         "--decode-contexts context and --batch-size (kernels by device time, launches per step; --compile "

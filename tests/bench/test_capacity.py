@@ -54,7 +54,7 @@ def test_cli_capacity(tmp_path, capsys):
                  "--decode-steps", "2", "--max-batch", "8", "--out", str(tmp_path / "cap")]) == 0  # fmt: skip
     assert "Converted / teacher tokens/s" in capsys.readouterr().out and (tmp_path / "cap" / "capacity.json").is_file()
     assert main(["bench", "--compile", "--model", str(path), "--attention", "hybrid"]) == 2
-    assert "--compile applies to a model's static decoding" in capsys.readouterr().err
+    assert "--compile applies to static decoding" in capsys.readouterr().err
     assert main(["bench", "--stack", "llama3-8b", "--attention", "hybrid"]) == 2
     assert "--stack and --memory-gib go with --capacity" in capsys.readouterr().err
 

@@ -64,6 +64,23 @@ def test_bench_layer_runs_and_reports(tmp_path):
     assert layer_markdown(results) == (tmp_path / "layer.md").read_text()
 
 
+def test_compiled_decode_steps_run_with_and_without_the_fused_kernels(tmp_path):
+    """compile=True times both sides' compiled decode steps; with the fused kernels on (Triton's
+    interpreter here) the torch step is timed beside them; a kind without a static step is named."""
+    from linearize.ops import fused_decode
+
+    kw = dict(prefill_lengths=[], decode_contexts=[24], batch_sizes=[2], warmup=1, repeats=1, decode_steps=2, device="cpu", compile=True)
+    result = bench_layer(TINY, {"attention": "dsla"}, **kw)
+    (row,) = result["rows"]
+    assert result["settings"]["compile"] and row["converted_s"] > 0 and "converted_unfused_s" not in row and not row["converted_graph"]
+    if fused_decode.triton_available() and fused_decode.interpreting():
+        with fused_decode.use_fused(True):
+            (row,) = bench_layer(TINY, {"attention": "hybrid", "window": 8}, **kw)["rows"]
+        assert row["converted_unfused_s"] > 0 and row["converted_s"] > 0
+    with pytest.raises(ValueError, match="attention 'softmax' has none"):
+        bench_layer(TINY, {"attention": "softmax"}, **kw)
+
+
 def test_bad_layer_inputs_name_the_value():
     with pytest.raises(ValueError, match="no-such-shape.*llama3-8b"):
         layer_shape("no-such-shape")
