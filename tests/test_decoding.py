@@ -52,7 +52,7 @@ def test_fused_decode_kernels_match_full_forward(name, monkeypatch):
     """With the fused state kernels (in Triton's interpreter without a GPU), each step's logits still
     equal the full forward's at that position."""
     calls = []
-    for op in ("hybrid_linear_step", "dsla_state_step"):
+    for op in ("hybrid_linear_step", "hybrid_window_read", "dsla_state_step"):
         kernel = getattr(fused_decode, op)
         monkeypatch.setattr(fused_decode, op, lambda *a, kernel=kernel, op=op: calls.append(op) or kernel(*a))
     model = _model(name)
@@ -69,21 +69,26 @@ def test_fused_decode_kernels_match_full_forward(name, monkeypatch):
     full = model(seq).logits[:, prompt.shape[1] - 1 :]
     tol = 2e-5 if device == "cpu" else 2e-3  # on CUDA the full forward's fla kernels multiply in TF32
     torch.testing.assert_close(torch.stack(logits, dim=1), full, atol=tol, rtol=tol)
-    assert set(calls) == {"dsla_state_step" if name.startswith("dsla") else "hybrid_linear_step"}
-    assert len(calls) == 6 * model.config.num_hidden_layers  # every layer is converted: one call per layer and step
+    ops = {"dsla_state_step"} if name.startswith("dsla") else {"hybrid_linear_step", "hybrid_window_read"}
+    assert set(calls) == ops
+    assert len(calls) == 6 * model.config.num_hidden_layers * len(ops)  # every layer is converted: each op once per layer and step
 
 
-@pytest.mark.parametrize("name", ["hybrid-nope", "dsla-partial"])
+@pytest.mark.parametrize("name,fused", [("hybrid-nope", False), ("dsla-partial", False), ("hybrid-joint", True)],
+                         ids=["hybrid-nope", "dsla-partial", "hybrid-joint-fused"])
 @torch.no_grad()
-def test_compiled_step_equals_the_eager_step(name):
+def test_compiled_step_equals_the_eager_step(name, fused):
     """torch.compile'd steps (one compilation: nothing in the step changes a Python value) give the
-    eager steps' tokens and logits."""
+    eager steps' tokens and logits; with the fused kernels (custom ops inside the compiled step) too."""
+    if fused and not fused_decode.triton_available():
+        pytest.skip("needs Triton (the test extra installs it)")
     model = _model(name)
     prompt = torch.randint(3, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(4))
     runs = []
     for compile in (False, True):
         decoder = StaticDecoder(model, batch_size=2, max_length=16, compile=compile)
-        runs.append((decoder.generate(prompt, max_new_tokens=8), decoder.logits.clone()))
+        with fused_decode.use_fused(fused):
+            runs.append((decoder.generate(prompt, max_new_tokens=8), decoder.logits.clone()))
     assert torch.equal(runs[1][0], runs[0][0])
     torch.testing.assert_close(runs[1][1], runs[0][1], atol=1e-5, rtol=1e-5)
 

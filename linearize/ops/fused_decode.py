@@ -9,11 +9,14 @@ back and reads it for the query from registers.
 
 - ``hybrid_linear_step``: the hybrid's linear part, [S | z] += phi(k_out) [v_out, 1]^T for the token
   leaving the window, then phi(q) [S | z].
+- ``hybrid_window_read``: the rest of the hybrid's step in one kernel, after the new token took its
+  window slot: the window's scores, softmax weights and values, combined with the linear read by the
+  joint or the gate mix (in the torch form: two matmuls and about eight elementwise kernels).
 - ``dsla_state_step``: DSLA's two gated states together (their query, key and value loaded once),
   S = diag(alpha) S + phi(k) [v, (1)]^T, then phi(q) S for both.
 
-Each returns the raw reads (numerator and, with a normaliser, the denominator column) in float32; the
-ops combine them exactly as their torch forms do. The torch forms stay the reference these are
+The state kernels return the raw reads (numerator and, with a normaliser, the denominator column) in
+float32; the ops combine them exactly as their torch forms do. The torch forms stay the reference these are
 tested against (tests/ops/test_fused_decode.py, on CPU through Triton's interpreter when there is no
 GPU). Both are registered as torch custom ops, so ``torch.compile`` treats them as opaque in-place
 updates and CUDA graphs capture them like any kernel.
@@ -149,7 +152,43 @@ def _kernels():
         tl.store(out + r * V + ov, acc0, mask=mv)
         tl.store(out + (ROWS + r) * V + ov, acc1, mask=mv)
 
-    return hybrid_kernel, dsla_kernel
+    @triton.jit
+    def window_kernel(
+        q, keys, values, valid, lin, factor, out,
+        n_rep, s_qb, s_qh, scale,
+        H: tl.constexpr, W: tl.constexpr, D: tl.constexpr, V: tl.constexpr,
+        BW: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, EPS: tl.constexpr,
+    ):  # fmt: skip
+        r = tl.program_id(0).to(tl.int64)  # one (batch row, query head)
+        b = r // H
+        h = r % H
+        kr = b * (H // n_rep) + h // n_rep  # its (batch row, KV head)
+        ow, od, ov = tl.arange(0, BW), tl.arange(0, BD), tl.arange(0, BV)
+        mw, md, mv = ow < W, od < D, ov < V
+        qv = tl.load(q + b * s_qb + h * s_qh + od, mask=md, other=0.0).to(tl.float32)
+        k = tl.load(keys + kr * W * D + ow[:, None] * D + od[None, :], mask=mw[:, None] & md[None, :], other=0.0)
+        scores = tl.sum(k * qv[None, :], axis=1) * scale  # (BW,)
+        real = tl.load(valid + b * W + ow, mask=mw, other=0) != 0
+        scores = tl.where(real, scores, float("-inf"))
+        e = tl.exp(scores - tl.max(scores, axis=0))  # the new token is in the window: the max is finite
+        vt = tl.load(values + kr * W * V + ow[:, None] * V + ov[None, :], mask=mw[:, None] & mv[None, :], other=0.0)
+        sw = tl.sum(e[:, None] * vt, axis=0)  # (BV,): [sum e v, sum e]
+        la = tl.load(lin + r * V + ov, mask=mv, other=0.0)
+        f = tl.load(factor + h).to(tl.float32)
+        last = ov == V - 1
+        if GATE:  # g SWA + (1 - g) LA, each over its own denominator (0 where that is empty)
+            den_w = tl.sum(tl.where(last, sw, 0.0), axis=0)
+            den_l = tl.sum(tl.where(last, la, 0.0), axis=0)
+            read_w = tl.where(den_w > EPS, sw / den_w, 0.0)
+            read_l = tl.where(den_l > EPS, la / den_l, 0.0)
+            o = read_l + f * (read_w - read_l)
+        else:  # one denominator: the linear term plus the window's, scaled by the window factor
+            x = la + f * sw
+            den = tl.sum(tl.where(last, x, 0.0), axis=0)
+            o = tl.where(den > EPS, x / den, 0.0)
+        tl.store(out + r * (V - 1) + ov, o, mask=ov < V - 1)
+
+    return hybrid_kernel, dsla_kernel, window_kernel
 
 
 BLOCK_K = 32
@@ -181,7 +220,7 @@ def hybrid_linear_step(linear: Tensor, features: Tensor, values: Tensor, qf: Ten
     if features.stride(-1) != 1 or values.stride(-1) != 1 or qf.stride(-1) != 1:
         raise ValueError("features, values and qf must be contiguous in their last axis")
     out = torch.empty(rows, width, device=linear.device, dtype=torch.float32)
-    kernel, _ = _kernels()
+    kernel = _kernels()[0]
     grid = (rows, -(-width // BLOCK_V))
     kernel[grid](
         linear, features, values, qf, out, linear if index is None else index,
@@ -217,7 +256,7 @@ def dsla_state_step(states: Tensor, qf: Tensor, kf: Tensor, v: Tensor, decay: Te
     if any(x.stride(-1) != 1 for x in (qf, kf, v, decay)):
         raise ValueError("qf, kf, v and decay must be contiguous in their last axis")
     out = torch.empty(2, b, hq, width, device=states.device, dtype=torch.float32)
-    _, kernel = _kernels()
+    kernel = _kernels()[1]
     grid = (b * hq, -(-width // BLOCK_V))
     kernel[grid](
         states, qf, kf, v, decay, out,
@@ -231,3 +270,44 @@ def dsla_state_step(states: Tensor, qf: Tensor, kf: Tensor, v: Tensor, decay: Te
 @dsla_state_step.register_fake
 def _(states, qf, kf, v, decay, normalize):
     return states.new_empty(2, states.shape[1], states.shape[2], states.shape[4])
+
+
+@torch.library.custom_op("linearize::hybrid_window_read", mutates_args=())
+def hybrid_window_read(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, lin: Tensor, factor: Tensor, scale: float,
+                       gate: bool) -> Tensor:
+    """The hybrid decode step's read, after the new token took its window slot: softmax scores of
+    ``q`` (B, Hq, D) against the window ``keys`` (B Hkv, W, D) float32 (slots where ``valid`` (B, W)
+    is False masked), their weights on ``values`` (B Hkv, W, Dv + 1) = [v, 1], combined with the
+    linear read ``lin`` (B Hq, Dv + 1) = [phi(q) S, phi(q) z]: the joint mix (one denominator, the
+    window's part times ``factor`` (Hq,)) or, with ``gate``, g SWA + (1 - g) LA with g = ``factor``.
+    Returns (B Hq, Dv) float32, 0 where a denominator is empty."""
+    from .common import EMPTY_DENOMINATOR
+
+    b, hq, d = q.shape
+    bk, w, width = values.shape
+    for name, x in (("keys", keys), ("values", values), ("lin", lin)):
+        if not x.is_contiguous() or x.dtype != torch.float32:
+            raise ValueError(f"{name} must be a contiguous float32 tensor, got {x.dtype} with strides {x.stride()}")
+    _check("keys", keys, (bk, w, d))
+    _check("valid", valid, (b, w), torch.bool)
+    _check("lin", lin, (b * hq, width))
+    _check("factor", factor, (hq,))
+    if q.stride(-1) != 1 or not valid.is_contiguous():
+        raise ValueError("q must be contiguous in its last axis and valid contiguous")
+    out = torch.empty(b * hq, width - 1, device=q.device, dtype=torch.float32)
+    kernel = _kernels()[2]
+    kernel[(b * hq,)](
+        q, keys, values, valid, lin, factor.float().contiguous(), out,
+        hq // (bk // b), q.stride(0), q.stride(1), scale,
+        H=hq, W=w, D=d, V=width, BW=_pow2(w), BD=_pow2(d), BV=_pow2(width), GATE=gate, EPS=EMPTY_DENOMINATOR, num_warps=8,
+    )  # fmt: skip
+    return out
+
+
+@hybrid_window_read.register_fake
+def _(q, keys, values, valid, lin, factor, scale, gate):
+    return lin.new_empty(lin.shape[0], lin.shape[1] - 1)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())

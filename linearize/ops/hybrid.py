@@ -518,7 +518,8 @@ def hybrid_decode_step(
     if qf.dtype != dt:
         qf = qf.to(dt)
     lin = None
-    if fused_decode.enabled(state.linear) and state.linear.dtype == torch.float32:
+    fused = fused_decode.enabled(state.linear) and state.linear.dtype == torch.float32
+    if fused:
         # The leaving token joins [S | z] and the query reads it, in one pass over the state.
         lin = fused_decode.hybrid_linear_step(state.linear, state.features, state.values, qf, state.index,
                                               state.head if state.index is None else 0).view(b, hq, dv + 1)  # fmt: skip
@@ -552,6 +553,16 @@ def hybrid_decode_step(
         state.index.add_(1).remainder_(w)
         state.count.add_(1)  # the host's ``steps`` stays
 
+    if fused and branches == "both" and not overlap:  # the window's read and the mix, one kernel
+        if mix == "joint":
+            factor = torch.ones(hq, dtype=dt, device=q.device) if window_factor is None else window_factor
+        else:
+            factor = torch.full((hq,), 0.5, dtype=dt, device=q.device) if gate is None else gate
+        out = fused_decode.hybrid_window_read(q.view(b, hq, d), state.keys, state.values, state.valid, lin.view(b * hq, dv + 1),
+                                              factor, scale, mix == "gate")  # fmt: skip
+        if state.index is None and not state.full:
+            state.full = bool(state.valid.all())
+        return out.view(b, hq, 1, dv).to(v.dtype)
     qf = qf.view(b * hq, 1, -1)  # (B Hq, 1, F)
     if lin is None:
         lin = torch.bmm(qf, state.linear).view(b, hq, dv + 1)  # [phi(q) S, phi(q) z]

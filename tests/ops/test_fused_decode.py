@@ -111,6 +111,11 @@ def test_bad_shapes_are_named():
     states = torch.zeros(2, 1, 2, 4, 5)
     with pytest.raises(ValueError, match="states have 5 columns"):
         fused_decode.dsla_state_step(states, torch.zeros(1, 2, 4), torch.zeros(1, 2, 4), torch.zeros(1, 1, 5), torch.zeros(1, 2, 2, 4), True)
+    q, keys, values, valid = torch.zeros(1, 4, 8), torch.zeros(2, 5, 8), torch.zeros(2, 5, 9), torch.ones(1, 5, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"valid must be torch.bool"):
+        fused_decode.hybrid_window_read(q, keys, values, valid.float(), torch.zeros(4, 9), torch.ones(4), 0.3, False)
+    with pytest.raises(ValueError, match=r"factor must have shape \(4,\)"):
+        fused_decode.hybrid_window_read(q, keys, values, valid, torch.zeros(4, 9), torch.ones(2), 0.3, True)
     with pytest.raises(ValueError, match=r"decay must have shape \(1, 2, 2, 4\)"):
         fused_decode.dsla_state_step(states, torch.zeros(1, 2, 4), torch.zeros(1, 2, 4), torch.zeros(1, 1, 4), torch.zeros(1, 2, 4), True)
 
@@ -135,3 +140,6 @@ def test_custom_ops_pass_torch_library_checks():
     args = (states, torch.randn(1, 2, 4, device=DEVICE), torch.randn(1, 2, 4, device=DEVICE), torch.randn(1, 1, 4, device=DEVICE),
             torch.rand(1, 2, 2, 4, device=DEVICE), True)  # fmt: skip
     torch.library.opcheck(fused_decode.dsla_state_step, args, test_utils=("test_schema", "test_faketensor"))
+    args = (torch.randn(2, 4, 8, device=DEVICE), torch.randn(4, 5, 8, device=DEVICE), torch.randn(4, 5, 9, device=DEVICE),
+            torch.ones(2, 5, dtype=torch.bool, device=DEVICE), torch.rand(8, 9, device=DEVICE), torch.rand(4, device=DEVICE), 0.3, False)  # fmt: skip
+    torch.library.opcheck(fused_decode.hybrid_window_read, args, test_utils=("test_schema", "test_faketensor"))
