@@ -15,11 +15,12 @@ back and reads it for the query from registers.
 - ``dsla_state_step``: DSLA's two gated states together (their query, key and value loaded once),
   S = diag(alpha) S + phi(k) [v, (1)]^T, then phi(q) S for both.
 
-The state kernels return the raw reads (numerator and, with a normaliser, the denominator column) in
-float32; the ops combine them exactly as their torch forms do. The torch forms stay the reference these are
-tested against (tests/ops/test_fused_decode.py, on CPU through Triton's interpreter when there is no
-GPU). Both are registered as torch custom ops, so ``torch.compile`` treats them as opaque in-place
-updates and CUDA graphs capture them like any kernel.
+The state kernels return the raw reads (numerator and, with a normaliser, the denominator column)
+in float32; the ops combine them exactly as their torch forms do. The torch forms stay the
+reference these are tested against (tests/ops/test_fused_decode.py, on CPU through Triton's
+interpreter when there is no GPU). All three are registered as torch custom ops, so
+``torch.compile`` treats them as opaque (the state kernels as in-place updates) and CUDA graphs
+capture them like any kernel.
 
 ``enabled(tensor)`` says whether a step on that tensor takes the fused path: on CUDA with Triton
 importable, unless turned off with ``use_fused(False)`` (the benchmarks time both forms that way);
@@ -38,8 +39,6 @@ import torch
 from torch import Tensor
 
 _FORCED: list[bool] = []
-
-
 _TRITON = importlib.util.find_spec("triton") is not None
 
 
@@ -297,7 +296,7 @@ def hybrid_window_read(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, l
     out = torch.empty(b * hq, width - 1, device=q.device, dtype=torch.float32)
     kernel = _kernels()[2]
     kernel[(b * hq,)](
-        q, keys, values, valid, lin, factor.float().contiguous(), out,
+        q, keys, values, valid.view(torch.uint8), lin, factor.float().contiguous(), out,  # the mask as bytes (same storage)
         hq // (bk // b), q.stride(0), q.stride(1), scale,
         H=hq, W=w, D=d, V=width, BW=_pow2(w), BD=_pow2(d), BV=_pow2(width), GATE=gate, EPS=EMPTY_DENOMINATOR, num_warps=8,
     )  # fmt: skip
