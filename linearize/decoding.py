@@ -18,6 +18,11 @@ Each layer's memory:
   (``ConvertedAttention.static_decoding``: every index a device tensor), updated in place. Layers
   without one (the diagnostic modes sinks_only and none) raise: they decode through ``model.generate()``.
 
+Where a layer's q/k/v projections (and its MLP's gate and up projections) are plain linear layers,
+the step runs them as one matmul over their weights stacked once at prefill (``fused_weights``;
+``fuse_projections=False`` keeps them apart): fewer, larger kernels, which is what a step at batch 1
+is bound by. A decoder therefore decodes with the weights the model had at its last prefill.
+
 The prompt is prefilled by the model's own forward (its fast prefill paths), then each layer's
 memory is moved into the static buffers. Prompts of different lengths come left-padded with their
 attention mask (each row continues from its own length); a single prompt row is repeated to the batch. Decoding matches the model's forward on the whole sequence
@@ -26,17 +31,19 @@ attention mask (each row continues from its own length); a single prompt row is 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import DynamicCache
 
 from .cache import StateCacheLayer, cache_kwargs, state_layer
 from .checks import check_int
-from .layers.base import ConvertedAttention, project_qkv
+from .layers.base import FUSED_QKV, ConvertedAttention, project_qkv
 from .modeling import decoder_layers
 from .ops.states import BatchState
 from .runtime import check_length
@@ -101,9 +108,12 @@ class StaticDecoder:
     """Greedy decoding of ``batch_size`` rows up to ``max_length`` tokens (prompt included), every
     step on static buffers; ``graphs`` (default: on CUDA) captures the step as a CUDA graph;
     ``compile``: the step goes through ``torch.compile`` first (fused elementwise kernels: norms,
-    RoPE, state updates), compiled during the first warm-up step."""
+    RoPE, state updates), compiled during the first warm-up step. ``fuse_projections``: q/k/v and
+    gate/up each as one matmul over weights stacked at prefill (a copy of those weights: about two
+    thirds of a Llama's; turn it off where memory, not launches, bounds the step)."""
 
-    def __init__(self, model, *, batch_size: int, max_length: int, graphs: bool | None = None, compile: bool = False) -> None:
+    def __init__(self, model, *, batch_size: int, max_length: int, graphs: bool | None = None, compile: bool = False,
+                 fuse_projections: bool = True) -> None:
         check_int("batch_size", batch_size, 1)
         check_int("max_length", max_length, 2)
         check_length(model, max_length)
@@ -116,6 +126,7 @@ class StaticDecoder:
             raise ValueError(f"graphs=True needs a CUDA device; the model is on {self.device}")
         self.graphs = graphs
         self.compiled = compile
+        self.fuse_projections = fuse_projections
         self._run_step = torch.compile(self._step, dynamic=False) if compile else self._step
         self.layers = list(decoder_layers(model))
         for i, layer in enumerate(self.layers):
@@ -131,6 +142,7 @@ class StaticDecoder:
         self.logits = torch.zeros(batch_size, model.config.vocab_size, device=self.device)
         """(B, vocab) float32: the logits the last token came from (prefill's or the last step's)."""
         self.memory: list[_SoftmaxMemory | StaticSlot] = []
+        self.fused: list[FusedWeights] = []
         self.length = 0
         self._steps = 0
         self._graph = None
@@ -177,6 +189,7 @@ class StaticDecoder:
                     raise ValueError(f"layer {i} ({attn.spec.attention}) has no static decode step in mode {attn.mode!r}")
                 mem = StaticSlot(mem.decode_state)
             self.memory.append(mem)
+        self.fused = [fused_weights(layer) if self.fuse_projections else FusedWeights() for layer in self.layers]
         self.length, self._steps, self._graph = t, 0, None
         self.logits.copy_(out.logits[:, -1].float().expand(self.batch_size, -1))
         self.token.copy_(self.logits.argmax(dim=-1, keepdim=True))
@@ -193,7 +206,7 @@ class StaticDecoder:
         x = base.embed_tokens(self.token)  # (B, 1, hidden)
         cos, sin = base.rotary_emb(x, self.position.clone().view(self.batch_size, 1))  # a copy, not a view of a buffer the step changes
         blocked = ((self.slots > self.slot) | self.padding).view(self.batch_size, 1, 1, self.max_length)  # (B, 1, 1, L)
-        for layer, mem in zip(self.layers, self.memory):
+        for layer, mem, fused in zip(self.layers, self.memory, self.fused):
             h = layer.input_layernorm(x)
             attn = layer.self_attn
             if isinstance(mem, _SoftmaxMemory):
@@ -202,7 +215,7 @@ class StaticDecoder:
                 o = attn.decode_step(h, (cos, sin), mem)  # (B, Hq, 1, D)
                 a = attn.o_proj(o.transpose(1, 2).reshape(self.batch_size, 1, -1).to(h.dtype))
             x = x + a
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + fused.mlp(layer.mlp, layer.post_attention_layernorm(x))
         logits = self.model.lm_head(base.norm(x))[:, 0]  # (B, vocab)
         self.logits.copy_(logits)
         self.token.copy_(logits.argmax(dim=-1, keepdim=True))
@@ -218,13 +231,15 @@ class StaticDecoder:
             raise RuntimeError(f"max_length {self.max_length} reached; make a decoder with a larger max_length")
         if self._graph is not None:
             self._graph.replay()
-        elif self.graphs and self._steps >= WARMUP_STEPS:
-            self._capture()
-            self._graph.replay()
-        elif self.compiled and self._steps == 0:
-            self._first_compiled_step()
         else:
-            self._run_step()
+            with lent_projections(self.layers, self.fused):
+                if self.graphs and self._steps >= WARMUP_STEPS:
+                    self._capture()
+                    self._graph.replay()
+                elif self.compiled and self._steps == 0:
+                    self._first_compiled_step()
+                else:
+                    self._run_step()
         self._steps += 1
         self.length += 1
         return self.token[:, 0].clone()
@@ -269,6 +284,58 @@ class StaticDecoder:
         for _ in range(max_new_tokens - 1):
             out.append(self.step())
         return torch.stack(out, dim=1)
+
+
+@dataclass
+class FusedWeights:
+    """One decoder layer's projections stacked for a decode step: q/k/v as (weight, bias, sizes) and
+    the MLP's gate and up as one weight; None where the layer's modules are not plain linear layers
+    (e.g. LoRA adapters not merged), which then run as they are."""
+
+    qkv: tuple[Tensor, Tensor | None, tuple[int, int, int]] | None = None
+    gate_up: Tensor | None = None
+
+    def mlp(self, mlp: nn.Module, x: Tensor) -> Tensor:
+        """The layer's MLP on ``x``: down(act(gate x) * up x), gate and up as one matmul when stacked."""
+        if self.gate_up is None:
+            return mlp(x)
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return mlp.down_proj(mlp.act_fn(gate) * up)
+
+
+def _plain(*modules) -> bool:
+    return all(type(m) is nn.Linear for m in modules)
+
+
+@torch.no_grad()
+def fused_weights(layer: nn.Module) -> FusedWeights:
+    """The stacked projections of a Llama-style decoder layer (copies of its current weights)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    out = FusedWeights()
+    projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
+    if _plain(*projections) and len({p.bias is None for p in projections}) == 1:
+        bias = None if projections[0].bias is None else torch.cat([p.bias for p in projections])
+        out.qkv = (torch.cat([p.weight for p in projections]), bias, tuple(p.out_features for p in projections))
+    gate, up = getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)
+    if _plain(gate, up) and gate.bias is None and up.bias is None and gate.out_features == up.out_features and hasattr(mlp, "act_fn"):
+        out.gate_up = torch.cat([gate.weight, up.weight])
+    return out
+
+
+@contextlib.contextmanager
+def lent_projections(layers: list[nn.Module], fused: list[FusedWeights]) -> Iterator[None]:
+    """Within the block, each layer's attention projects q/k/v through its stacked weights
+    (``linearize.layers.base.FUSED_QKV``); the attribute is removed after, whatever happens."""
+    lent = []
+    try:
+        for layer, f in zip(layers, fused):
+            if f.qkv is not None:
+                layer.self_attn.__dict__[FUSED_QKV] = f.qkv
+                lent.append(layer.self_attn)
+        yield
+    finally:
+        for attn in lent:
+            attn.__dict__.pop(FUSED_QKV, None)
 
 
 def cuda_graph(fn: Callable[[], object], device: torch.device, *, warmup: int = 2) -> torch.cuda.CUDAGraph:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from linearize.decoding import StaticDecoder, static_decoding_supported
-from linearize.ops import fused_decode
+from linearize.ops import cpu_kernels, fused_decode
 from linearize.ops.hybrid import HybridDecodeState, hybrid_attention, hybrid_decode_step
 from linearize.ops.lola import LolaDecodeState, lola_attention, lola_decode_step
 
@@ -91,6 +91,34 @@ def test_compiled_step_equals_the_eager_step(name, fused):
             runs.append((decoder.generate(prompt, max_new_tokens=8), decoder.logits.clone()))
     assert torch.equal(runs[1][0], runs[0][0])
     torch.testing.assert_close(runs[1][1], runs[0][1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", [None, "hybrid-nope", "dsla"], ids=["teacher", "hybrid-nope", "dsla"])
+@torch.no_grad()
+def test_steps_project_through_stacked_weights_lent_for_the_step(name, monkeypatch):
+    """Each step projects q/k/v through the weights stacked at prefill (one matmul), the MLP's gate
+    and up too; the modules hold nothing of it after a step; fuse_projections=False keeps them
+    apart; the tokens and logits are the same either way."""
+    import linearize.layers.base as base
+    from linearize.decoding import FUSED_QKV
+
+    seen = []
+    plain = base.qkv_heads
+    monkeypatch.setattr(base, "qkv_heads", lambda attn, h: seen.append(FUSED_QKV in attn.__dict__) or plain(attn, h))
+    model = _model(name)
+    prompt = torch.randint(3, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(6))
+    runs = []
+    for fuse in (True, False):
+        decoder = StaticDecoder(model, batch_size=2, max_length=12, fuse_projections=fuse)
+        decoder.prefill(prompt)
+        seen.clear()
+        with cpu_kernels.disabled():  # DSLA's CPU kernel projects inside itself
+            runs.append((torch.stack([decoder.step() for _ in range(4)]), decoder.logits.clone()))
+        assert seen and all(seen) == fuse and not any(seen) != fuse
+        assert all(FUSED_QKV not in layer.self_attn.__dict__ for layer in decoder.layers)
+        assert all((f.gate_up is not None) == fuse for f in decoder.fused)
+    assert torch.equal(runs[0][0], runs[1][0])
+    torch.testing.assert_close(runs[0][1], runs[1][1], atol=1e-5, rtol=1e-5)
 
 
 @torch.no_grad()

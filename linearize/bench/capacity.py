@@ -94,7 +94,8 @@ def _measure(model, side: str, *, context: int, steps: int, budget: int, max_bat
     ids = _random_ids(model, 1, context, device, seed)
     while True:
         try:
-            decoder = StaticDecoder(model, batch_size=batch, max_length=max_length, compile=compile)
+            # the largest batch is memory-bound: no stacked copies of the projections' weights beside it
+            decoder = StaticDecoder(model, batch_size=batch, max_length=max_length, compile=compile, fuse_projections=False)
             decoder.prefill(ids)
             _time_calls(decoder.step, decode_warmup(0, True), device)  # eager steps, then the capture
             median = statistics.median(_time_calls(decoder.step, steps, device))

@@ -16,6 +16,7 @@ import logging
 from typing import Any, Callable, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -154,15 +155,29 @@ def resolve_kernel(kernel: str, device: torch.device) -> str:
     return "torch"
 
 
+FUSED_QKV = "fused_qkv"
+"""The attribute under which a static decoder lends an attention module its q/k/v weights stacked,
+(weight, bias or None, (q, k, v) output sizes), for the duration of a step (``linearize.decoding``)."""
+
+
+def qkv_heads(attn: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q (B, Hq, T, D), k and v (B, Hkv, T, D) before RoPE: the three projections, or one matmul over
+    the stacked weights when a static decoder lends them (``FUSED_QKV``)."""
+    b, t, _ = hidden_states.shape
+    d = attn.head_dim
+    fused = attn.__dict__.get(FUSED_QKV)
+    if fused is not None:
+        q, k, v = F.linear(hidden_states, fused[0], fused[1]).split(fused[2], dim=-1)
+    else:
+        q, k, v = attn.q_proj(hidden_states), attn.k_proj(hidden_states), attn.v_proj(hidden_states)
+    return tuple(x.view(b, t, -1, d).transpose(1, 2) for x in (q, k, v))  # type: ignore[return-value]
+
+
 def project_qkv(attn: nn.Module, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor]):
     """(q, k, v, q_pre, k_pre) of an attention module with ``q_proj``/``k_proj``/``v_proj`` and
     ``head_dim`` (the teacher's or a converted one): q (B, Hq, T, D), k and v (B, Hkv, T, D), RoPE
     applied to q and k; q_pre and k_pre before RoPE."""
-    b, t, _ = hidden_states.shape
-    d = attn.head_dim
-    q_pre = attn.q_proj(hidden_states).view(b, t, -1, d).transpose(1, 2)  # (B, Hq, T, D)
-    k_pre = attn.k_proj(hidden_states).view(b, t, -1, d).transpose(1, 2)  # (B, Hkv, T, D)
-    v = attn.v_proj(hidden_states).view(b, t, -1, d).transpose(1, 2)  # (B, Hkv, T, D)
+    q_pre, k_pre, v = qkv_heads(attn, hidden_states)
     q, k = apply_rotary_pos_emb(q_pre, k_pre, *position_embeddings)
     return q, k, v, q_pre, k_pre
 
@@ -301,12 +316,7 @@ class ConvertedAttention(nn.Module):
         if not self.separate_linear_inputs:
             p = self.project(hidden_states, position_embeddings)
             return p.q_lin, p.k_lin, p.v
-        b, t, _ = hidden_states.shape
-        d = self.head_dim
-        q = self.q_proj(hidden_states).view(b, t, -1, d).transpose(1, 2)  # (B, Hq, T, D)
-        k = self.k_proj(hidden_states).view(b, t, -1, d).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(hidden_states).view(b, t, -1, d).transpose(1, 2)  # (B, Hkv, T, D)
-        return q, k, v
+        return qkv_heads(self, hidden_states)  # (B, Hq, T, D), (B, Hkv, T, D) x 2
 
     def extra_repr(self) -> str:
         return f"layer={self.layer_idx}, attention={self.spec.attention}, mode={self.mode}"
