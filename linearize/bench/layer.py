@@ -48,8 +48,8 @@ from ..decoding import StaticSlot, cuda_graph
 from ..hub import build_tiny_llama
 from ..io import save_png, write_results
 from ..layers.base import project_qkv
-from ..ops import fused_decode
 from ..layers.registry import KINDS
+from ..ops import fused_decode
 from ..spec import ConversionSpec
 from .efficiency import _time_calls
 from .shapes import SHAPES, LayerShape
@@ -253,7 +253,6 @@ def bench_layer(
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if graphs and device.type != "cuda":
         raise ValueError(f"graphs=True needs a CUDA device; got {device}")
-
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     for name, values in (("prefill length", prefill_lengths), ("decode context", decode_contexts), ("batch size", batch_sizes)):
         bad = [v for v in values if not isinstance(v, int) or v < 1]
@@ -396,7 +395,9 @@ def _decode_times(model, softmax, shape, batch, context, steps, state_prefill, w
 
             compiled = torch.compile(step, dynamic=False)
             call = lambda: compiled(x1, *pe[0])  # noqa: E731
-        return repeated(cuda_graph(call, device).replay) if graphed else repeated(call) if compile else stepper(conv)
+        if graphed:
+            return repeated(cuda_graph(call, device).replay)
+        return repeated(call) if compile else stepper(conv)  # a compiled step is timed at the context
 
     if static and fused_decode.enabled(x1) and attn.spec.attention in FUSED_KINDS:
         with fused_decode.use_fused(False):  # the torch step, built on its own, for the same-run comparison

@@ -33,7 +33,7 @@ import contextlib
 import functools
 import importlib.util
 import os
-from typing import Iterator
+from typing import Any, Iterator, NamedTuple
 
 import torch
 from torch import Tensor
@@ -72,8 +72,14 @@ def use_fused(on: bool) -> Iterator[None]:
         _FORCED.pop()
 
 
+class _Kernels(NamedTuple):
+    hybrid: Any
+    dsla: Any
+    window: Any
+
+
 @functools.cache
-def _kernels():
+def _kernels() -> _Kernels:
     """The Triton kernels, compiled on first use (Triton is imported only then)."""
     import triton
     import triton.language as tl
@@ -187,12 +193,18 @@ def _kernels():
             o = tl.where(den > EPS, x / den, 0.0)
         tl.store(out + r * (V - 1) + ov, o, mask=ov < V - 1)
 
-    return hybrid_kernel, dsla_kernel, window_kernel
+    return _Kernels(hybrid=hybrid_kernel, dsla=dsla_kernel, window=window_kernel)
 
 
 BLOCK_K = 32
 BLOCK_V = 64
 NUM_WARPS = 4
+
+
+def _check_buffer(name: str, x: Tensor) -> None:
+    """ValueError unless ``x`` is a contiguous float32 tensor (what a kernel indexes as one block)."""
+    if not x.is_contiguous() or x.dtype != torch.float32:
+        raise ValueError(f"{name} must be a contiguous float32 tensor, got {x.dtype} with strides {x.stride()}")
 
 
 def _check(name: str, x: Tensor, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> None:
@@ -211,15 +223,14 @@ def hybrid_linear_step(linear: Tensor, features: Tensor, values: Tensor, qf: Ten
     rows, f, width = linear.shape
     bk, w = values.shape[:2]
     n_rep = rows // bk
-    if not linear.is_contiguous() or linear.dtype != torch.float32:
-        raise ValueError(f"linear must be a contiguous float32 tensor, got {linear.dtype} with strides {linear.stride()}")
+    _check_buffer("linear", linear)
     _check("features", features, (bk, w, n_rep * f))
     _check("values", values, (bk, w, width))
     _check("qf", qf, (rows, f))
     if features.stride(-1) != 1 or values.stride(-1) != 1 or qf.stride(-1) != 1:
         raise ValueError("features, values and qf must be contiguous in their last axis")
     out = torch.empty(rows, width, device=linear.device, dtype=torch.float32)
-    kernel = _kernels()[0]
+    kernel = _kernels().hybrid
     grid = (rows, -(-width // BLOCK_V))
     kernel[grid](
         linear, features, values, qf, out, linear if index is None else index,
@@ -243,8 +254,7 @@ def dsla_state_step(states: Tensor, qf: Tensor, kf: Tensor, v: Tensor, decay: Te
     value is 1 for every token)."""
     _, b, hq, dk, width = states.shape
     hkv, dv = v.shape[1], v.shape[-1]
-    if not states.is_contiguous() or states.dtype != torch.float32:
-        raise ValueError(f"states must be a contiguous float32 tensor, got {states.dtype} with strides {states.stride()}")
+    _check_buffer("states", states)
     if width != dv + int(normalize):
         raise ValueError(f"states have {width} columns; v's {dv} values" + (" and the normaliser" if normalize else "") + " need "
                          f"{dv + int(normalize)}")  # fmt: skip
@@ -255,7 +265,7 @@ def dsla_state_step(states: Tensor, qf: Tensor, kf: Tensor, v: Tensor, decay: Te
     if any(x.stride(-1) != 1 for x in (qf, kf, v, decay)):
         raise ValueError("qf, kf, v and decay must be contiguous in their last axis")
     out = torch.empty(2, b, hq, width, device=states.device, dtype=torch.float32)
-    kernel = _kernels()[1]
+    kernel = _kernels().dsla
     grid = (b * hq, -(-width // BLOCK_V))
     kernel[grid](
         states, qf, kf, v, decay, out,
@@ -280,13 +290,14 @@ def hybrid_window_read(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, l
     linear read ``lin`` (B Hq, Dv + 1) = [phi(q) S, phi(q) z]: the joint mix (one denominator, the
     window's part times ``factor`` (Hq,)) or, with ``gate``, g SWA + (1 - g) LA with g = ``factor``.
     Returns (B Hq, Dv) float32, 0 where a denominator is empty."""
+    from triton import next_power_of_2 as pow2
+
     from .common import EMPTY_DENOMINATOR
 
     b, hq, d = q.shape
     bk, w, width = values.shape
     for name, x in (("keys", keys), ("values", values), ("lin", lin)):
-        if not x.is_contiguous() or x.dtype != torch.float32:
-            raise ValueError(f"{name} must be a contiguous float32 tensor, got {x.dtype} with strides {x.stride()}")
+        _check_buffer(name, x)
     _check("keys", keys, (bk, w, d))
     _check("valid", valid, (b, w), torch.bool)
     _check("lin", lin, (b * hq, width))
@@ -294,11 +305,11 @@ def hybrid_window_read(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, l
     if q.stride(-1) != 1 or not valid.is_contiguous():
         raise ValueError("q must be contiguous in its last axis and valid contiguous")
     out = torch.empty(b * hq, width - 1, device=q.device, dtype=torch.float32)
-    kernel = _kernels()[2]
+    kernel = _kernels().window
     kernel[(b * hq,)](
         q, keys, values, valid.view(torch.uint8), lin, factor.float().contiguous(), out,  # the mask as bytes (same storage)
         hq // (bk // b), q.stride(0), q.stride(1), scale,
-        H=hq, W=w, D=d, V=width, BW=_pow2(w), BD=_pow2(d), BV=_pow2(width), GATE=gate, EPS=EMPTY_DENOMINATOR, num_warps=8,
+        H=hq, W=w, D=d, V=width, BW=pow2(w), BD=pow2(d), BV=pow2(width), GATE=gate, EPS=EMPTY_DENOMINATOR, num_warps=8,
     )  # fmt: skip
     return out
 
@@ -306,7 +317,3 @@ def hybrid_window_read(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, l
 @hybrid_window_read.register_fake
 def _(q, keys, values, valid, lin, factor, scale, gate):
     return lin.new_empty(lin.shape[0], lin.shape[1] - 1)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())

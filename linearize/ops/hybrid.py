@@ -536,6 +536,7 @@ def hybrid_decode_step(
         if not state.full:
             state.values[:, i, dv] = 1.0
             state.valid[:, i] = True
+            state.full = bool(state.valid.all())  # (a host read until the window fills; then no masking)
         state.features[:, i] = kf.reshape(bk, -1)
         state.steps += 1
     else:  # the same with the ring index on the device (static form)
@@ -560,8 +561,6 @@ def hybrid_decode_step(
             factor = torch.full((hq,), 0.5, dtype=dt, device=q.device) if gate is None else gate
         out = fused_decode.hybrid_window_read(q.view(b, hq, d), state.keys, state.values, state.valid, lin.view(b * hq, dv + 1),
                                               factor, scale, mix == "gate")  # fmt: skip
-        if state.index is None and not state.full:
-            state.full = bool(state.valid.all())
         return out.view(b, hq, 1, dv).to(v.dtype)
     qf = qf.view(b * hq, 1, -1)  # (B Hq, 1, F)
     if lin is None:
@@ -575,8 +574,6 @@ def hybrid_decode_step(
     scores = torch.bmm(qs if qs.dtype == dt else qs.to(dt), state.keys.transpose(1, 2)).mul_(scale)  # (bk, n_rep, W)
     if not state.full:
         scores.masked_fill_(~state.valid[:, None, None, :].expand(b, bk // b, 1, w).reshape(bk, 1, w), float("-inf"))
-        if state.index is None:
-            state.full = bool(state.valid.all())
     e = scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()  # the new token is in the window: the max is finite
     sw = torch.bmm(e, state.values).view(b, hq, dv + 1)  # [sum e v, sum e]
     if branches == "window":
