@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from linearize.decoding import StaticDecoder, static_decoding_supported
-from linearize.ops import cpu_kernels, fused_decode
+from linearize.ops import cpu_kernels, fused_decode, fused_prefill
 from linearize.ops.hybrid import HybridDecodeState, hybrid_attention, hybrid_decode_step
 from linearize.ops.lola import LolaDecodeState, lola_attention, lola_decode_step
 
@@ -49,12 +49,14 @@ def test_static_decoding_matches_full_forward(name, rows):
 @pytest.mark.parametrize("name", ["hybrid-joint", "hybrid-gate", "hybrid-nope", "dsla", "dsla-nope"])
 @torch.no_grad()
 def test_fused_decode_kernels_match_full_forward(name, monkeypatch):
-    """With the fused state kernels (in Triton's interpreter without a GPU), each step's logits still
-    equal the full forward's at that position."""
-    calls = []
+    """With the fused kernels (in Triton's interpreter without a GPU), the prefill's logits (the
+    hybrid's fused prefill) and each step's still equal the full forward's at that position."""
+    calls, prefills = [], []
     for op in ("hybrid_linear_step", "hybrid_window_read", "dsla_state_step"):
         kernel = getattr(fused_decode, op)
         monkeypatch.setattr(fused_decode, op, lambda *a, kernel=kernel, op=op: calls.append(op) or kernel(*a))
+    prefill = fused_prefill.hybrid_prefill
+    monkeypatch.setattr(fused_prefill, "hybrid_prefill", lambda *a, **kw: prefills.append(1) or prefill(*a, **kw))
     model = _model(name)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = model.to(device)
@@ -72,6 +74,7 @@ def test_fused_decode_kernels_match_full_forward(name, monkeypatch):
     ops = {"dsla_state_step"} if name.startswith("dsla") else {"hybrid_linear_step", "hybrid_window_read"}
     assert set(calls) == ops
     assert len(calls) == 6 * model.config.num_hidden_layers * len(ops)  # every layer is converted: each op once per layer and step
+    assert len(prefills) == (model.config.num_hidden_layers if name.startswith("hybrid") else 0)
 
 
 @pytest.mark.parametrize("name,fused", [("hybrid-nope", False), ("dsla-partial", False), ("hybrid-joint", True)],

@@ -242,7 +242,8 @@ def bench_layer(
     time is the kernels' alone, without the host's launches: the softmax step at its context, the
     converted step on its state in static form (``static_decoding``; kinds without one run eagerly,
     and the row says so). Kinds with fused state kernels (``FUSED_KINDS``) are also timed with the
-    torch step they replace (``converted_unfused_s``). ``compile``: each side's decode step goes
+    torch step they replace (``converted_unfused_s``); kinds with a fused prefill
+    (``FUSED_PREFILL_KINDS``) likewise with the exact prefill. ``compile``: each side's decode step goes
     through ``torch.compile`` first (the softmax step at the context, once per SDPA backend; the
     converted step on its state in static form, o_proj included), then, with ``graphs``, is captured.
 
@@ -285,11 +286,12 @@ def bench_layer(
         row: dict[str, Any] = {"phase": phase, "batch_size": batch, "length": length}
         try:
             if phase == "prefill":
-                t_soft, best, backends, t_conv = _prefill_times(model, softmax, shape, batch, length, warmup, repeats, gen, device, dtype)
+                t_soft, best, backends, t_conv, extra = _prefill_times(model, softmax, shape, batch, length, warmup, repeats, gen, device,
+                                                                       dtype)  # fmt: skip
             else:
                 t_soft, best, backends, t_conv, extra = _decode_times(
                     model, softmax, shape, batch, length, decode_steps, state_prefill, warmup, repeats, gen, device, dtype, graphs, compile)
-                row.update(extra)
+            row.update(extra)
         except torch.OutOfMemoryError:
             row["error"] = "out of memory"
             torch.cuda.empty_cache()
@@ -320,13 +322,22 @@ def _kernel(attn) -> str | None:
 
 
 def _prefill_times(model, softmax, shape, batch, length, warmup, repeats, gen, device, dtype):
-    """(softmax seconds, its backend, every backend's time, converted seconds) of one prefill call."""
+    """(softmax seconds, its backend, every backend's time, converted seconds, the row's other
+    fields: for kinds with a fused prefill, the time of the exact form it replaces)."""
     attn = model.model.layers[0].self_attn
     x = torch.randn(batch, length, shape.hidden, generator=gen, device=device, dtype=dtype)
     cos, sin = _positions(model, x, 0)
     best, t_soft, backends = _fastest_backend(lambda: lambda: softmax.prefill(x, cos, sin), device, warmup, repeats)
-    t_conv = _median(lambda: attn(x, position_embeddings=(cos, sin), attention_mask=None), device, warmup, repeats)
-    return t_soft, best, backends, t_conv
+
+    def run():
+        return attn(x, position_embeddings=(cos, sin), attention_mask=None)
+
+    t_conv = _median(run, device, warmup, repeats)
+    extra = {}
+    if attn.spec.attention in FUSED_PREFILL_KINDS and fused_decode.enabled(x):
+        with fused_decode.use_fused(False):
+            extra["converted_unfused_s"] = _median(run, device, warmup, repeats)
+    return t_soft, best, backends, t_conv, extra
 
 
 def _decode_times(model, softmax, shape, batch, context, steps, state_prefill, warmup, repeats, gen, device, dtype, graphs=False,
@@ -408,6 +419,9 @@ def _decode_times(model, softmax, shape, batch, context, steps, state_prefill, w
 
 
 FUSED_KINDS = ("hybrid", "dsla")
+"""Kinds whose decode step has fused kernels (``linearize.ops.fused_decode``)."""
+FUSED_PREFILL_KINDS = ("hybrid",)
+"""Kinds whose prefill has a fused form (``linearize.ops.fused_prefill``)."""
 """Kinds whose decode step has fused state kernels (``linearize.ops.fused_decode``)."""
 
 
@@ -438,7 +452,7 @@ def layer_markdown(results: Sequence[dict[str, Any]]) -> str:
                 graphed = " (graph)" if phase == "decode" and result["settings"].get("graphs") else ""
                 conv_graphed = " (graph)" if graphed and row.get("converted_graph") else ""
                 if "converted_unfused_s" in row:
-                    conv_graphed += f"; torch step {_fmt_s(row['converted_unfused_s'])}"
+                    conv_graphed += f"; {'exact form' if phase == 'prefill' else 'torch step'} {_fmt_s(row['converted_unfused_s'])}"
                 lines.append(
                     f"| {label} | {row['batch_size']} | {row['length']} | {_fmt_s(row['softmax_s'])} ({row['softmax_backend']}{graphed}) "
                     f"| {_fmt_s(row['converted_s'])}{conv_graphed} | {row['ratio']:.3f} | {row['softmax_roofline_fraction'] * 100:.3g}% "

@@ -18,9 +18,9 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..cache import cache_argument, fast_decoding, state_layer
+from ..ops.rope import apply_rope
 from ..ops.softmax import sinks_attention, zero_attention
 from ..ops.states import BatchState, KVState
 
@@ -176,9 +176,10 @@ def qkv_heads(attn: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, T
 def project_qkv(attn: nn.Module, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor]):
     """(q, k, v, q_pre, k_pre) of an attention module with ``q_proj``/``k_proj``/``v_proj`` and
     ``head_dim`` (the teacher's or a converted one): q (B, Hq, T, D), k and v (B, Hkv, T, D), RoPE
-    applied to q and k; q_pre and k_pre before RoPE."""
+    applied to q and k (one kernel each on the GPU at inference: ``ops.rope``); q_pre and k_pre
+    before RoPE."""
     q_pre, k_pre, v = qkv_heads(attn, hidden_states)
-    q, k = apply_rotary_pos_emb(q_pre, k_pre, *position_embeddings)
+    q, k = apply_rope(q_pre, k_pre, *position_embeddings)
     return q, k, v, q_pre, k_pre
 
 

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from ..checks import check_choice, check_int
 from ..ops.feature_maps import FEATURE_MAP_NAMES, FIXED_FEATURE_MAPS, LEARNED_FEATURE_MAPS, hedgehog
+from ..ops.fused_prefill import hedgehog_token_major
 from .base import KindOptions, SpecError
 
 
@@ -33,6 +34,16 @@ class HedgehogFeatureMap(nn.Module):
     def forward(self, x: Tensor) -> Tensor:  # (B, H, T, d) -> (B, H, T, 2f)
         return hedgehog(x, self.weight.to(x.dtype), self.bias.to(x.dtype))
 
+    def num_features(self, head_dim: int) -> int:
+        """Features per token (2f), whatever the head size."""
+        return 2 * self.weight.shape[-1]
+
+    def token_major(self, x: Tensor, n_rep: int = 1, out: Tensor | None = None) -> Tensor:
+        """The features of ``x`` (B, H / n_rep, T, d), each of its heads serving ``n_rep`` of this
+        map's heads, token-major (B, T, H, 2f) (into ``out`` when given): one Triton kernel
+        (inference: no gradient)."""
+        return hedgehog_token_major(x, self.weight, self.bias, n_rep, out=out)
+
 
 class FixedFeatureMap(nn.Module):
     """A parameter-free map by name (exp, relu, elu, identity)."""
@@ -45,6 +56,10 @@ class FixedFeatureMap(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return FIXED_FEATURE_MAPS[self.name](x)
+
+    def num_features(self, head_dim: int) -> int:
+        """Features per token: the head size (these maps act elementwise)."""
+        return head_dim
 
     def extra_repr(self) -> str:
         return self.name

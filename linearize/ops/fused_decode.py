@@ -55,10 +55,15 @@ def interpreting() -> bool:
 def enabled(x: Tensor) -> bool:
     """Whether a decode step on ``x``'s device takes the fused kernels: by default on CUDA (with
     Triton importable); inside ``use_fused(True)`` also on the CPU when Triton interprets."""
-    forced = _FORCED[-1] if _FORCED else None
-    if forced is False or not triton_available():
+    asked = forced()
+    if asked is False or not triton_available():
         return False
-    return x.is_cuda or (forced is True and interpreting() and x.device.type == "cpu")
+    return x.is_cuda or (asked is True and interpreting() and x.device.type == "cpu")
+
+
+def forced() -> bool | None:
+    """What the innermost ``use_fused`` block asks for (None outside any)."""
+    return _FORCED[-1] if _FORCED else None
 
 
 @contextlib.contextmanager
@@ -84,6 +89,15 @@ def _kernels() -> _Kernels:
     import triton
     import triton.language as tl
 
+    def tuned(keys: list[str], restore: str):
+        """Autotuned over the state tiles on a GPU (the state restored after each trial, as these
+        kernels update it in place); the default tiles in Triton's interpreter."""
+        if interpreting():
+            return lambda fn: triton.heuristics({"BK": lambda _: BLOCK_K, "BV": lambda _: BLOCK_V})(fn)
+        configs = [triton.Config({"BK": bk, "BV": bv}, num_warps=w) for bk, bv, w in STATE_TILES]
+        return triton.autotune(configs, key=keys, restore_value=[restore])
+
+    @tuned(["F", "V"], "linear")
     @triton.jit(do_not_specialize=["slot"])
     def hybrid_kernel(
         linear, features, values, qf, out, index,
@@ -116,6 +130,7 @@ def _kernels() -> _Kernels:
             acc += tl.sum(q[:, None] * s, axis=0)
         tl.store(out + r * V + ov, acc, mask=mv)
 
+    @tuned(["K", "V"], "states")
     @triton.jit
     def dsla_kernel(
         states, qf, kf, v, decay, out,
@@ -198,7 +213,9 @@ def _kernels() -> _Kernels:
 
 BLOCK_K = 32
 BLOCK_V = 64
-NUM_WARPS = 4
+STATE_TILES = ((32, 64, 4), (16, 128, 4), (16, 256, 4), (32, 256, 8), (8, 256, 4))
+"""(feature rows, value columns, warps) per program the state kernels are tuned over on a GPU: the
+widest tiles cover a whole [S | z] row block (Dv + 1 contiguous floats) in one coalesced load."""
 
 
 def _check_buffer(name: str, x: Tensor) -> None:
@@ -231,11 +248,13 @@ def hybrid_linear_step(linear: Tensor, features: Tensor, values: Tensor, qf: Ten
         raise ValueError("features, values and qf must be contiguous in their last axis")
     out = torch.empty(rows, width, device=linear.device, dtype=torch.float32)
     kernel = _kernels().hybrid
-    grid = (rows, -(-width // BLOCK_V))
+    def grid(meta):
+        return (rows, -(-width // meta["BV"]))
+
     kernel[grid](
         linear, features, values, qf, out, linear if index is None else index,
         slot, n_rep, features.stride(0), features.stride(1), values.stride(0), values.stride(1), qf.stride(0),
-        F=f, V=width, BK=BLOCK_K, BV=BLOCK_V, DEVICE_INDEX=index is not None, num_warps=NUM_WARPS,
+        F=f, V=width, DEVICE_INDEX=index is not None,
     )  # fmt: skip
     return out
 
@@ -266,12 +285,14 @@ def dsla_state_step(states: Tensor, qf: Tensor, kf: Tensor, v: Tensor, decay: Te
         raise ValueError("qf, kf, v and decay must be contiguous in their last axis")
     out = torch.empty(2, b, hq, width, device=states.device, dtype=torch.float32)
     kernel = _kernels().dsla
-    grid = (b * hq, -(-width // BLOCK_V))
+    def grid(meta):
+        return (b * hq, -(-width // meta["BV"]))
+
     kernel[grid](
         states, qf, kf, v, decay, out,
         hq // hkv, qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), v.stride(0), v.stride(1),
         decay.stride(0), decay.stride(1), decay.stride(2),
-        H=hq, K=dk, V=width, DV=dv, ROWS=b * hq, BK=BLOCK_K, BV=BLOCK_V, NORMALIZE=normalize, num_warps=NUM_WARPS,
+        H=hq, K=dk, V=width, DV=dv, ROWS=b * hq, NORMALIZE=normalize,
     )  # fmt: skip
     return out
 

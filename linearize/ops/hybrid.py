@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import fused_decode
+from . import fused_decode, fused_prefill
 from .common import EMPTY_DENOMINATOR, FeatureFn, accumulation_dtype, default_valid, gather_tokens, gqa_groups, repeat_kv, safe_divide
 from .linear_attn import linear_attention_numden
 from .naive import hybrid_attention_reference  # noqa: F401 (the specification)
@@ -224,12 +224,17 @@ def hybrid_attention(
     specification: a loop over queries, in ``linearize.ops.naive``). ``backend`` ("torch" or "fla")
     runs the linear part over the older tokens; ``chunk`` is the query-chunk length. Differentiable
     on the torch backend. As in the reference, window_factor None means f = 1 and gate None means
-    g = 0.5.
+    g = 0.5. At inference on CUDA (``fused_prefill.applies``: no gradient, no padding, the
+    non-overlapping two-branch hybrid) the call goes to ``fused_prefill.hybrid_prefill``: the same
+    outputs and state in the inputs' dtype.
     Returns (out (B, Hq, T, Dv) in v's dtype, the new HybridState).
     """
     n_rep = _check_args(q, k, window, mix, branches, q_lin, k_lin)
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
+    if fused_prefill.applies(q, k, v, valid=valid, branches=branches, overlap=overlap, phi_q=phi_q):
+        return fused_prefill.hybrid_prefill(q, k, v, phi_q=phi_q, phi_k=phi_k, window=window, mix=mix, window_factor=window_factor,
+                                            gate=gate, state=state, scale=scale, backend=backend, q_lin=q_lin, k_lin=k_lin)  # fmt: skip
     b, hq, t, d = q.shape
     dt = accumulation_dtype(v.dtype)
     scale = d**-0.5 if scale is None else scale

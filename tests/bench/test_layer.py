@@ -8,6 +8,7 @@ import torch
 from linearize.bench.layer import SoftmaxLayer, _positions, bench_layer, build_layer, layer_markdown, layer_shape, roofline, run_layer_bench
 from linearize.bench.shapes import SHAPES, LayerShape
 from linearize.layers.base import project_qkv
+from linearize.ops import fused_decode
 
 TINY = LayerShape(hidden=64, heads=4, kv_heads=2, head_dim=16)
 
@@ -108,3 +109,15 @@ def test_cli_layer_bench_rejects_an_unknown_shape(capsys):
         main(["bench", "--layer", "gpt-9"])
     assert exit_info.value.code == 2
     assert "gpt-9" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not (fused_decode.triton_available() and fused_decode.interpreting()), reason="runs the Triton kernels in the interpreter")
+def test_fused_prefill_is_timed_beside_the_exact_prefill():
+    """With the fused kernels on (Triton's interpreter here) a hybrid prefill row also times the
+    exact prefill it replaces, and the table names it."""
+    with fused_decode.use_fused(True):
+        result = bench_layer(TINY, {"attention": "hybrid", "window": 8}, prefill_lengths=[32], decode_contexts=[], batch_sizes=[1],
+                             warmup=0, repeats=1, device="cpu")  # fmt: skip
+    (row,) = result["rows"]
+    assert row["converted_s"] > 0 and row["converted_unfused_s"] > 0
+    assert "exact form" in layer_markdown([result])
