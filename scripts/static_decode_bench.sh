@@ -3,8 +3,8 @@
 # one attention layer of Llama-3-8B's shape (hybrid, DSLA, LoLA against SDPA softmax), then the whole
 # SmolLM2-135M (the teacher against hybrid and DSLA conversions of all its layers), batch 1 and 64;
 # the kernels of one decode step of each side (profile); throughput at equal memory at 32K (capacity).
-# The layer's prefill (part prefill, not in all): the fused hybrid prefill against flash softmax and
-# against the exact form it replaces.
+# The layer's prefill (part prefill, not in all): the fused hybrid (and, with PREFILL_KINDS, DSLA)
+# prefill against flash softmax and against the exact form it replaces.
 #   usage: scripts/static_decode_bench.sh OUT [layer|model|profile|capacity|prefill|all]
 # Environment: LINEARIZE (the command; default linearize), LAYER_CONTEXTS (default 4096,32768,131072),
 # LAYER_KINDS (default "hybrid dsla lola"), MODEL_KINDS (default "hybrid dsla"), B1_CONTEXTS and

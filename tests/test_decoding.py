@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from linearize.decoding import StaticDecoder, static_decoding_supported
+from linearize.layers import dsla as dsla_layers
 from linearize.ops import cpu_kernels, fused_decode, fused_prefill
 from linearize.ops.hybrid import HybridDecodeState, hybrid_attention, hybrid_decode_step
 from linearize.ops.lola import LolaDecodeState, lola_attention, lola_decode_step
@@ -50,13 +51,15 @@ def test_static_decoding_matches_full_forward(name, rows):
 @torch.no_grad()
 def test_fused_decode_kernels_match_full_forward(name, monkeypatch):
     """With the fused kernels (in Triton's interpreter without a GPU), the prefill's logits (the
-    hybrid's fused prefill) and each step's still equal the full forward's at that position."""
+    hybrid's fused prefill, DSLA's token-major one) and each step's still equal the full forward's
+    at that position."""
     calls, prefills = [], []
     for op in ("hybrid_linear_step", "hybrid_window_read", "dsla_state_step"):
         kernel = getattr(fused_decode, op)
         monkeypatch.setattr(fused_decode, op, lambda *a, kernel=kernel, op=op: calls.append(op) or kernel(*a))
-    prefill = fused_prefill.hybrid_prefill
-    monkeypatch.setattr(fused_prefill, "hybrid_prefill", lambda *a, **kw: prefills.append(1) or prefill(*a, **kw))
+    for module, fn in ((fused_prefill, "hybrid_prefill"), (dsla_layers, "dsla_prefill")):
+        prefill = getattr(module, fn)
+        monkeypatch.setattr(module, fn, lambda *a, prefill=prefill, **kw: prefills.append(1) or prefill(*a, **kw))
     model = _model(name)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = model.to(device)
@@ -74,7 +77,7 @@ def test_fused_decode_kernels_match_full_forward(name, monkeypatch):
     ops = {"dsla_state_step"} if name.startswith("dsla") else {"hybrid_linear_step", "hybrid_window_read"}
     assert set(calls) == ops
     assert len(calls) == 6 * model.config.num_hidden_layers * len(ops)  # every layer is converted: each op once per layer and step
-    assert len(prefills) == (model.config.num_hidden_layers if name.startswith("hybrid") else 0)
+    assert len(prefills) == model.config.num_hidden_layers  # every layer's prefill took its fused form
 
 
 @pytest.mark.parametrize("name,fused", [("hybrid-nope", False), ("dsla-partial", False), ("hybrid-joint", True)],

@@ -11,7 +11,8 @@ from torch import Tensor, nn
 from ..checks import check_choice, check_int
 from ..ops import cpu_kernels, fused_decode
 from ..ops.common import accumulation_dtype, repeat_kv
-from ..ops.dsla import DslaDecodeState, dsla_attention, dsla_decode_step, init_gate_bias, log_gate
+from ..ops.dsla import DslaDecodeState, dsla_attention, dsla_decode_step, dsla_prefill, init_gate_bias, log_gate
+from ..ops.fused_prefill import token_major_features
 from ..ops.states import DslaState
 from .base import (KERNELS, STATE_BYTES, AttentionKind, Attend, ConvertedAttention, SpecError, derived, expect_state, head_sizes,
                    resolve_kernel, tensors_at, token_features)
@@ -93,14 +94,14 @@ class DslaAttention(ConvertedAttention):
     def gamma(self) -> Tensor:
         return torch.sigmoid(self.gamma_logit.float())
 
-    def log_gates(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """(B, T, hidden) -> two (B, Hq, T, F) log-gates (F: features per head)."""
+    def log_gates(self, x: Tensor, token_major: bool = False) -> tuple[Tensor, Tensor]:
+        """(B, T, hidden) -> two (B, Hq, T, F) log-gates (F: features per head), views of token-major
+        (B, T, Hq, F) tensors (those themselves with ``token_major``); x is cast to the gates'
+        dtype once for both."""
         b, t, _ = x.shape
-
-        def heads(g: Tensor) -> Tensor:
-            return g.view(b, t, self.num_heads, self.features).transpose(1, 2)
-
-        return heads(self.gate_history(x)), heads(self.gate_recent(x))
+        xg = x.to(self.gate_history.down.weight.dtype)
+        gates = tuple(g(xg).view(b, t, self.num_heads, self.features) for g in (self.gate_history, self.gate_recent))
+        return gates if token_major else tuple(g.transpose(1, 2) for g in gates)
 
     def attend_modes(self):
         """hybrid: both states mixed by gamma; history_only / recent_only: read one state alone
@@ -126,13 +127,32 @@ class DslaAttention(ConvertedAttention):
             v, scale = repeat_kv(v, n_rep), 1.0  # the normaliser cancels any scale
         return q, k, v, log_h, log_r, gamma, scale
 
+    def _prefill(self, p, x, state, fixed_gamma: float | None, backend: str):
+        """``dsla_prefill`` on token-major inputs: the features written token-major (Hedgehog's in
+        one kernel, without repeated KV heads), the gates as their projections give them."""
+        q, k, v = p.q_lin, p.k_lin, p.v
+        n_rep = q.shape[1] // k.shape[1]
+        if self.normalize:
+            qf, kf, scale = token_major_features(self.feature_map_q, q, 1), token_major_features(self.feature_map_k, k, n_rep), 1.0
+        else:  # the raw form: q and k as they are, k for every query head
+            b, hkv, t, d = k.shape
+            kf = k.transpose(1, 2)[:, :, :, None].expand(b, t, hkv, n_rep, d).reshape(b, t, hkv * n_rep, d)
+            qf, scale = q.transpose(1, 2).contiguous(), self.scaling
+        log_h, log_r = self.log_gates(x, token_major=True)
+        gamma = self.gamma() if fixed_gamma is None else torch.full((), fixed_gamma, device=q.device)
+        return dsla_prefill(qf, kf, v.transpose(1, 2), log_h, log_r, gamma, state=expect_state(state, DslaState, self), scale=scale,
+                            backend=backend, normalize=self.normalize, chunk=self.options.chunk)  # fmt: skip
+
     def _dsla(self, fixed_gamma: float | None) -> Attend:
         def dsla(p, x, valid, state):
+            backend = resolve_kernel(self.options.kernel, p.q.device)
+            if valid is None and not torch.is_grad_enabled() and fused_decode.enabled(p.q):
+                return self._prefill(p, x, state, fixed_gamma, backend)
             q, k, v, log_h, log_r, gamma, scale = self._inputs(p, x, fixed_gamma)
             return dsla_attention(
                 q, k, v, log_h, log_r, gamma,
                 valid=valid, state=expect_state(state, DslaState, self), scale=scale,
-                backend=resolve_kernel(self.options.kernel, q.device), normalize=self.normalize, chunk=self.options.chunk,
+                backend=backend, normalize=self.normalize, chunk=self.options.chunk,
             )
 
         return dsla

@@ -123,6 +123,53 @@ def dsla_attention(
     return _mix(o1, o2, gamma, q, normalize), DslaState(history=s1, recent=s2)
 
 
+def dsla_prefill(
+    qf: Tensor,
+    kf: Tensor,
+    v: Tensor,
+    log_alpha_history: Tensor,
+    log_alpha_recent: Tensor,
+    gamma: Tensor,
+    *,
+    state: DslaState | None = None,
+    scale: float | None = None,
+    backend: str = "fla",
+    chunk: int = 32,
+    normalize: bool = False,
+) -> tuple[Tensor, DslaState]:
+    """``dsla_attention`` for a prefill without padding, on token-major inputs: qf and kf (B, T, Hq,
+    Dk) (kf for every query head: the keys as the states see them), v (B, T, Hkv, Dv), the
+    log-gates (B, T, Hq, Dk). The same output (B, Hq, T, Dv) in qf's dtype (on "fla" a view of a
+    token-major tensor) and the same state as ``dsla_attention`` on the (B, H, T, D) views of these
+    tensors.
+
+    Token-major is fla's layout, so on "fla" nothing is copied on the way in; the values are
+    repeated to the query heads, with the normaliser's column of ones, in one copy. (The (B, H, T,
+    D) path copies q, k, v and both float32 gates once for each state, and repeats the values and
+    appends their ones column in two more copies.)"""
+    gla = BACKENDS.get(backend)
+    if gla is None:
+        raise ValueError(f"unknown DSLA backend {backend!r}; expected one of {tuple(BACKENDS)}")
+    b, t, hq, dk = qf.shape
+    hkv, dv = v.shape[2], v.shape[3]
+    if kf.shape != qf.shape or v.shape[:2] != (b, t) or hq % hkv:
+        raise ValueError(f"qf {tuple(qf.shape)} and kf {tuple(kf.shape)} must match, and v {tuple(v.shape)} must be (B, T, Hkv, Dv) "
+                         "with Hkv dividing Hq")  # fmt: skip
+    for name, g in (("log_alpha_history", log_alpha_history), ("log_alpha_recent", log_alpha_recent)):
+        if g.shape != qf.shape:
+            raise ValueError(f"{name} has shape {tuple(g.shape)}, expected qf's shape {tuple(qf.shape)}")
+    scale = dk**-0.5 if scale is None else scale
+    values = v.new_empty(b, t, hkv, hq // hkv, dv + int(normalize))  # (B, T, Hkv, n_rep, Dv [+ 1])
+    values[..., :dv] = v[:, :, :, None]
+    if normalize:
+        values[..., dv] = 1.0
+    values = values.view(b, t, hq, -1).transpose(1, 2)  # (B, Hq, T, Dv [+ 1]) views of token-major tensors
+    q, k = qf.transpose(1, 2), kf.transpose(1, 2)
+    o1, s1 = gla(q, k, values, log_alpha_history.transpose(1, 2), None if state is None else state.history, scale, chunk)
+    o2, s2 = gla(q, k, values, log_alpha_recent.transpose(1, 2), None if state is None else state.recent, scale, chunk)
+    return _mix(o1, o2, gamma, q, normalize), DslaState(history=s1, recent=s2)
+
+
 @dataclass
 class DslaDecodeState:
     """A DslaState as per-token decoding updates it in place: both states stacked in one tensor

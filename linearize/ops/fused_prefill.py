@@ -1,4 +1,4 @@
-"""The hybrid's prefill in the input dtype, with one Triton kernel for everything but the linear sums.
+"""The hybrid's prefill in the input dtype, in three Triton kernels.
 
 ``hybrid_attention`` in its exact form works in float32 on query chunks: it copies q/k/v and the
 feature maps to float32, repeats the KV heads, gives fla a ones column beside the values (V = Dv + 1)
@@ -6,21 +6,22 @@ for the denominator, and computes the window with about fifteen torch operations
 blocks. ``hybrid_prefill`` computes the same outputs and state (non-overlapping mix, every token
 real) this way:
 
-- the feature maps once, token-major (B, T, Hq, F) in the input dtype, as fla reads them: for
-  Hedgehog one kernel (``hedgehog_token_major``) that reads each KV head's keys once for its query
-  heads, projects and takes both softmaxes in registers;
-- the linear numerator phi(q_i)^T S_i over the tokens older than the window by fla's
-  ``chunk_simple_gla`` on the values as they are (V = Dv: no ones column); ``backend="torch"`` runs
-  the chunked float32 form instead (the CPU, the tests);
-- one kernel (``window_mix``) per block of ``BM`` queries and query head: the window's scores
-  against the two key blocks it spans (online softmax, keeping the row max the joint mix needs),
-  its weights on the values, the linear denominator phi(q_i)^T z_i (the prefix of phi(k) over the
-  earlier blocks, summed once per block, plus the block's own causal part), and the joint or gate
-  mix, written token-major so o_proj reads it without a copy.
+- the feature maps once, token-major (B, T, Hq, F) in the input dtype: for Hedgehog one kernel
+  (``hedgehog_token_major``) that reads each KV head's keys once for its query heads, projects and
+  takes both softmaxes in registers;
+- ``chunk_states``: the linear state S = sum phi(k) v^T before each block of ``BM`` tokens (stored
+  in the input dtype, accumulated in float32) and after the last, each program walking the blocks
+  of one (row, head, feature tile, value tile) in order; the values are read per KV head, from the
+  state's window or the call's tokens (no repeated heads, no ones column);
+- ``window_mix``, one program per block of ``BM`` queries and query head: the window's scores
+  against the key tiles it spans (online softmax, keeping the row max the joint mix needs), its
+  weights on the values; the linear numerator and denominator (the state and the prefix of phi(k)
+  before the block, plus the block's own causal part); the joint or gate mix, written token-major
+  so o_proj reads it without a copy.
 
-The window and the denominator are accumulated in float32; the numerator is fla's, in the input
-dtype. The exact form stays the specification: tests/ops/test_fused_prefill.py compares outputs and
-every state tensor (on the GPU, and on the CPU through Triton's interpreter).
+Everything is accumulated in float32. The exact form stays the specification:
+tests/ops/test_fused_prefill.py compares outputs and every state tensor (on the GPU, and on the CPU
+through Triton's interpreter).
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from torch import Tensor
 from . import fused_decode
 from .common import EMPTY_DENOMINATOR, FeatureFn, gqa_groups
 from .feature_maps import hedgehog
-from .linear_attn import linear_attention_numerator
 from .states import HybridState, LinearState, WindowState
 
 BM = 64
@@ -44,6 +44,8 @@ BN = 64
 BT_FEATURES = 64
 """Tokens per program of the Hedgehog kernel."""
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+NUMERATORS = ("kernel", "fla")
+"""Where ``hybrid_prefill`` takes the linear numerator from: its own kernels, or fla's chunk kernel."""
 
 
 def applies(q: Tensor, k: Tensor, v: Tensor, *, valid: Tensor | None, branches: str, overlap: bool, phi_q: FeatureFn) -> bool:
@@ -68,6 +70,7 @@ def num_features(phi: FeatureFn, x: Tensor) -> int:
 
 class _Kernels(NamedTuple):
     window_mix: Any
+    chunk_states: Any
     hedgehog: Any
 
 
@@ -85,13 +88,13 @@ def _kernels() -> _Kernels:
     @tuned(["D", "DV", "F", "W"], [(4, 1), (4, 2), (4, 3), (8, 1), (8, 2)])
     @triton.jit
     def window_mix(
-        q, wkeys, keys, wvalues, values, qf, kf, num, zpre, empty, factor, out,
+        q, wkeys, keys, wvalues, values, qf, kf, hs, num, zpre, empty, factor, out,
         T, n_rep, scale,
         s_qb, s_qh, s_qt, s_wb, s_wh, s_wt, s_kb, s_kh, s_kt, s_ub, s_uh, s_ut, s_vb, s_vh, s_vt,
-        s_fb, s_ft, s_fh, s_gb, s_gt, s_gh, s_nb, s_nt, s_nh, s_zb, s_zn, s_zh, s_ob, s_ot, s_oh,
+        s_fb, s_ft, s_fh, s_gb, s_gt, s_gh, s_hb, s_hh, s_hn, s_nb, s_nt, s_nh, s_zb, s_zn, s_zh, s_ob, s_ot, s_oh,
         H: tl.constexpr, W: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, F: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BF: tl.constexpr, TILES: tl.constexpr, GATE: tl.constexpr, EPS: tl.constexpr,
-        IEEE: tl.constexpr,
+        IEEE: tl.constexpr, STATES: tl.constexpr,
     ):  # fmt: skip
         blk = tl.program_id(0)
         r = tl.program_id(1).to(tl.int64)  # one (batch row, query head)
@@ -128,19 +131,31 @@ def _kernels() -> _Kernels:
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=precision)
             m = m_new
 
-        # The linear denominator: slot i reads phi(k) of extended tokens 0 .. i, i.e. the earlier
-        # blocks' prefix (zpre) and this block's tokens up to i (the features a slice at a time).
+        # The linear part: slot i reads phi(k) v^T of extended tokens 0 .. i, i.e. the state before
+        # this block (with STATES: hs, else the numerator comes in ``num``; the denominator's zpre)
+        # and this block's own tokens up to i (the features a slice at a time).
         den_l = tl.zeros([BM], tl.float32)
+        num_l = tl.zeros([BM, DV], tl.float32)
         a = tl.zeros([BM, BM], tl.float32)
         for f0 in range(0, F, BF):
             of = f0 + tl.arange(0, BF)
             qfc = tl.load(qf + b * s_fb + h * s_fh + i[:, None] * s_ft + of[None, :], mask=mi[:, None], other=0.0)
             z = tl.load(zpre + b * s_zb + blk * s_zn + h * s_zh + of)  # float32 (BF,)
             den_l += tl.sum(qfc.to(tl.float32) * z[None, :], axis=1)
+            if STATES:
+                hc = tl.load(hs + b * s_hb + h * s_hh + blk * s_hn + of[:, None] * DV + ov[None, :])  # (BF, DV)
+                num_l += tl.dot(qfc, hc, input_precision=precision)
             kfc = tl.load(kf + b * s_gb + h * s_gh + i[:, None] * s_gt + of[None, :], mask=mi[:, None], other=0.0)
             a += tl.dot(qfc, tl.trans(kfc), input_precision=precision)  # queries x this block's linear keys
-        den_l += tl.sum(tl.where(i[None, :] <= i[:, None], a, 0.0), axis=1)
-        num_l = tl.load(num + b * s_nb + h * s_nh + i[:, None] * s_nt + ov[None, :], mask=mi[:, None], other=0.0).to(tl.float32)
+        a = tl.where(i[None, :] <= i[:, None], a, 0.0)
+        den_l += tl.sum(a, axis=1)
+        if STATES:
+            old, new = mi & (i < W), mi & (i >= W)  # this block's tokens: the state's window slots, then the call's
+            vl = tl.load(wvalues + b * s_ub + hk * s_uh + i[:, None] * s_ut + ov[None, :], mask=old[:, None], other=0.0).to(qb.dtype)
+            vl += tl.load(values + b * s_vb + hk * s_vh + (i - W)[:, None] * s_vt + ov[None, :], mask=new[:, None], other=0.0)
+            num_l += tl.dot(a.to(vl.dtype), vl, input_precision=precision)
+        else:
+            num_l = tl.load(num + b * s_nb + h * s_nh + i[:, None] * s_nt + ov[None, :], mask=mi[:, None], other=0.0).to(tl.float32)
 
         f = tl.load(factor + h).to(tl.float32)
         if GATE:  # g SWA + (1 - g) LA, each over its own denominator (0 where that is empty)
@@ -153,6 +168,39 @@ def _kernels() -> _Kernels:
             ok = den > EPS
             o = tl.where(ok[:, None], (f * acc + num_l) / tl.where(ok, den, 1.0)[:, None], 0.0)
         tl.store(out + b * s_ob + h * s_oh + i[:, None] * s_ot + ov[None, :], o.to(out.dtype.element_ty), mask=mi[:, None])
+
+    @tuned(["F", "DV"], [(4, 1), (4, 2), (8, 2)])
+    @triton.jit
+    def chunk_states(
+        kf, wvalues, values, h0, hs, final, T, n_rep, blocks,
+        s_gb, s_gt, s_gh, s_ub, s_uh, s_ut, s_vb, s_vh, s_vt, s_hb, s_hh, s_hn,
+        H: tl.constexpr, W: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+        BV: tl.constexpr, HAS_H0: tl.constexpr, IEEE: tl.constexpr,
+    ):  # fmt: skip
+        ik, iv = tl.program_id(0), tl.program_id(1)
+        r = tl.program_id(2).to(tl.int64)  # one (batch row, query head)
+        b = r // H
+        h = r % H
+        hk = h // n_rep
+        ok, ov = ik * BK + tl.arange(0, BK), iv * BV + tl.arange(0, BV)
+        tile = ok[:, None] * DV + ov[None, :]
+        if HAS_H0:
+            acc = tl.load(h0 + r * F * DV + tile)
+        else:
+            acc = tl.zeros([BK, BV], tl.float32)
+        n = 0
+        while n < blocks:  # S before block n, then the block's writes phi(k) v^T (a while loop: Triton's
+            # interpreter takes no range() over a run-time bound with NumPy 2)
+            tl.store(hs + b * s_hb + h * s_hh + n * s_hn + tile, acc.to(hs.dtype.element_ty))
+            e = n * BM + tl.arange(0, BM)  # extended tokens
+            me = e < T
+            kt = tl.load(kf + b * s_gb + h * s_gh + e[:, None] * s_gt + ok[None, :], mask=me[:, None], other=0.0)
+            old, new = me & (e < W), me & (e >= W)
+            vt = tl.load(wvalues + b * s_ub + hk * s_uh + e[:, None] * s_ut + ov[None, :], mask=old[:, None], other=0.0).to(kt.dtype)
+            vt += tl.load(values + b * s_vb + hk * s_vh + (e - W)[:, None] * s_vt + ov[None, :], mask=new[:, None], other=0.0)
+            acc += tl.dot(tl.trans(kt), vt, input_precision="ieee" if IEEE else "tf32")
+            n += 1
+        tl.store(final + r * F * DV + tile, acc)
 
     @tuned(["D", "FH"], [(4, 1), (4, 2), (8, 2)])
     @triton.jit
@@ -179,7 +227,7 @@ def _kernels() -> _Kernels:
         tl.store(base, pos.to(out.dtype.element_ty), mask=mt[:, None])
         tl.store(base + FH, neg.to(out.dtype.element_ty), mask=mt[:, None])
 
-    return _Kernels(window_mix=window_mix, hedgehog=hedgehog)
+    return _Kernels(window_mix=window_mix, chunk_states=chunk_states, hedgehog=hedgehog)
 
 
 def hedgehog_token_major(x: Tensor, weight: Tensor, bias: Tensor, n_rep: int = 1, out: Tensor | None = None) -> Tensor:
@@ -211,14 +259,15 @@ def hedgehog_token_major(x: Tensor, weight: Tensor, bias: Tensor, n_rep: int = 1
     return out
 
 
-def _features(phi: FeatureFn, x: Tensor, n_rep: int, out: Tensor) -> Tensor:
-    """phi of ``x`` (B, H, T, d) repeated to ``n_rep`` heads each, token-major into ``out`` (B, T,
-    H n_rep, F): in one kernel where the map offers it (``token_major``, e.g. Hedgehog), else phi
-    on the repeated heads, transposed."""
+def token_major_features(phi: FeatureFn, x: Tensor, n_rep: int, out: Tensor | None = None) -> Tensor:
+    """phi of ``x`` (B, H, T, d) repeated to ``n_rep`` heads each, token-major (B, T, H n_rep, F)
+    (into ``out`` when given): in one kernel where the map offers it (``token_major``, e.g.
+    Hedgehog), else phi on the repeated heads, transposed."""
     token_major = getattr(phi, "token_major", None)
     if token_major is not None:
         return token_major(x, n_rep, out=out)
-    return out.copy_(phi(x.repeat_interleave(n_rep, dim=1) if n_rep > 1 else x).transpose(1, 2))
+    f = phi(x.repeat_interleave(n_rep, dim=1) if n_rep > 1 else x).transpose(1, 2)
+    return f.contiguous() if out is None else out.copy_(f)
 
 
 def hybrid_prefill(
@@ -234,13 +283,17 @@ def hybrid_prefill(
     gate: Tensor | None = None,
     state: HybridState | None = None,
     scale: float | None = None,
-    backend: str = "fla",
     q_lin: Tensor | None = None,
     k_lin: Tensor | None = None,
+    numerator: str = "kernel",
 ) -> tuple[Tensor, HybridState]:
     """``hybrid_attention`` (non-overlapping, both branches, every token real) for inference: the
     same arguments, outputs (B, Hq, T, Dv) in v's dtype (a view of a token-major tensor) and the
-    same ``HybridState``. ``backend`` runs the linear numerator ("fla" or "torch")."""
+    same ``HybridState``. ``numerator`` (``NUMERATORS``): "kernel" computes the linear numerator in
+    this module's kernels (``chunk_states`` and ``window_mix``); "fla" takes it from fla's
+    ``chunk_simple_gla`` on the values repeated to the query heads (CUDA with fla installed)."""
+    if numerator not in NUMERATORS:
+        raise ValueError(f"unknown numerator {numerator!r}; valid: {NUMERATORS}")
     from triton import cdiv
 
     if mix not in ("joint", "gate"):
@@ -259,28 +312,18 @@ def hybrid_prefill(
     if ws.keys.shape[2] != w:
         raise ValueError(f"state window has {ws.keys.shape[2]} slots, expected window={w}")
 
+    head = min(w, t)  # how many of the state's window slots the call's tokens push out
     # The extended sequence: the state's window (right-aligned, empty slots first), then the
     # tokens. The kernels read the window's keys and values from the state and the rest from k and
     # v; the features are written token-major into one buffer (B, L, Hq, F), L = W + T.
     q_feat, k_feat = (q_lin, k_lin) if separate else (q, k)
     w_feat = ws.linear_keys if separate else ws.keys  # (B, Hkv, W, D) float32
     feats = num_features(phi_q, q_feat)
-    qf = _features(phi_q, q_feat, 1, q.new_empty(b, t, hq, feats))  # (B, T, Hq, F)
+    qf = token_major_features(phi_q, q_feat, 1, q.new_empty(b, t, hq, feats))  # (B, T, Hq, F)
     kf = q.new_empty(b, w + t, hq, feats)  # (B, L, Hq, F)
-    _features(phi_k, k_feat, n_rep, kf[:, w:])
-    _features(phi_k, w_feat.to(k_feat.dtype), n_rep, kf[:, :w])
+    token_major_features(phi_k, k_feat, n_rep, kf[:, w:])
+    token_major_features(phi_k, w_feat.to(k_feat.dtype), n_rep, kf[:, :w])
     kf[:, :w].mul_(ws.valid[:, :, None, None].to(kf.dtype))  # empty slots enter no sum
-
-    # Numerator over the tokens older than each query's window: extended tokens 0 .. i for slot i,
-    # values repeated to the query heads (fla takes no grouped heads).
-    v_old = v.new_empty(b, t, hkv, n_rep, dv)  # (B, T, Hkv, n_rep, Dv) = (B, T, Hq, Dv)
-    head = min(w, t)
-    v_old[:, :head].copy_(ws.values[:, :, :head].transpose(1, 2)[:, :, :, None].expand(b, head, hkv, n_rep, dv))
-    if t > w:
-        v_old[:, w:].copy_(v[:, :, : t - w].transpose(1, 2)[:, :, :, None].expand(b, t - w, hkv, n_rep, dv))
-    v_old = v_old.view(b, t, hq, dv)
-    num, new_kv = linear_attention_numerator(qf.transpose(1, 2), kf[:, :t].transpose(1, 2), v_old.transpose(1, 2),
-                                             None if lin is None else lin.kv, backend=backend)  # fmt: skip
 
     # Denominator prefix per block of BM queries: z0 + the earlier blocks' phi(k), in float32.
     blocks, full = cdiv(t, BM), t // BM
@@ -296,15 +339,35 @@ def hybrid_prefill(
     factor = torch.full((hq,), 1.0 if mix == "joint" else 0.5, device=q.device) if factor is None else factor
     if factor.shape != (hq,):
         raise ValueError(f"{'window_factor' if mix == 'joint' else 'gate'} has shape {tuple(factor.shape)}, expected ({hq},)")
+    # The linear numerator over extended tokens 0 .. i for query slot i.
+    if numerator == "kernel":  # the state before each block of BM queries (B, Hq, blocks, F, Dv), and after the last
+        hs = q.new_empty(b, hq, blocks, feats, dv)
+        new_kv = torch.empty(b, hq, feats, dv, device=q.device, dtype=torch.float32)
+        h0 = lin.kv.float().contiguous() if lin is not None else new_kv
+        bk, bv = min(feats, 64), min(dv, 64)
+        _kernels().chunk_states[(feats // bk, dv // bv, b * hq)](
+            kf, ws.values, v, h0, hs, new_kv, t, n_rep, blocks,
+            *_strides(kf, 3), *_strides(ws.values, 3), *_strides(v, 3), *_strides(hs, 3),
+            H=hq, W=w, F=feats, DV=dv, BM=BM, BK=bk, BV=bv, HAS_H0=lin is not None, IEEE=q.dtype == torch.float32,
+        )  # fmt: skip
+        num = q.new_empty(b, 1, hq, dv)  # unread
+    else:  # fla, on the values repeated to the query heads (it takes no grouped heads)
+        v_old = v.new_empty(b, t, hkv, n_rep, dv)  # (B, T, Hkv, n_rep, Dv) = (B, T, Hq, Dv)
+        v_old[:, :head].copy_(ws.values[:, :, :head].transpose(1, 2)[:, :, :, None].expand(b, head, hkv, n_rep, dv))
+        if t > w:
+            v_old[:, w:].copy_(v[:, :, : t - w].transpose(1, 2)[:, :, :, None].expand(b, t - w, hkv, n_rep, dv))
+        num, new_kv = _fla_numerator(qf, kf[:, :t], v_old.view(b, t, hq, dv), None if lin is None else lin.kv)  # (B, T, Hq, Dv)
+        hs = q.new_empty(b, hq, 1, feats, dv)  # unread
+
     empty = (w - ws.valid.sum(dim=1)).to(torch.int32)  # (B,)
     out = torch.empty(b, t, hq, dv, device=q.device, dtype=v.dtype)
     _kernels().window_mix[(blocks, b * hq)](
-        q, ws.keys, k, ws.values, v, qf, kf, num, zpre, empty, factor.float().contiguous(), out,
+        q, ws.keys, k, ws.values, v, qf, kf, hs, num, zpre, empty, factor.float().contiguous(), out,
         t, n_rep, scale,
         *_strides(q, 3), *_strides(ws.keys, 3), *_strides(k, 3), *_strides(ws.values, 3), *_strides(v, 3),
-        *_strides(qf, 3), *_strides(kf, 3), *_strides(num.transpose(1, 2), 3), *_strides(zpre, 3), *_strides(out, 3),
+        *_strides(qf, 3), *_strides(kf, 3), *_strides(hs, 3), *_strides(num, 3), *_strides(zpre, 3), *_strides(out, 3),
         H=hq, W=w, D=d, DV=dv, F=feats, BM=BM, BN=BN, BF=min(feats, 64), TILES=cdiv(BM + w - 1, BN), GATE=mix == "gate",
-        EPS=EMPTY_DENOMINATOR, IEEE=q.dtype == torch.float32,
+        EPS=EMPTY_DENOMINATOR, IEEE=q.dtype == torch.float32, STATES=numerator == "kernel",
     )  # fmt: skip
 
     seen = ws.positions.amax(dim=1) + 1  # (B,) real tokens before this call
@@ -321,6 +384,16 @@ def hybrid_prefill(
         linear_keys=last_window(ws.linear_keys, k_lin) if separate else None,
     )
     return out.transpose(1, 2), HybridState(window=new_window, linear=LinearState(kv=new_kv, k_sum=z_final))
+
+
+def _fla_numerator(qf: Tensor, kf: Tensor, v: Tensor, kv: Tensor | None) -> tuple[Tensor, Tensor]:
+    """phi(q_t)^T S_t (B, T, H, Dv) in the inputs' dtype and the final S (B, H, F, Dv) float32, by
+    fla's ``chunk_simple_gla`` on token-major qf, kf (B, T, H, F) and v (B, T, H, Dv)."""
+    try:
+        from fla.ops.simple_gla import chunk_simple_gla
+    except ImportError as exc:
+        raise RuntimeError(f"numerator 'fla' needs flash-linear-attention (fla-core==0.6.0) with CUDA; valid: {NUMERATORS}") from exc
+    return chunk_simple_gla(q=qf, k=kf, v=v, scale=1.0, initial_state=None if kv is None else kv.float(), output_final_state=True)
 
 
 def _strides(x: Tensor, n: int) -> tuple[int, ...]:

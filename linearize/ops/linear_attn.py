@@ -53,20 +53,14 @@ def _numden_torch(q_phi: Tensor, k_phi: Tensor, v: Tensor, state: LinearState | 
     return num.reshape(b, h, n * c, dv)[:, :, :t], den.reshape(b, h, n * c)[:, :, :t], final
 
 
-def _fla_or_raise() -> None:
+def _numden_fla(q_phi: Tensor, k_phi: Tensor, v: Tensor, state: LinearState | None):
     try:
-        import fla.ops.simple_gla  # noqa: F401
+        from fla.ops.simple_gla import chunk_simple_gla
     except ImportError as exc:
         raise RuntimeError(
             "backend 'fla' needs flash-linear-attention (fla-core==0.6.0) with CUDA and triton; "
             f"valid backends: {BACKENDS} (use 'torch' without them)"
         ) from exc
-
-
-def _numden_fla(q_phi: Tensor, k_phi: Tensor, v: Tensor, state: LinearState | None):
-    _fla_or_raise()
-    from fla.ops.simple_gla import chunk_simple_gla
-
     dv = v.shape[-1]
     # Unnormalised kernel on v' = [v, 1]: o'[..., :Dv] = numerator, o'[..., Dv] = denominator;
     # the kernel's state is S' = [S, z].
@@ -107,36 +101,6 @@ def linear_attention_numden(
     if backend == "fla":
         return _numden_fla(q_phi, k_phi, v, state)
     raise ValueError(f"unknown linear-attention backend {backend!r}; valid: {BACKENDS}")
-
-
-def _num_fla(q_phi: Tensor, k_phi: Tensor, v: Tensor, kv: Tensor | None) -> tuple[Tensor, Tensor]:
-    from fla.ops.simple_gla import chunk_simple_gla
-
-    o, ht = chunk_simple_gla(q=q_phi.transpose(1, 2), k=k_phi.transpose(1, 2), v=v.transpose(1, 2), scale=1.0,
-                             initial_state=None if kv is None else kv.float(), output_final_state=True)  # fmt: skip
-    return o.transpose(1, 2), ht
-
-
-def linear_attention_numerator(
-    q_phi: Tensor,
-    k_phi: Tensor,
-    v: Tensor,
-    kv: Tensor | None = None,
-    *,
-    backend: str = "torch",
-    chunk: int = 64,
-) -> tuple[Tensor, Tensor]:
-    """The numerator phi(q_t)^T S_t alone (B, H, T, Dv) and the final S (B, H, F, Dv) float32,
-    continuing from ``kv`` (None: zeros). On "fla" the values go to the kernel as they are (no ones
-    column for a denominator) and the numerator comes back in the inputs' dtype, a view of fla's
-    token-major output; on "torch" it is ``linear_attention_numden``'s float32 one (inference only:
-    nothing here is differentiated through on fla)."""
-    if backend == "fla":
-        _fla_or_raise()
-        return _num_fla(q_phi, k_phi, v, kv)
-    state = None if kv is None else LinearState(kv=kv, k_sum=kv.new_zeros(kv.shape[:-1]))
-    num, _, final = linear_attention_numden(q_phi, k_phi, v, state, backend=backend, chunk=chunk)
-    return num, final.kv
 
 
 def linear_attention(

@@ -27,11 +27,13 @@ BT = 32
 
 def applies(x: Tensor, cos: Tensor) -> bool:
     """Whether ``apply_rope`` takes the kernel for ``x`` (B, H, T, D): the fused kernels are on for
-    its device (``fused_decode.enabled``), nothing needs a gradient, no compilation is under way, and
-    half the head size is a power of two matching cos."""
-    half = x.shape[-1] // 2
+    its device (``fused_decode.enabled``), nothing needs a gradient, no compilation is under way,
+    half the head size is a power of two, and cos is (B or 1, T, D) as the model's rotary embedding
+    gives it (other shapes take the reference, which broadcasts)."""
+    b, _, t, d = x.shape
+    half = d // 2
     return (fused_decode.enabled(x) and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-            and x.shape[-1] == 2 * half and half & (half - 1) == 0 and cos.shape[-1] == x.shape[-1])  # fmt: skip
+            and d == 2 * half and half & (half - 1) == 0 and cos.dim() == 3 and cos.shape[0] in (1, b) and cos.shape[1:] == (t, d))  # fmt: skip
 
 
 @functools.cache

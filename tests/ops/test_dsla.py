@@ -17,6 +17,7 @@ from linearize.ops.dsla import (
     GATE_NORMALISER,
     dsla_attention,
     dsla_attention_reference,
+    dsla_prefill,
     gate_half_life,
     gla_reference,
     init_gate_bias,
@@ -410,3 +411,55 @@ def test_log_gate_uses_the_gate_normaliser() -> None:
     torch.testing.assert_close(g, F.logsigmoid(z.float()) / GATE_NORMALISER)
     assert GATE_NORMALISER == 16.0
     assert math.exp(log_gate(torch.tensor(init_gate_bias(0.9), dtype=torch.float64)).item()) == pytest.approx(0.9, rel=1e-12)
+
+
+def _token_major(x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """q, k (repeated to every query head), v and the gates of ``x`` laid out token-major (B, T, H, D)."""
+    n_rep = x["q"].shape[1] // x["k"].shape[1]
+    out = {n: x[n].transpose(1, 2).contiguous() for n in ("q", "v", "g1", "g2")}
+    out["k"] = repeat_kv(x["k"], n_rep).transpose(1, 2).contiguous()
+    return out
+
+
+@pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalised"])
+@pytest.mark.parametrize("case", [Case(b=2, t=45, hq=4, dk=8, hkv=2, dv=6, chunk=16), Case(b=1, t=70, hq=2, dk=8)], ids=lambda c: c.id)
+@torch.no_grad()
+def test_token_major_prefill_equals_dsla_attention(case: Case, normalize: bool) -> None:
+    """``dsla_prefill`` on token-major tensors (the values repeated to the query heads and given
+    their ones column inside): the output and both states of ``dsla_attention`` on the (B, H, T, D)
+    views, from a non-zero state."""
+    x = (normalized_inputs if normalize else make_inputs)(case)
+    state = DslaState(history=x["history"], recent=x["recent"])
+    want = dsla_attention(x["q"], x["k"], x["v"], x["g1"], x["g2"], x["gamma"], state=state, normalize=normalize, chunk=case.chunk)
+    tm = _token_major(x)
+    got = dsla_prefill(tm["q"], tm["k"], tm["v"], tm["g1"], tm["g2"], x["gamma"], state=state, normalize=normalize, chunk=case.chunk,
+                       backend="torch")  # fmt: skip
+    for g, w in zip((got[0], got[1].history, got[1].recent), (want[0], want[1].history, want[1].recent)):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+def test_token_major_prefill_names_bad_shapes() -> None:
+    tm = _token_major(make_inputs(Case(b=1, t=5, hq=4, dk=8, hkv=2)))
+    with pytest.raises(ValueError, match="log_alpha_recent has shape"):
+        dsla_prefill(tm["q"], tm["k"], tm["v"], tm["g1"], tm["g2"][:, :4], torch.tensor(0.5), backend="torch")
+    with pytest.raises(ValueError, match="unknown DSLA backend 'cuda'"):
+        dsla_prefill(tm["q"], tm["k"], tm["v"], tm["g1"], tm["g2"], torch.tensor(0.5), backend="cuda")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="fla (fla-core) is not installed")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fla's kernels need a CUDA GPU")
+@pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalised"])
+@torch.no_grad()
+def test_token_major_prefill_on_fla_in_bfloat16(normalize: bool) -> None:
+    """On the GPU in bf16 with fla: the same numbers as ``dsla_attention`` on the views (fla both)."""
+    case = Case(b=2, t=300, hq=4, dk=64, hkv=2)
+    x = {n: t.cuda() for n, t in (normalized_inputs if normalize else make_inputs)(case).items()}
+    for n in ("q", "k", "v"):
+        x[n] = x[n].bfloat16()
+    state = DslaState(history=x["history"], recent=x["recent"])
+    want = dsla_attention(x["q"], x["k"], x["v"], x["g1"], x["g2"], x["gamma"], state=state, normalize=normalize, backend="fla")
+    tm = _token_major(x)
+    got = dsla_prefill(tm["q"], tm["k"], tm["v"], tm["g1"], tm["g2"], x["gamma"], state=state, normalize=normalize, backend="fla")
+    assert got[0].transpose(1, 2).is_contiguous()  # fla's outputs are token-major, and so is their mix
+    torch.testing.assert_close(got[0].float(), want[0].float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got[1].history, want[1].history, atol=2e-2, rtol=2e-2)

@@ -65,7 +65,7 @@ def test_fused_prefill_equals_the_exact_hybrid(case, mix, separate):
     lin = dict(zip(("q_lin", "k_lin"), _qkv(2, t, gen)[:2])) if separate else {}
     want, want_state = hybrid_attention(q, k, v, **args, state=state, **lin)
     with fused_decode.use_fused(True):
-        got, got_state = fused_prefill.hybrid_prefill(q, k, v, **args, state=state, backend="torch", **lin)
+        got, got_state = fused_prefill.hybrid_prefill(q, k, v, **args, state=state, **lin)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     _assert_states_equal(got_state, want_state, 2e-5)
 
@@ -81,10 +81,16 @@ def test_fused_prefill_in_pieces_equals_one_call():
     outs, state = [], None
     with fused_decode.use_fused(True):
         for lo, hi in ((0, 37), (37, 101), (101, 200)):
-            o, state = fused_prefill.hybrid_prefill(q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], **args, state=state, backend="torch")
+            o, state = fused_prefill.hybrid_prefill(q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], **args, state=state)
             outs.append(o)
     torch.testing.assert_close(torch.cat(outs, dim=2), want, atol=2e-5, rtol=2e-5)
     _assert_states_equal(state, want_state, 2e-5)
+
+
+def test_unknown_numerator_is_named():
+    q, k, v = _qkv(1, 4, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="unknown numerator 'cuda'; valid: \\('kernel', 'fla'\\)"):
+        fused_prefill.hybrid_prefill(q, k, v, phi_q=torch.exp, phi_k=torch.exp, window=4, numerator="cuda")
 
 
 def test_hybrid_attention_takes_the_fused_prefill_for_inference_only(monkeypatch):
@@ -116,13 +122,15 @@ def test_hybrid_attention_takes_the_fused_prefill_for_inference_only(monkeypatch
         assert not taken()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the half-precision path with fla needs CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the default half-precision path runs on CUDA")
+@pytest.mark.parametrize("numerator", fused_prefill.NUMERATORS)
 @pytest.mark.parametrize("mix", ["joint", "gate"])
 @torch.no_grad()
-def test_bfloat16_prefill_with_fla_is_close_to_the_float32_hybrid(mix):
-    """On the GPU, the default path (bf16, fla's numerator, no ones column) against the exact hybrid
-    in float32 at a Llama head size: within bf16 precision."""
-    pytest.importorskip("fla")
+def test_bfloat16_prefill_is_close_to_the_float32_hybrid(mix, numerator):
+    """On the GPU, bf16 inputs with either numerator (the states before each block stored in bf16,
+    or fla's) against the exact hybrid in float32 at a Llama head size: within bf16 precision."""
+    if numerator == "fla":
+        pytest.importorskip("fla")
     torch.manual_seed(5)
     b, hq, hkv, d, t = 2, 8, 2, 128, 1000
     phi_q, phi_k = (HedgehogFeatureMap(hq, d, 2 * d, seed=s).cuda() for s in (0, 1))
@@ -130,7 +138,8 @@ def test_bfloat16_prefill_with_fla_is_close_to_the_float32_hybrid(mix):
     factor = torch.rand(hq, device="cuda")
     args = dict(window=64, mix=mix, **({"window_factor": factor} if mix == "joint" else {"gate": factor}))
     want, want_state = hybrid_attention(q, k, v, phi_q=phi_q, phi_k=phi_k, **args)
-    got, got_state = hybrid_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), phi_q=phi_q, phi_k=phi_k, backend="fla", **args)
+    got, got_state = fused_prefill.hybrid_prefill(q.bfloat16(), k.bfloat16(), v.bfloat16(), phi_q=phi_q, phi_k=phi_k,
+                                                  numerator=numerator, **args)  # fmt: skip
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(got_state.linear.kv, want_state.linear.kv, atol=0.2, rtol=3e-2)
