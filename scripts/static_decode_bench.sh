@@ -3,15 +3,15 @@
 # one attention layer of Llama-3-8B's shape (hybrid, DSLA, LoLA against SDPA softmax), then the whole
 # SmolLM2-135M (the teacher against hybrid and DSLA conversions of all its layers), batch 1 and 64;
 # the kernels of one decode step of each side (profile); throughput at equal memory at 32K (capacity).
-# The layer's prefill (part prefill, not in all): the fused hybrid (and, with PREFILL_KINDS, DSLA)
-# prefill against flash softmax and against the exact form it replaces.
+# The layer's prefill (part prefill, not in all): the fused hybrid and DSLA inference prefills
+# against flash softmax and against the exact forms they replace.
 #   usage: scripts/static_decode_bench.sh OUT [layer|model|profile|capacity|prefill|all]
 # Environment: LINEARIZE (the command; default linearize), LAYER_CONTEXTS (default 4096,32768,131072),
 # LAYER_KINDS (default "hybrid dsla lola"), MODEL_KINDS (default "hybrid dsla"), B1_CONTEXTS and
 # B64_CONTEXTS (the model's decode contexts at batch 1 and 64; default 1024,4096,8000), BATCHES
 # (default "1 64"), PREFILL (the model's prefill lengths; default 256, 'none' to skip), COMPILE=1 (every part: compile each side's decode step with torch.compile first),
 # CAPACITY_CONTEXT (default 32768), PREFILL_LENGTHS (the layer's prefill lengths at batch 1; default
-# 2048,8192,32768,131072; PREFILL_KINDS default "hybrid").
+# 2048,8192,32768,131072; PREFILL_KINDS default "hybrid dsla").
 set -euo pipefail
 LINEARIZE=${LINEARIZE:-linearize}
 OUT=${1:?usage: $0 OUT [layer|model|profile|capacity|prefill|all]}
@@ -57,7 +57,7 @@ if [ "$PART" = capacity ] || [ "$PART" = all ]; then
 fi
 if [ "$PART" = prefill ]; then
   P="--layer llama3-8b --device cuda --batch-sizes 1 --decode-contexts none --prefill-lengths ${PREFILL_LENGTHS:-2048,8192,32768,131072}"
-  for kind in ${PREFILL_KINDS:-hybrid}; do
+  for kind in ${PREFILL_KINDS:-hybrid dsla}; do
     $LINEARIZE bench $P $(spec "$kind") --out "$OUT/prefill/$kind"
   done
 fi
