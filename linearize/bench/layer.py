@@ -423,7 +423,6 @@ FUSED_KINDS = ("hybrid", "dsla")
 FUSED_PREFILL_KINDS = ("hybrid", "dsla")
 """Kinds whose inference prefill has a fused form (the hybrid's ``ops.fused_prefill``, DSLA's
 token-major ``ops.dsla.dsla_prefill``; RoPE as one kernel for both)."""
-"""Kinds whose decode step has fused state kernels (``linearize.ops.fused_decode``)."""
 
 
 # ----------------------------------------------------------------------------- report

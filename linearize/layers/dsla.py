@@ -12,7 +12,7 @@ from ..checks import check_choice, check_int
 from ..ops import cpu_kernels, fused_decode
 from ..ops.common import accumulation_dtype, repeat_kv
 from ..ops.dsla import DslaDecodeState, dsla_attention, dsla_decode_step, dsla_prefill, init_gate_bias, log_gate
-from ..ops.fused_prefill import token_major_features
+from ..ops.fused_prefill import for_inference, token_major_features
 from ..ops.states import DslaState
 from .base import (KERNELS, STATE_BYTES, AttentionKind, Attend, ConvertedAttention, SpecError, derived, expect_state, head_sizes,
                    resolve_kernel, tensors_at, token_features)
@@ -146,7 +146,7 @@ class DslaAttention(ConvertedAttention):
     def _dsla(self, fixed_gamma: float | None) -> Attend:
         def dsla(p, x, valid, state):
             backend = resolve_kernel(self.options.kernel, p.q.device)
-            if valid is None and not torch.is_grad_enabled() and fused_decode.enabled(p.q):
+            if for_inference(p.q, valid):
                 return self._prefill(p, x, state, fixed_gamma, backend)
             q, k, v, log_h, log_r, gamma, scale = self._inputs(p, x, fixed_gamma)
             return dsla_attention(

@@ -48,17 +48,27 @@ NUMERATORS = ("kernel", "fla")
 """Where ``hybrid_prefill`` takes the linear numerator from: its own kernels, or fla's chunk kernel."""
 
 
+def for_inference(x: Tensor, valid: Tensor | None) -> bool:
+    """Whether a prefill on ``x`` may take a fused inference form: the fused kernels are on for its
+    device (``fused_decode.enabled``: CUDA by default), nothing needs a gradient, every token is
+    real (no padding mask)."""
+    return valid is None and not torch.is_grad_enabled() and fused_decode.enabled(x)
+
+
+def _tile_sized(*sizes: int) -> bool:
+    """Every size a power of two from 16 (what the kernels' tiles and ``tl.dot`` take)."""
+    return all(n >= 16 and n & (n - 1) == 0 for n in sizes)
+
+
 def applies(q: Tensor, k: Tensor, v: Tensor, *, valid: Tensor | None, branches: str, overlap: bool, phi_q: FeatureFn) -> bool:
-    """Whether ``hybrid_attention`` takes ``hybrid_prefill`` for this call: the fused kernels are on
-    for q's device (``fused_decode.enabled``: CUDA by default), nothing needs a gradient, every token
-    is real, the hybrid is the non-overlapping two-branch one, q is half precision (float32 inputs
-    keep the exact path unless forced with ``use_fused(True)``), and the head and feature sizes are
-    powers of two from 16 (what the kernel's tiles take)."""
-    if not fused_decode.enabled(q) or torch.is_grad_enabled() or valid is not None or branches != "both" or overlap:
+    """Whether ``hybrid_attention`` takes ``hybrid_prefill`` for this call: ``for_inference``, the
+    hybrid is the non-overlapping two-branch one, q is half precision (float32 inputs keep the exact
+    path unless forced with ``use_fused(True)``), and the head and feature sizes are tile-sized."""
+    if not for_inference(q, valid) or branches != "both" or overlap:
         return False
     if q.dtype not in DTYPES or (q.dtype == torch.float32 and not fused_decode.forced()):
         return False
-    return all(n >= 16 and n & (n - 1) == 0 for n in (q.shape[-1], v.shape[-1], num_features(phi_q, q)))
+    return _tile_sized(q.shape[-1], v.shape[-1], num_features(phi_q, q))
 
 
 def num_features(phi: FeatureFn, x: Tensor) -> int:
@@ -249,7 +259,7 @@ def hedgehog_token_major(x: Tensor, weight: Tensor, bias: Tensor, n_rep: int = 1
         raise ValueError(f"out has shape {tuple(out.shape)} and dtype {out.dtype}; expected {(b, t, hq, 2 * fh)} and {x.dtype}")
     if t == 0:
         return out
-    if not all(n >= 16 and n & (n - 1) == 0 for n in (d, fh)):  # not tile-sized: the torch map on the repeated heads
+    if not _tile_sized(d, fh):  # the torch map on the repeated heads
         xr = x.repeat_interleave(n_rep, dim=1) if n_rep > 1 else x
         return out.copy_(hedgehog(xr, weight.to(x.dtype), bias.to(x.dtype)).transpose(1, 2))
     _kernels().hedgehog[(-(-t // BT_FEATURES), b * hq)](
