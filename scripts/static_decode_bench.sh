@@ -6,12 +6,13 @@
 # The layer's prefill (part prefill, not in all): the fused hybrid and DSLA inference prefills
 # against flash softmax and against the exact forms they replace.
 #   usage: scripts/static_decode_bench.sh OUT [layer|model|profile|capacity|prefill|all]
-# Environment: LINEARIZE (the command; default linearize), LAYER_CONTEXTS (default 4096,32768,131072),
+# Environment: LINEARIZE (the command; default linearize), LAYER_CONTEXTS (default 4096,32768,131072), LAYER_BATCHES (default 1,64),
 # LAYER_KINDS (default "hybrid dsla lola"), MODEL_KINDS (default "hybrid dsla"), B1_CONTEXTS and
 # B64_CONTEXTS (the model's decode contexts at batch 1 and 64; default 1024,4096,8000), BATCHES
 # (default "1 64"), PREFILL (the model's prefill lengths; default 256, 'none' to skip), COMPILE=1 (every part: compile each side's decode step with torch.compile first),
 # CAPACITY_CONTEXT (default 32768), PREFILL_LENGTHS (the layer's prefill lengths at batch 1; default
-# 2048,8192,32768,131072; PREFILL_KINDS default "hybrid dsla").
+# 2048,8192,32768,131072; PREFILL_KINDS default "hybrid dsla"),
+# PROFILE=1 (part prefill: each case's kernels, both sides, in layer.md).
 set -euo pipefail
 LINEARIZE=${LINEARIZE:-linearize}
 OUT=${1:?usage: $0 OUT [layer|model|profile|capacity|prefill|all]}
@@ -27,7 +28,7 @@ spec() {  # the spec flags of a kind at the settings the shipped models use
 }
 C=$([ "${COMPILE:-0}" = 1 ] && echo "--compile" || true)
 if [ "$PART" = layer ] || [ "$PART" = all ]; then
-  L="--layer llama3-8b --device cuda --graphs --batch-sizes 1,64 --prefill-lengths none --decode-contexts ${LAYER_CONTEXTS:-4096,32768,131072}"
+  L="--layer llama3-8b --device cuda --graphs --batch-sizes ${LAYER_BATCHES:-1,64} --prefill-lengths none --decode-contexts ${LAYER_CONTEXTS:-4096,32768,131072}"
   for kind in ${LAYER_KINDS:-hybrid dsla lola}; do
     $LINEARIZE bench $L $C $(spec "$kind") --out "$OUT/layer/$kind"
   done
@@ -57,6 +58,7 @@ if [ "$PART" = capacity ] || [ "$PART" = all ]; then
 fi
 if [ "$PART" = prefill ]; then
   P="--layer llama3-8b --device cuda --batch-sizes 1 --decode-contexts none --prefill-lengths ${PREFILL_LENGTHS:-2048,8192,32768,131072}"
+  [ "${PROFILE:-0}" = 1 ] && P="$P --profile"
   for kind in ${PREFILL_KINDS:-hybrid dsla}; do
     $LINEARIZE bench $P $(spec "$kind") --out "$OUT/prefill/$kind"
   done

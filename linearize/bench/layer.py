@@ -234,6 +234,7 @@ def bench_layer(
     seed: int = 0,
     graphs: bool = False,
     compile: bool = False,
+    profile: bool = False,
     on_row: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Converted layer vs softmax on SDPA, prefill and decode; JSON-able result with roofline columns.
@@ -246,6 +247,10 @@ def bench_layer(
     (``FUSED_PREFILL_KINDS``) likewise with the exact prefill. ``compile``: each side's decode step goes
     through ``torch.compile`` first (the softmax step at the context, once per SDPA backend; the
     converted step on its state in static form, o_proj included), then, with ``graphs``, is captured.
+
+    ``profile``: each prefill case is also run under ``torch.profiler`` (``profile_calls``), each side
+    once per repeat, and the row keeps both sides' device time, kernel launches and top kernels: where
+    a converted prefill spends its time.
 
     A prefill case runs when batch x length <= ``max_prefill_tokens`` (one long prompt, or a batch of
     shorter ones); cases that run out of device memory are recorded as such, not raised."""
@@ -276,7 +281,7 @@ def bench_layer(
         "versions": {"torch": torch.__version__},
         "kernel": _kernel(attn),
         "settings": dict(decode_steps=decode_steps, state_prefill=state_prefill, max_prefill_tokens=max_prefill_tokens, warmup=warmup,
-                         repeats=repeats, bandwidth=bandwidth, flops=flops, graphs=graphs, compile=compile),  # fmt: skip
+                         repeats=repeats, bandwidth=bandwidth, flops=flops, graphs=graphs, compile=compile, profile=profile),  # fmt: skip
         "rows": rows,
     }
     cases = [("prefill", b, n) for b in batch_sizes for n in prefill_lengths if b * n <= max_prefill_tokens]
@@ -287,7 +292,7 @@ def bench_layer(
         try:
             if phase == "prefill":
                 t_soft, best, backends, t_conv, extra = _prefill_times(model, softmax, shape, batch, length, warmup, repeats, gen, device,
-                                                                       dtype)  # fmt: skip
+                                                                       dtype, profile)  # fmt: skip
             else:
                 t_soft, best, backends, t_conv, extra = _decode_times(
                     model, softmax, shape, batch, length, decode_steps, state_prefill, warmup, repeats, gen, device, dtype, graphs, compile)
@@ -321,9 +326,14 @@ def _kernel(attn) -> str | None:
     return resolve_kernel(kernel, next(attn.parameters()).device) if kernel else None
 
 
-def _prefill_times(model, softmax, shape, batch, length, warmup, repeats, gen, device, dtype):
+def _prefill_times(model, softmax, shape, batch, length, warmup, repeats, gen, device, dtype, profile=False):
     """(softmax seconds, its backend, every backend's time, converted seconds, the row's other
-    fields: for kinds with a fused prefill, the time of the exact form it replaces)."""
+    fields: for kinds with a fused prefill, the time of the exact form it replaces; with ``profile``,
+    both sides' kernel profiles)."""
+    from torch.nn.attention import sdpa_kernel
+
+    from .profile import profile_calls
+
     attn = model.model.layers[0].self_attn
     x = torch.randn(batch, length, shape.hidden, generator=gen, device=device, dtype=dtype)
     cos, sin = _positions(model, x, 0)
@@ -337,6 +347,10 @@ def _prefill_times(model, softmax, shape, batch, length, warmup, repeats, gen, d
     if attn.spec.attention in FUSED_PREFILL_KINDS and fused_decode.enabled(x):
         with fused_decode.use_fused(False):
             extra["converted_unfused_s"] = _median(run, device, warmup, repeats)
+    if profile:
+        with sdpa_kernel([sdpa_backends(device)[best]]):
+            soft = profile_calls(lambda: softmax.prefill(x, cos, sin), calls=repeats, device=device)
+        extra["profile"] = {"softmax": soft, "converted": profile_calls(run, calls=repeats, device=device)}
     return t_soft, best, backends, t_conv, extra
 
 
@@ -463,7 +477,29 @@ def layer_markdown(results: Sequence[dict[str, Any]]) -> str:
             out.append(f"\n### {phase}\n\n| converted | batch | {what} | softmax ms (backend) | converted ms | ratio "
                        f"| softmax roofline % | converted roofline % | converted bound |\n|---|---:|---:|---|---:|---:|---:|---:|---|")
             out.extend(lines)
+    out.extend(_profile_markdown(results))
     return "\n".join(out) + "\n"
+
+
+def _profile_markdown(results: Sequence[dict[str, Any]]) -> list[str]:
+    """The prefill profiles' sections: per case, each side's device ms and launches per call, then the
+    converted side's top kernels."""
+    from .profile import kernel_table
+
+    out = []
+    for result in results:
+        for row in result["rows"]:
+            prof = row.get("profile")
+            if not prof:
+                continue
+            soft, conv = prof["softmax"], prof["converted"]
+            out += [f"\n### prefill kernels: {_label(result)}, batch {row['batch_size']}, length {row['length']}\n",
+                    "| side | device ms / call | launches / call | measured ms / call |", "|---|---:|---:|---:|",
+                    f"| softmax ({row['softmax_backend']}) | {soft['device_ms_per_step']:.3f} | {soft['launches_per_step']:.0f} "
+                    f"| {_fmt_s(row['softmax_s'])} |",
+                    f"| converted | {conv['device_ms_per_step']:.3f} | {conv['launches_per_step']:.0f} | {_fmt_s(row['converted_s'])} |",
+                    "", *kernel_table(conv, unit="call")]  # fmt: skip
+    return out
 
 
 def _label(result: dict[str, Any]) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 from typing import Any
+from collections.abc import Callable
 
 import torch
 
@@ -26,30 +27,21 @@ from .efficiency import _place, _random_ids
 logger = logging.getLogger(__name__)
 
 
-@torch.inference_mode()
-def profile_step(model, *, context: int, batch_size: int, steps: int = 5, warmup: int = 3, compile: bool = False,
-                 device: str | torch.device | None = None, top: int = 25, seed: int = 0) -> dict[str, Any]:
-    """One model's static decode step at ``context`` tokens: device time and launches per step, and
-    its ``top`` kernels by device time (name, calls and microseconds per step)."""
+def profile_calls(fn: Callable[[], Any], *, calls: int, device: torch.device, top: int = 25) -> dict[str, Any]:
+    """``fn()`` run ``calls`` times under ``torch.profiler`` (warm it up first): device time and
+    kernel launches per call, and its ``top`` kernels by device time (name, calls and microseconds
+    per call, share). On the CPU the "kernels" are the operators, timed by their CPU time."""
     from torch.profiler import ProfilerActivity, profile
 
-    from ..decoding import StaticDecoder
-
-    device = _place(model, device)
     cuda = device.type == "cuda"
-    decoder = StaticDecoder(model, batch_size=batch_size, max_length=context + warmup + steps + 1, graphs=False, compile=compile)
-    decoder.prefill(_random_ids(model, 1, context, device, seed))
-    for _ in range(warmup):
-        decoder.step()
     if cuda:
         torch.cuda.synchronize(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
-        for _ in range(steps):
-            decoder.step()
+        for _ in range(calls):
+            fn()
         if cuda:
             torch.cuda.synchronize(device)
-    rows = []
     if cuda:
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         by_name: dict[str, list[float]] = {}
@@ -62,11 +54,26 @@ def profile_step(model, *, context: int, batch_size: int, steps: int = 5, warmup
         by_name = {a.key: [a.self_cpu_time_total / max(a.count, 1)] * a.count for a in averages}
         total_us = sum(a.self_cpu_time_total for a in averages)
         launches = sum(a.count for a in averages)
-    for name, times in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
-        rows.append({"name": name, "calls_per_step": len(times) / steps, "us_per_step": sum(times) / steps,
-                     "share": sum(times) / total_us if total_us else 0.0})  # fmt: skip
-    return {"context": context, "batch_size": batch_size, "steps": steps, "compiled": decoder.compiled,
-            "device_ms_per_step": total_us / steps / 1e3, "launches_per_step": launches / steps, "top": rows}  # fmt: skip
+    rows = [{"name": name, "calls_per_step": len(times) / calls, "us_per_step": sum(times) / calls,
+             "share": sum(times) / total_us if total_us else 0.0}
+            for name, times in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]]  # fmt: skip
+    return {"steps": calls, "device_ms_per_step": total_us / calls / 1e3, "launches_per_step": launches / calls, "top": rows}
+
+
+@torch.inference_mode()
+def profile_step(model, *, context: int, batch_size: int, steps: int = 5, warmup: int = 3, compile: bool = False,
+                 device: str | torch.device | None = None, top: int = 25, seed: int = 0) -> dict[str, Any]:
+    """One model's static decode step at ``context`` tokens: device time and launches per step, and
+    its ``top`` kernels by device time (name, calls and microseconds per step)."""
+    from ..decoding import StaticDecoder
+
+    device = _place(model, device)
+    decoder = StaticDecoder(model, batch_size=batch_size, max_length=context + warmup + steps + 1, graphs=False, compile=compile)
+    decoder.prefill(_random_ids(model, 1, context, device, seed))
+    for _ in range(warmup):
+        decoder.step()
+    profiled = profile_calls(decoder.step, calls=steps, device=device, top=top)
+    return {"context": context, "batch_size": batch_size, "compiled": decoder.compiled, **profiled}
 
 
 def profile_decode(model_name_or_model, spec: ConversionSpec | dict[str, Any] | None, *, context: int, batch_size: int,
@@ -95,6 +102,16 @@ def profile_decode(model_name_or_model, spec: ConversionSpec | dict[str, Any] | 
     return result
 
 
+def kernel_table(profiled: dict[str, Any], unit: str = "step") -> list[str]:
+    """Markdown lines: a ``profile_calls`` result's top kernels (calls and us per ``unit``, share)."""
+    out = [f"| kernel | calls / {unit} | us / {unit} | share |", "|---|---:|---:|---:|"]
+    for row in profiled["top"]:
+        name = row["name"].replace("|", "/")
+        name = name if len(name) <= 90 else name[:87] + "..."
+        out.append(f"| `{name}` | {row['calls_per_step']:.1f} | {row['us_per_step']:.1f} | {row['share'] * 100:.1f}% |")
+    return out
+
+
 def profile_markdown(result: dict[str, Any]) -> str:
     t, c = result["teacher"], result["converted"]
     out = [f"Decode step profile: batch {t['batch_size']} at {t['context']} tokens on {result['device']}"
@@ -103,9 +120,5 @@ def profile_markdown(result: dict[str, Any]) -> str:
     for side, r in (("teacher", t), ("converted", c)):
         out.append(f"| {side} | {r['device_ms_per_step']:.3f} | {r['launches_per_step']:.0f} |")
     for side, r in (("teacher", t), ("converted", c)):
-        out += [f"\n### {side}: top kernels\n", "| kernel | calls / step | us / step | share |", "|---|---:|---:|---:|"]
-        for row in r["top"]:
-            name = row["name"].replace("|", "/")
-            name = name if len(name) <= 90 else name[:87] + "..."
-            out.append(f"| `{name}` | {row['calls_per_step']:.1f} | {row['us_per_step']:.1f} | {row['share'] * 100:.1f}% |")
+        out += [f"\n### {side}: top kernels\n", *kernel_table(r)]
     return "\n".join(out) + "\n"

@@ -332,8 +332,8 @@ LAYER_KINDS = ({"attention": "hybrid", "window": 64}, {"attention": "dsla"},
 def cmd_bench(args) -> int:
     if args.compile and not (args.graphs or args.capacity or args.profile or args.layer):
         raise ValueError("--compile applies to static decoding: give --graphs, --capacity, --profile or --layer")
-    if args.profile and (args.layer or args.capacity):
-        raise ValueError("--profile profiles a model's decode step; it does not go with --layer or --capacity")
+    if args.profile and args.capacity:
+        raise ValueError("--profile profiles a model's decode step or, with --layer, the layer's prefills; it does not go with --capacity")
     if (args.stack or args.memory_gib is not None) and not args.capacity:
         raise ValueError("--stack and --memory-gib go with --capacity CONTEXT")
     if args.capacity:
@@ -402,7 +402,7 @@ def _bench_layer(args) -> int:
         prefill_lengths=[2048, 8192, 32768] if args.prefill_lengths is None else args.prefill_lengths,
         decode_contexts=[4096, 32768] if args.decode_contexts is None else args.decode_contexts,
         batch_sizes=args.batch_sizes or [args.batch_size], decode_steps=args.decode_steps, repeats=args.repeats, device=args.device,
-        graphs=args.graphs, compile=args.compile,
+        graphs=args.graphs, compile=args.compile, profile=args.profile,
     )  # fmt: skip
     print(layer_markdown(results))
     return 0

@@ -170,32 +170,56 @@ def dsla_prefill(
     return _mix(o1, o2, gamma, q, normalize), DslaState(history=s1, recent=s2)
 
 
+ROW_ALIGN = 4
+"""On CUDA a decode state's rows are padded to a multiple of this many float32 columns (16 bytes),
+so the fused state kernel reads and writes them in aligned vector loads (Dv + 1 = 129 columns
+otherwise start every row at a 4-byte offset)."""
+
+
 @dataclass
 class DslaDecodeState:
     """A DslaState as per-token decoding updates it in place: both states stacked in one tensor
-    (2, B, Hq, Dk, Dv [+ 1]), history first, so one operation decays and writes both, and a
-    (B, Hkv, Dv [+ 1]) buffer that takes each token's values beside the normaliser's column of
-    ones. It starts as a copy (a state handed out earlier is never changed); ``canonical()`` gives
-    the DslaState."""
+    (2, B, Hq, Dk, C), history first, so one operation decays and writes both, and a (B, Hkv, C)
+    buffer that takes each token's values beside the normaliser's column of ones. The first
+    ``width`` = Dv [+ 1] columns are the state's; on CUDA C pads the rows to ``ROW_ALIGN`` with
+    columns that stay zero (their values are zero). It starts as a copy (a state handed out earlier
+    is never changed); ``canonical()`` gives the DslaState."""
 
     states: Tensor
     values: Tensor
+    width: int = -1
+    """The state's columns, Dv [+ 1] (-1: all of ``states``' columns)."""
     kernel_args: Any = field(default=None, repr=False)
     """What the CPU kernel (``cpu_kernels.dsla_step``) keeps between tokens: its argument block,
     scratch buffer and the weights the block points at."""
     kernel_scratch: Any = field(default=None, repr=False)
     kernel_weights: Any = field(default=None, repr=False)
 
+    def __post_init__(self) -> None:
+        if self.width < 0:
+            self.width = self.states.shape[-1]
+
     @classmethod
-    def from_state(cls, state: DslaState, kv_heads: int, normalize: bool) -> "DslaDecodeState":
-        states = torch.stack((state.history, state.recent))  # (2, B, Hq, Dk, Dv [+ 1])
-        values = states.new_zeros(states.shape[1], kv_heads, states.shape[-1])  # (B, Hkv, Dv [+ 1])
+    def from_state(cls, state: DslaState, kv_heads: int, normalize: bool, align: int | None = None) -> "DslaDecodeState":
+        """The decode form of ``state``, its rows padded to a multiple of ``align`` columns
+        (default: ``ROW_ALIGN`` on CUDA, none elsewhere: the CPU kernel takes unpadded rows)."""
+        width = state.history.shape[-1]
+        align = (ROW_ALIGN if state.history.is_cuda else 1) if align is None else align
+        if align < 1:
+            raise ValueError(f"align must be a positive number of columns, got {align}")
+        columns = -(-width // align) * align
+        states = state.history.new_zeros(2, *state.history.shape[:-1], columns)  # (2, B, Hq, Dk, C)
+        states[0, ..., :width] = state.history
+        states[1, ..., :width] = state.recent
+        values = states.new_zeros(states.shape[1], kv_heads, columns)  # (B, Hkv, C)
         if normalize:
-            values[..., -1] = 1.0
-        return cls(states, values)
+            values[..., width - 1] = 1.0
+        return cls(states, values, width)
 
     def canonical(self) -> DslaState:
-        return DslaState(history=self.states[0], recent=self.states[1])
+        if self.width == self.states.shape[-1]:
+            return DslaState(history=self.states[0], recent=self.states[1])
+        return DslaState(history=self.states[0, ..., : self.width].contiguous(), recent=self.states[1, ..., : self.width].contiguous())
 
 
 def dsla_decode_step(
@@ -215,7 +239,7 @@ def dsla_decode_step(
     alpha), history first; ``weights`` (2,) the mix (gamma, 1 - gamma), times the scale without
     ``normalize``. The same numbers as ``dsla_attention`` on that token (its recurrent form, every
     operation once for both states: no concatenation, no repeated KV heads; tested against it)."""
-    s = state.states  # (2, B, Hq, Dk, Dv [+ 1])
+    s = state.states  # (2, B, Hq, Dk, C): Dv [+ 1] columns, then zero padding
     _, b, hq, dk, width = s.shape
     hkv, dv = state.values.shape[1], v.shape[-1]
     if fused_decode.enabled(s) and s.dtype == torch.float32:  # one pass over both states
@@ -228,9 +252,9 @@ def dsla_decode_step(
         o = torch.matmul(qf.reshape(1, b, hq, 1, dk), s)  # (2, B, Hq, 1, Dv [+ 1]): both states' reads
     weights = weights.view(2, 1, 1, 1, 1)
     if normalize:  # each state's read over its normaliser, 0 where that is empty (as safe_divide)
-        den = o[..., dv:]
+        den = o[..., dv : dv + 1]
         weights = torch.where(den > EMPTY_DENOMINATOR, weights / den, 0.0)  # (2, B, Hq, 1, 1)
-        o = o[..., :dv]
+    o = o[..., :dv]
     out = torch.addcmul(o[1] * weights[1], o[0], weights[0])  # (B, Hq, 1, Dv)
     return out if out.dtype == v.dtype else out.to(v.dtype)
 

@@ -266,15 +266,15 @@ def _(linear, features, values, qf, index, slot):
 
 @torch.library.custom_op("linearize::dsla_state_step", mutates_args=("states",))
 def dsla_state_step(states: Tensor, qf: Tensor, kf: Tensor, v: Tensor, decay: Tensor, normalize: bool) -> Tensor:
-    """DSLA's decode step on both states, in place: ``states`` (2, B, Hq, Dk, Dv [+ 1]) float32,
-    history first, become diag(alpha) S + phi(k) [v, (1)]^T for ``kf`` (B, Hq, Dk), ``v`` (B, Hkv,
-    Dv) and ``decay`` (B, 2, Hq, Dk) = alpha; returns both reads phi(q) S (2, B, Hq, Dv [+ 1])
-    float32 for ``qf`` (B, Hq, Dk). With ``normalize`` the last column is the normaliser's (its
-    value is 1 for every token)."""
+    """DSLA's decode step on both states, in place: ``states`` (2, B, Hq, Dk, C) float32, history
+    first, become diag(alpha) S + phi(k) [v, (1), 0 ...]^T for ``kf`` (B, Hq, Dk), ``v`` (B, Hkv, Dv)
+    and ``decay`` (B, 2, Hq, Dk) = alpha; returns both reads phi(q) S (2, B, Hq, C) float32 for
+    ``qf`` (B, Hq, Dk). With ``normalize`` column Dv is the normaliser's (its value is 1 for every
+    token); columns past it (C > Dv [+ 1]: rows padded for aligned loads) get zeros."""
     _, b, hq, dk, width = states.shape
     hkv, dv = v.shape[1], v.shape[-1]
     _check_buffer("states", states)
-    if width != dv + int(normalize):
+    if width < dv + int(normalize):
         raise ValueError(f"states have {width} columns; v's {dv} values" + (" and the normaliser" if normalize else "") + " need "
                          f"{dv + int(normalize)}")  # fmt: skip
     _check("qf", qf, (b, hq, dk))

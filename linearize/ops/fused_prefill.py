@@ -44,6 +44,10 @@ BN = 64
 BT_FEATURES = 64
 """Tokens per program of the Hedgehog kernel."""
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+CHUNK_STATE_TILES = ((64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 3), (32, 64, 4, 2), (32, 64, 4, 3), (64, 32, 4, 3), (32, 32, 4, 3),
+                     (16, 16, 4, 2))
+"""(BK, BV, num_warps, num_stages) that ``chunk_states`` is autotuned over on a GPU (those whose
+tiles fit the feature and value sizes; the smallest, 16 x 16, always does)."""
 NUMERATORS = ("kernel", "fla")
 """Where ``hybrid_prefill`` takes the linear numerator from: its own kernels, or fla's chunk kernel."""
 
@@ -76,6 +80,10 @@ def num_features(phi: FeatureFn, x: Tensor) -> int:
     where it has one, else what it makes of one token."""
     count = getattr(phi, "num_features", None)
     return count(x.shape[-1]) if count is not None else phi(x[:1, :, :1]).shape[-1]
+
+
+_block_state: Any = None
+"""``chunk_states``' step over one block: a Triton function made by ``_kernels`` (see there)."""
 
 
 class _Kernels(NamedTuple):
@@ -179,13 +187,45 @@ def _kernels() -> _Kernels:
             o = tl.where(ok[:, None], (f * acc + num_l) / tl.where(ok, den, 1.0)[:, None], 0.0)
         tl.store(out + b * s_ob + h * s_oh + i[:, None] * s_ot + ov[None, :], o.to(out.dtype.element_ty), mask=mi[:, None])
 
-    @tuned(["F", "DV"], [(4, 1), (4, 2), (8, 2)])
+    @triton.jit
+    def block_state(
+        acc, n, kf, wvalues, values, hs, T, b, h, hk, ok, ov, tile,
+        s_gb, s_gt, s_gh, s_ub, s_uh, s_ut, s_vb, s_vh, s_vt, s_hb, s_hh, s_hn,
+        W: tl.constexpr, BM: tl.constexpr, IEEE: tl.constexpr,
+    ):  # fmt: skip
+        """Store S before block n, return S after it (the block's phi(k) v^T added)."""
+        tl.store(hs + b * s_hb + h * s_hh + n * s_hn + tile, acc.to(hs.dtype.element_ty))
+        e = n * BM + tl.arange(0, BM)  # extended tokens
+        me = e < T
+        kt = tl.load(kf + b * s_gb + h * s_gh + e[:, None] * s_gt + ok[None, :], mask=me[:, None], other=0.0)
+        old, new = me & (e < W), me & (e >= W)
+        vt = tl.load(wvalues + b * s_ub + hk * s_uh + e[:, None] * s_ut + ov[None, :], mask=old[:, None], other=0.0).to(kt.dtype)
+        vt += tl.load(values + b * s_vb + hk * s_vh + (e - W)[:, None] * s_vt + ov[None, :], mask=new[:, None], other=0.0)
+        return acc + tl.dot(tl.trans(kt), vt, input_precision="ieee" if IEEE else "tf32")
+
+    # A module global, as Triton's interpreter resolves the names a kernel calls among its
+    # function's globals only (the compiler also reads closures).
+    globals()["_block_state"] = block_state
+
+    def tiled_states(fn):
+        """Autotuned over the state tiles (BK x BV), warps and pipeline stages on a GPU; 64 x 64 tiles
+        in Triton's interpreter."""
+        if fused_decode.interpreting():
+            return triton.heuristics({"BK": lambda a: min(a["F"], 64), "BV": lambda a: min(a["DV"], 64)})(fn)
+        configs = [triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=st) for bk, bv, w, st in CHUNK_STATE_TILES]
+
+        def fitting(configs, named, **kwargs):  # no tile wider than its axis
+            return [c for c in configs if c.kwargs["BK"] <= kwargs["F"] and c.kwargs["BV"] <= kwargs["DV"]]
+
+        return triton.autotune(configs, key=["F", "DV"], prune_configs_by={"early_config_prune": fitting})(fn)
+
+    @tiled_states
     @triton.jit
     def chunk_states(
         kf, wvalues, values, h0, hs, final, T, n_rep, blocks,
         s_gb, s_gt, s_gh, s_ub, s_uh, s_ut, s_vb, s_vh, s_vt, s_hb, s_hh, s_hn,
         H: tl.constexpr, W: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-        BV: tl.constexpr, HAS_H0: tl.constexpr, IEEE: tl.constexpr,
+        BV: tl.constexpr, HAS_H0: tl.constexpr, IEEE: tl.constexpr, PIPELINED: tl.constexpr,
     ):  # fmt: skip
         ik, iv = tl.program_id(0), tl.program_id(1)
         r = tl.program_id(2).to(tl.int64)  # one (batch row, query head)
@@ -198,18 +238,16 @@ def _kernels() -> _Kernels:
             acc = tl.load(h0 + r * F * DV + tile)
         else:
             acc = tl.zeros([BK, BV], tl.float32)
-        n = 0
-        while n < blocks:  # S before block n, then the block's writes phi(k) v^T (a while loop: Triton's
-            # interpreter takes no range() over a run-time bound with NumPy 2)
-            tl.store(hs + b * s_hb + h * s_hh + n * s_hn + tile, acc.to(hs.dtype.element_ty))
-            e = n * BM + tl.arange(0, BM)  # extended tokens
-            me = e < T
-            kt = tl.load(kf + b * s_gb + h * s_gh + e[:, None] * s_gt + ok[None, :], mask=me[:, None], other=0.0)
-            old, new = me & (e < W), me & (e >= W)
-            vt = tl.load(wvalues + b * s_ub + hk * s_uh + e[:, None] * s_ut + ov[None, :], mask=old[:, None], other=0.0).to(kt.dtype)
-            vt += tl.load(values + b * s_vb + hk * s_vh + (e - W)[:, None] * s_vt + ov[None, :], mask=new[:, None], other=0.0)
-            acc += tl.dot(tl.trans(kt), vt, input_precision="ieee" if IEEE else "tf32")
-            n += 1
+        if PIPELINED:  # a for loop, which Triton software-pipelines (the next block's loads under this one's dot)
+            for n in range(0, blocks):
+                acc = _block_state(acc, n, kf, wvalues, values, hs, T, b, h, hk, ok, ov, tile, s_gb, s_gt, s_gh, s_ub, s_uh, s_ut,
+                                   s_vb, s_vh, s_vt, s_hb, s_hh, s_hn, W=W, BM=BM, IEEE=IEEE)
+        else:  # Triton's interpreter takes no range() over a run-time bound with NumPy 2
+            n = 0
+            while n < blocks:
+                acc = _block_state(acc, n, kf, wvalues, values, hs, T, b, h, hk, ok, ov, tile, s_gb, s_gt, s_gh, s_ub, s_uh, s_ut,
+                                   s_vb, s_vh, s_vt, s_hb, s_hh, s_hn, W=W, BM=BM, IEEE=IEEE)
+                n += 1
         tl.store(final + r * F * DV + tile, acc)
 
     @tuned(["D", "FH"], [(4, 1), (4, 2), (8, 2)])
@@ -300,7 +338,8 @@ def hybrid_prefill(
     """``hybrid_attention`` (non-overlapping, both branches, every token real) for inference: the
     same arguments, outputs (B, Hq, T, Dv) in v's dtype (a view of a token-major tensor) and the
     same ``HybridState``. ``numerator`` (``NUMERATORS``): "kernel" computes the linear numerator in
-    this module's kernels (``chunk_states`` and ``window_mix``); "fla" takes it from fla's
+    this module's kernels (``chunk_states`` and ``window_mix``; what ``hybrid_attention`` uses, the
+    faster on an H200 at every length from 8K to 128K); "fla" takes it from fla's
     ``chunk_simple_gla`` on the values repeated to the query heads (CUDA with fla installed)."""
     if numerator not in NUMERATORS:
         raise ValueError(f"unknown numerator {numerator!r}; valid: {NUMERATORS}")
@@ -354,11 +393,11 @@ def hybrid_prefill(
         hs = q.new_empty(b, hq, blocks, feats, dv)
         new_kv = torch.empty(b, hq, feats, dv, device=q.device, dtype=torch.float32)
         h0 = lin.kv.float().contiguous() if lin is not None else new_kv
-        bk, bv = min(feats, 64), min(dv, 64)
-        _kernels().chunk_states[(feats // bk, dv // bv, b * hq)](
+        _kernels().chunk_states[lambda meta: (feats // meta["BK"], dv // meta["BV"], b * hq)](
             kf, ws.values, v, h0, hs, new_kv, t, n_rep, blocks,
             *_strides(kf, 3), *_strides(ws.values, 3), *_strides(v, 3), *_strides(hs, 3),
-            H=hq, W=w, F=feats, DV=dv, BM=BM, BK=bk, BV=bv, HAS_H0=lin is not None, IEEE=q.dtype == torch.float32,
+            H=hq, W=w, F=feats, DV=dv, BM=BM, HAS_H0=lin is not None, IEEE=q.dtype == torch.float32,
+            PIPELINED=not fused_decode.interpreting(),
         )  # fmt: skip
         num = q.new_empty(b, 1, hq, dv)  # unread
     else:  # fla, on the values repeated to the query heads (it takes no grouped heads)

@@ -234,8 +234,7 @@ def hybrid_attention(
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     if fused_prefill.applies(q, k, v, valid=valid, branches=branches, overlap=overlap, phi_q=phi_q):
         return fused_prefill.hybrid_prefill(q, k, v, phi_q=phi_q, phi_k=phi_k, window=window, mix=mix, window_factor=window_factor,
-                                            gate=gate, state=state, scale=scale, q_lin=q_lin, k_lin=k_lin,
-                                            numerator="fla" if backend == "fla" else "kernel")  # fmt: skip
+                                            gate=gate, state=state, scale=scale, q_lin=q_lin, k_lin=k_lin)  # fmt: skip
     b, hq, t, d = q.shape
     dt = accumulation_dtype(v.dtype)
     scale = d**-0.5 if scale is None else scale

@@ -121,3 +121,21 @@ def test_fused_prefill_is_timed_beside_the_exact_prefill():
     (row,) = result["rows"]
     assert row["converted_s"] > 0 and row["converted_unfused_s"] > 0
     assert "exact form" in layer_markdown([result])
+
+
+def test_prefill_profile_lists_each_sides_kernels(tmp_path):
+    """profile=True keeps both sides' profiles per prefill row (decode rows have none) and the table
+    lists the converted prefill's kernels; the DSLA prefill's own ops are among them."""
+    result = bench_layer(TINY, {"attention": "dsla"}, prefill_lengths=[16], decode_contexts=[24], batch_sizes=[1], warmup=1,
+                         repeats=2, decode_steps=2, device="cpu", profile=True)  # fmt: skip
+    prefill, decode = result["rows"]
+    assert "profile" not in decode and result["settings"]["profile"]
+    soft, conv = prefill["profile"]["softmax"], prefill["profile"]["converted"]
+    for side in (soft, conv):
+        assert side["steps"] == 2 and side["launches_per_step"] > 0 and side["device_ms_per_step"] > 0 and side["top"]
+    assert conv["launches_per_step"] > soft["launches_per_step"]  # feature maps, gates and two states against one SDPA
+    assert any("scaled_dot_product" in r["name"] or "sdpa" in r["name"] for r in soft["top"])
+    table = layer_markdown([result])
+    assert "### prefill kernels: dsla torch, batch 1, length 16" in table and "| kernel | calls / call |" in table
+    assert "### prefill kernels" not in layer_markdown([bench_layer(TINY, {"attention": "dsla"}, prefill_lengths=[16], decode_contexts=[],
+                                                                    warmup=0, repeats=1, device="cpu")])  # fmt: skip

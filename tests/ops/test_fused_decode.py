@@ -78,9 +78,13 @@ def test_dsla_fused_step_equals_the_torch_step(normalize, dims):
     torch.testing.assert_close(runs[1].states, runs[0].states, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("align", [1, 4, 8], ids=["unpadded", "align4", "align8"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch"])
 @torch.no_grad()
-def test_dsla_fused_steps_continue_the_chunked_op():
-    """The fused steps continue a prefilled dsla_attention exactly as the op does on each token."""
+def test_dsla_fused_steps_continue_the_chunked_op(fused, align):
+    """The fused steps (and the torch steps) continue a prefilled dsla_attention exactly as the op
+    does on each token, on rows of 17 columns as they are or padded to 20 or 24 (the padding stays
+    zero and canonical() drops it)."""
     torch.manual_seed(2)
     b, hq, hkv, d = 1, 4, 2, 16
     q, k = torch.rand(b, hq, 5, d, device=DEVICE), torch.rand(b, hkv, 5, d, device=DEVICE)
@@ -88,21 +92,25 @@ def test_dsla_fused_steps_continue_the_chunked_op():
     g1, g2 = -torch.rand(b, hq, 5, d, device=DEVICE), -torch.rand(b, hq, 5, d, device=DEVICE) * 3
     gamma = torch.tensor(0.3, device=DEVICE)
     _, state = dsla_attention(q[:, :, :3], k[:, :, :3], v[:, :, :3], g1[:, :, :3], g2[:, :, :3], gamma, normalize=True)
-    ds = DslaDecodeState.from_state(state, hkv, normalize=True)
+    ds = DslaDecodeState.from_state(state, hkv, normalize=True, align=align)
+    assert ds.width == d + 1 and ds.states.shape[-1] == -(-(d + 1) // align) * align
     for t in range(3, 5):
         step = slice(t, t + 1)
         want, state = dsla_attention(q[:, :, step], k[:, :, step], v[:, :, step], g1[:, :, step], g2[:, :, step], gamma,
                                      normalize=True, state=state)  # fmt: skip
         decay = torch.stack((g1[:, :, t], g2[:, :, t]), dim=1).exp()  # (B, 2, Hq, Dk)
-        with fused_decode.use_fused(True):
+        with fused_decode.use_fused(fused):
             got = dsla_decode_step(ds, q[:, :, t], k[:, :, t].repeat_interleave(hq // hkv, dim=1), v[:, :, step], decay,
                                    torch.stack((gamma, 1 - gamma)), normalize=True)  # fmt: skip
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert not ds.states[..., d + 1 :].any()
         torch.testing.assert_close(ds.canonical().history, state.history, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(ds.canonical().recent, state.recent, atol=1e-5, rtol=1e-5)
 
 
 def test_bad_shapes_are_named():
+    with pytest.raises(ValueError, match="align must be a positive number of columns, got 0"):
+        DslaDecodeState.from_state(dsla_attention(*(torch.rand(1, 2, 3, 4) for _ in range(5)), torch.tensor(0.5))[1], 2, True, align=0)
     linear = torch.zeros(4, 8, 9)
     with pytest.raises(ValueError, match=r"features must have shape \(2, 3, 16\)"):
         fused_decode.hybrid_linear_step(linear, torch.zeros(2, 3, 8), torch.zeros(2, 3, 9), torch.zeros(4, 8), None, 0)
