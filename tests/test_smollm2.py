@@ -142,6 +142,8 @@ def test_shipped_conversions_load_offline_and_stay_close_to_the_teacher_on_short
     logits = model(ids).logits
     assert torch.isfinite(logits).all()
     spec = model.config.linearize
+    if name.endswith("inference-hybrid"):  # its linear part, trained alone over every token, reads every token beside the window
+        assert spec["options"]["overlap"] and spec["options"]["mix"] == "gate"
     if spec["attention"] == "hybrid" and spec["options"]["mix"] == "joint":  # short text: inside the 64-token window
         # (not inference-hybrid: its gate mix always gives the linear branch half the weight)
         agree = (logits.argmax(-1) == teacher(ids).logits.argmax(-1)).float().mean()
