@@ -330,10 +330,6 @@ def _prefill_times(model, softmax, shape, batch, length, warmup, repeats, gen, d
     """(softmax seconds, its backend, every backend's time, converted seconds, the row's other
     fields: for kinds with a fused prefill, the time of the exact form it replaces; with ``profile``,
     both sides' kernel profiles)."""
-    from torch.nn.attention import sdpa_kernel
-
-    from .profile import profile_calls
-
     attn = model.model.layers[0].self_attn
     x = torch.randn(batch, length, shape.hidden, generator=gen, device=device, dtype=dtype)
     cos, sin = _positions(model, x, 0)
@@ -348,6 +344,10 @@ def _prefill_times(model, softmax, shape, batch, length, warmup, repeats, gen, d
         with fused_decode.use_fused(False):
             extra["converted_unfused_s"] = _median(run, device, warmup, repeats)
     if profile:
+        from torch.nn.attention import sdpa_kernel
+
+        from .profile import profile_calls
+
         with sdpa_kernel([sdpa_backends(device)[best]]):
             soft = profile_calls(lambda: softmax.prefill(x, cos, sin), calls=repeats, device=device)
         extra["profile"] = {"softmax": soft, "converted": profile_calls(run, calls=repeats, device=device)}

@@ -12,9 +12,9 @@ step: device time, kernel launches, and the kernels that take the most device ti
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable
 
 import torch
 
