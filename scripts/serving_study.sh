@@ -11,7 +11,11 @@
 #            --max-running 40 (its pools: 40 slots x 4,096 tokens x 512 KiB = 80 GiB)
 #   tiny     random:tiny on DEVICE=cpu: checks the script in seconds
 # Environment: DEVICE (cuda)  REQUESTS ("40 100": one replay per count, in turn)  RATE (8)  TIMEOUT (150 s per policy)
-#   POLICIES (softmax,length-caps,memory,softmax)  PROFILE (20: engine steps profiled per policy)
+#   POLICIES (softmax,length-caps,memory,softmax)
+#   PROFILE (0; N > 0: after the timed replays, one more replay of the same requests, in its own process, with N
+#   engine steps of each policy under torch.profiler, to replay/SETTING-N-profile; its timings are not the result:
+#   in a profiled replay on an H200 the repeated softmax ran 0.61x its first run)  PROFILE_FROM (300: the first
+#   profiled step of each policy)
 #   SETTINGS ("smollm2 7b")  RUNNER (pooled)
 set -u
 if [ "${1:-}" = --pack ]; then
@@ -30,12 +34,12 @@ if [ "${1:-}" = --pack ]; then
 fi
 WORK=${1:?usage: GPUS="0 1" serving_study.sh WORK_DIR}
 GPUS=(${GPUS:-0}); REQUESTS=${REQUESTS:-"40 100"}; RATE=${RATE:-8}; TIMEOUT=${TIMEOUT:-150}
-POLICIES=${POLICIES:-softmax,length-caps,memory,softmax}; PROFILE=${PROFILE:-20}; RUNNER=${RUNNER:-pooled}
+POLICIES=${POLICIES:-softmax,length-caps,memory,softmax}; PROFILE=${PROFILE:-0}; RUNNER=${RUNNER:-pooled}
 SETTINGS=(${SETTINGS:-smollm2 7b})
 mkdir -p "$WORK/logs" "$WORK/replay"
 echo "${#SETTINGS[@]}" > "$WORK/expected"
 common="--device ${DEVICE:-cuda} --trace azure-conv --rate-scale $RATE --policies $POLICIES --max-prompt 4096"
-common+=" --slo ttft=2s,tpot=100ms --timeout $TIMEOUT --profile-steps $PROFILE --runner $RUNNER"
+common+=" --slo ttft=2s,tpot=100ms --timeout $TIMEOUT --runner $RUNNER"
 for i in "${!SETTINGS[@]}"; do
   setting=${SETTINGS[$i]}; gpu=${GPUS[$(( i % ${#GPUS[@]} ))]}
   case $setting in
@@ -48,6 +52,12 @@ for i in "${!SETTINGS[@]}"; do
   for n in $REQUESTS; do
     cmd+="python -m linearize.cli -v replay $args --requests $n $common --out $WORK/replay/$setting-$n >> $WORK/logs/$setting.log 2>&1; "
   done
+  if [ "$PROFILE" -gt 0 ]; then
+    for n in $REQUESTS; do
+      cmd+="python -m linearize.cli -v replay $args --requests $n $common --profile-steps $PROFILE --profile-from ${PROFILE_FROM:-300}"
+      cmd+=" --out $WORK/replay/$setting-$n-profile >> $WORK/logs/$setting.log 2>&1; "
+    done
+  fi
   CUDA_VISIBLE_DEVICES=$gpu setsid nohup bash -c "$cmd touch $WORK/$setting.done" < /dev/null > /dev/null 2>&1 &
   echo "started $setting on GPU $gpu"
 done

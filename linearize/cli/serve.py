@@ -110,7 +110,7 @@ def cmd_replay(args) -> int:
                 "max_prompt": max_prompt, "turns_mean": replay.turns_mean, "seed": replay.seed}  # fmt: skip
     result = run_replay(lambda policy: make_engine(model, tokenizer, levels, device, serve, policy), requests, policies,
                         rate_scale=replay.rate_scale, slo=parse_slo(replay.slo), timeout=replay.timeout, out_dir=replay.out,
-                        settings=settings, profile_steps=replay.profile_steps)  # fmt: skip
+                        settings=settings, profile_steps=replay.profile_steps, profile_from=replay.profile_from)  # fmt: skip
     print(replay_markdown(result))
     return 0
 

@@ -131,13 +131,14 @@ def _kernels() -> _Kernels:
         tl.store(out + r * V + ov, acc, mask=mv)
 
     @tuned(["K", "V"], "states")
-    @triton.jit
+    @triton.jit(do_not_specialize=["rows"])
     def dsla_kernel(
         states, qf, kf, v, decay, out,
-        n_rep, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_db, s_ds, s_dh,
-        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DV: tl.constexpr, ROWS: tl.constexpr,
+        rows, n_rep, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_db, s_ds, s_dh,
+        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DV: tl.constexpr,
         BK: tl.constexpr, BV: tl.constexpr, NORMALIZE: tl.constexpr,
     ):  # fmt: skip
+        # rows = B * H is a run-time value, not a constexpr: a new batch size compiles nothing
         r = tl.program_id(0).to(tl.int64)  # one (batch row, query head)
         iv = tl.program_id(1)
         b = r // H
@@ -150,7 +151,7 @@ def _kernels() -> _Kernels:
         acc0 = tl.zeros([BV], dtype=tl.float32)
         acc1 = tl.zeros([BV], dtype=tl.float32)
         base0 = states + r * K * V  # history
-        base1 = states + (ROWS + r) * K * V  # recent
+        base1 = states + (rows + r) * K * V  # recent
         for k0 in range(0, K, BK):
             ok = k0 + tl.arange(0, BK)
             mk = ok < K
@@ -170,7 +171,7 @@ def _kernels() -> _Kernels:
             tl.store(base1 + offs, s1, mask=m)
             acc1 += tl.sum(q[:, None] * s1, axis=0)
         tl.store(out + r * V + ov, acc0, mask=mv)
-        tl.store(out + (ROWS + r) * V + ov, acc1, mask=mv)
+        tl.store(out + (rows + r) * V + ov, acc1, mask=mv)
 
     @triton.jit
     def window_kernel(
@@ -290,9 +291,9 @@ def dsla_state_step(states: Tensor, qf: Tensor, kf: Tensor, v: Tensor, decay: Te
 
     kernel[grid](
         states, qf, kf, v, decay, out,
-        hq // hkv, qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), v.stride(0), v.stride(1),
+        b * hq, hq // hkv, qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), v.stride(0), v.stride(1),
         decay.stride(0), decay.stride(1), decay.stride(2),
-        H=hq, K=dk, V=width, DV=dv, ROWS=b * hq, NORMALIZE=normalize,
+        H=hq, K=dk, V=width, DV=dv, NORMALIZE=normalize,
     )  # fmt: skip
     return out
 

@@ -243,16 +243,18 @@ def warm_up_levels(model, levels, max_level: int | None = None, lengths: Sequenc
 
 
 PROFILE_FROM_STEP = 20
-"""The engine step a profile starts at (the first steps of a replay are prefills only)."""
+"""The engine step a profile starts at by default (the first steps of a replay are prefills only)."""
 
 
 def replay_engine(engine: Engine, requests: Sequence[ReplayRequest], *, rate_scale: float = 1.0, timeout: float | None = None,
-                  progress: bool = True, profile_steps: int = 0,
+                  progress: bool = True, profile_steps: int = 0, profile_from: int = PROFILE_FROM_STEP,
                   profile_out: Path | None = None) -> tuple[list[RequestRecord], list[dict[str, Any]]]:
     """Replay ``requests`` open loop against ``engine`` in this process; (records, timeline samples of
     memory and levels). Arrivals at ``arrival / rate_scale`` seconds after the start. With
-    ``profile_steps``, steps PROFILE_FROM_STEP.. of the replay run under torch.profiler and its
-    operator table goes to ``profile_out``."""
+    ``profile_steps``, steps ``profile_from``.. of the replay run under torch.profiler and its
+    operator table goes to ``profile_out``; the replay's clock stops while the table is written (seconds
+    of work that no request should wait for: arrivals, token times and the timeout all resume where
+    they were)."""
     if rate_scale <= 0:
         raise ValueError(f"rate_scale must be > 0, got {rate_scale}")
     records = [RequestRecord(r.arrival / rate_scale, len(r.prompt), r.output_tokens) for r in requests]
@@ -274,13 +276,15 @@ def replay_engine(engine: Engine, requests: Sequence[ReplayRequest], *, rate_sca
         if not engine.has_work():
             time.sleep(min(0.01, max(0.0, records[nxt].arrival - now)))
             continue
-        if profile_steps and steps == PROFILE_FROM_STEP:
+        if profile_steps and steps == profile_from:
             profiler = _start_profiler(engine.device)
         outputs = engine.step()
         steps += 1
-        if profiler is not None and steps == PROFILE_FROM_STEP + profile_steps:
+        if profiler is not None and steps == profile_from + profile_steps:
+            paused = time.monotonic()
             _write_profile(profiler, profile_out, steps=profile_steps)
             profiler = None
+            start += time.monotonic() - paused  # the clock stood still while the profile was written
         stamp = time.monotonic() - start
         for out in outputs:
             rec = records[ids[out.request_id]]
@@ -296,7 +300,7 @@ def replay_engine(engine: Engine, requests: Sequence[ReplayRequest], *, rate_sca
                          "mean_level": statistics.fmean([r.level for r in engine.running]) if engine.running else 0.0})
     bar.close()
     if profiler is not None:  # the replay ended first: what was profiled
-        _write_profile(profiler, profile_out, steps=steps - PROFILE_FROM_STEP)
+        _write_profile(profiler, profile_out, steps=steps - profile_from)
     for rec in records:
         if rec.finish is None:
             rec.status = "unfinished"
@@ -401,7 +405,7 @@ conversions, and optionally preemptions and mean_level, which then replace the r
 
 def run_replay(engine_factory, requests: Sequence[ReplayRequest], policies: Sequence[str], *, rate_scale: float = 1.0,
                slo: dict[str, float] | None = None, timeout: float | None = None, out_dir: str | Path | None = None,
-               settings: dict[str, Any] | None = None, profile_steps: int = 0) -> dict[str, Any]:
+               settings: dict[str, Any] | None = None, profile_steps: int = 0, profile_from: int = PROFILE_FROM_STEP) -> dict[str, Any]:
     """Replay the same requests once per policy (``engine_factory(policy) -> Engine``) in this process;
     the report (JSON-able; with ``out_dir``: report.json, report.md and plots, written atomically).
     A policy named again runs again as a control, reported as 'NAME#2', 'NAME#3', ... (e.g.
@@ -410,19 +414,46 @@ def run_replay(engine_factory, requests: Sequence[ReplayRequest], policies: Sequ
     def run(policy: str, name: str) -> Run:
         def replay() -> tuple[list[RequestRecord], list[dict[str, Any]], dict[str, Any]]:
             engine = engine_factory(policy)
-            warm_up(engine, requests[0].prompt if requests else [1])
-            profile_out = Path(out_dir) / f"profile_{_file_name(name)}.txt" if profile_steps and out_dir is not None else None
-            records, timeline = replay_engine(engine, requests, rate_scale=rate_scale, timeout=timeout, profile_steps=profile_steps,
-                                              profile_out=profile_out)  # fmt: skip
-            arena = getattr(engine.runner, "arena_bytes", None)
-            return records, timeline, {"peak_bytes": engine.peak_bytes, "budget_bytes": engine.config.kv_budget,
-                                       "conversions": engine.counters["conversions"],
-                                       "arena_bytes": arena() if arena is not None else None,
-                                       "engine_steps": step_stats(timeline)}  # fmt: skip
+            device = engine.device
+            try:
+                warm_up(engine, requests[0].prompt if requests else [1])
+                retries = _alloc_retries(device)
+                profile_out = Path(out_dir) / f"profile_{_file_name(name)}.txt" if profile_steps and out_dir is not None else None
+                records, timeline = replay_engine(engine, requests, rate_scale=rate_scale, timeout=timeout, profile_steps=profile_steps,
+                                                  profile_from=profile_from, profile_out=profile_out)  # fmt: skip
+                arena = getattr(engine.runner, "arena_bytes", None)
+                return records, timeline, {"peak_bytes": engine.peak_bytes, "budget_bytes": engine.config.kv_budget,
+                                           "conversions": engine.counters["conversions"],
+                                           "arena_bytes": arena() if arena is not None else None,
+                                           "alloc_retries": None if retries is None else _alloc_retries(device) - retries,
+                                           "engine_steps": step_stats(timeline)}  # fmt: skip
+            finally:
+                del engine
+                _release_memory(device)
         return replay
 
     return report_runs({name: run(policy, name) for name, policy in zip(run_names(policies), policies)}, n_requests=len(requests),
                        rate_scale=rate_scale, slo=slo, out_dir=out_dir, settings=settings)  # fmt: skip
+
+
+def _alloc_retries(device: torch.device) -> int | None:
+    """CUDA: how often the caching allocator has run out of free memory and retried after releasing its
+    cache (each time a device synchronisation); None elsewhere."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+
+
+def _release_memory(device: torch.device) -> None:
+    """After a policy: its engine's pools go back to the device before the next policy builds its own, so
+    every policy starts from the same free memory instead of the blocks the earlier ones left cached
+    (whether the allocator ran short during a policy is in its report: allocator retries)."""
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
 
 
 def run_names(policies: Sequence[str]) -> list[str]:
@@ -498,13 +529,14 @@ def replay_markdown(result: dict[str, Any]) -> str:
     stepped = {p: m for p, m in result["policies"].items() if m.get("engine_steps")}
     if stepped:
         lines += ["", "Engine steps (in process): time between consecutive steps' ends, with the requests running.", "",
-                  "| policy | steps | mean (ms) | p50 | p90 | p99 | mean running | pools allocated (GiB) |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+                  "| policy | steps | mean (ms) | p50 | p90 | p99 | mean running | pools allocated (GiB) | allocator retries |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
         for policy, m in stepped.items():
             st, d = m["engine_steps"], m["engine_steps"]["duration_s"]
-            arena = m.get("arena_bytes")
+            arena, retries = m.get("arena_bytes"), m.get("alloc_retries")
             lines.append(f"| {policy} | {st['steps']} | {f(d['mean'], 1e3, 1)} | {f(d['p50'], 1e3, 1)} | {f(d['p90'], 1e3, 1)} "
-                         f"| {f(d['p99'], 1e3, 1)} | {f(st['mean_running'], 1, 1)} | {f(arena / 2**30 if arena else None, 1, 2)} |")
+                         f"| {f(d['p99'], 1e3, 1)} | {f(st['mean_running'], 1, 1)} | {f(arena / 2**30 if arena else None, 1, 2)} "
+                         f"| {'' if retries is None else retries} |")
     return "\n".join(lines) + "\n"
 
 

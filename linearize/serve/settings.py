@@ -140,8 +140,14 @@ class ReplaySettings:
     slo: str | None = None
     """Service-level objectives for goodput, e.g. ttft=2s,tpot=100ms."""
     profile_steps: int = 0
-    """In process: profile this many engine steps of each policy (from its 20th step) with torch.profiler
-    and write profile_POLICY.txt (operators by self CPU and device time) beside the report."""
+    """In process: profile this many engine steps of each policy (from step profile-from) with torch.profiler
+    and write profile_POLICY.txt (operators by self CPU and device time) beside the report. The replay's
+    clock stops while a profile is written, so writing it delays no request; but the policies replayed
+    after a profile may run slower (on an H200 the repeated softmax ran 0.61x its first run): time the
+    policies in a replay without profiles."""
+    profile_from: int = 20
+    """The engine step (counted from 0) each policy's profile starts at: early steps are prefills and first
+    kernel compilations, later ones the steady state."""
     timeout: float | None = None
     """Stop a policy's replay after this many seconds (its unfinished requests count as lost)."""
     out: str | None = None
@@ -157,6 +163,8 @@ class ReplaySettings:
             raise ValueError(f"start must be >= 0, got {self.start}")
         if not isinstance(self.profile_steps, int) or self.profile_steps < 0:
             raise ValueError(f"profile-steps must be an integer >= 0, got {self.profile_steps!r}")
+        if not isinstance(self.profile_from, int) or self.profile_from < 0:
+            raise ValueError(f"profile-from must be an integer >= 0, got {self.profile_from!r}")
         if self.profile_steps and (self.url is not None or self.out is None):
             raise ValueError("profile-steps needs an in-process replay (no --url) and --out for the profiles")
         if not self.turns_mean > 0:

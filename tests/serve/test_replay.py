@@ -96,19 +96,40 @@ def test_replay_every_policy_loses_nothing(tmp_path):
     assert "Engine steps (in process)" in (tmp_path / "report.md").read_text()
 
 
-def test_replay_profiles_engine_steps_per_policy(tmp_path, monkeypatch):
-    import linearize.serve.replay as replay_module
-
-    monkeypatch.setattr(replay_module, "PROFILE_FROM_STEP", 2)
+def test_replay_profiles_engine_steps_per_policy(tmp_path):
     trace = [TraceRequest(i * 0.01, 12, 3) for i in range(4)]
     requests = augment(trace, torch.arange(3, 128), seed=0, max_prompt=100)
     result = run_replay(lambda policy: tiny_engine(policy)[1], requests, ["softmax", "static:50%", "softmax"], out_dir=tmp_path,
-                        profile_steps=3)  # fmt: skip
+                        profile_steps=3, profile_from=2)  # fmt: skip
     assert list(result["policies"]) == ["softmax", "static:50%", "softmax#2"]  # the repeat is a control run
     assert result["policies"]["softmax#2"]["completed"] == 4
     for name in ("profile_softmax.txt", "profile_static-50pct.txt", "profile_softmax-run2.txt"):
         text = (tmp_path / name).read_text()
         assert "engine steps under torch.profiler" in text and "aten::" in text
+
+
+def test_writing_a_profile_delays_no_request(tmp_path, monkeypatch):
+    """The profile's table takes seconds to build on a GPU; the replay's clock stands still meanwhile."""
+    import time
+
+    import linearize.serve.replay as replay_module
+
+    write = replay_module._write_profile
+
+    def slow_write(*args, **kwargs):
+        write(*args, **kwargs)
+        time.sleep(1.5)
+
+    monkeypatch.setattr(replay_module, "_write_profile", slow_write)
+    requests = augment([TraceRequest(i * 0.05, 12, 8) for i in range(3)], torch.arange(3, 128), seed=0, max_prompt=100)
+    out = tmp_path / "profile.txt"
+    records, timeline = replay_module.replay_engine(tiny_engine("softmax")[1], requests, profile_steps=2, profile_from=1,
+                                                    profile_out=out, progress=False)  # fmt: skip
+    assert "engine steps under torch.profiler" in out.read_text()
+    assert all(r.finish is not None and len(r.token_times) == 8 for r in records)
+    stamps = [s["t"] for s in timeline]
+    assert max(b - a for a, b in zip(stamps, stamps[1:])) < 1.0  # no step carries the 1.5 s write
+    assert max(r.finish - r.arrival for r in records) < 1.5
 
 
 @pytest.mark.slow
@@ -131,3 +152,24 @@ def test_replay_command_writes_a_report(tmp_path):
     assert set(report["policies"]) == {"softmax", "memory"}
     assert all(m["lost"] == 0 and m["completed"] == 6 for m in report["policies"].values())
     assert (tmp_path / "out" / "latency_cdf.png").exists()
+
+
+def test_each_policy_releases_its_engine_before_the_next_starts():
+    """A policy's pools must be gone before the next policy builds its own: on a GPU both at once need
+    twice the memory, and the next policy's steps would run short of it."""
+    import gc
+    import weakref
+
+    gc.collect()
+    engines = []
+
+    def factory(policy):
+        alive = [ref for ref in engines if ref() is not None]
+        assert not alive, f"{len(alive)} earlier engine(s) still alive when policy {policy} starts"
+        engine = tiny_engine(policy)[1]
+        engines.append(weakref.ref(engine))
+        return engine
+
+    requests = augment([TraceRequest(i * 0.01, 12, 3) for i in range(3)], torch.arange(3, 128), seed=0, max_prompt=100)
+    result = run_replay(factory, requests, ["softmax", "static:50%", "softmax"])
+    assert len(engines) == 3 and all(p["completed"] == 3 for p in result["policies"].values())
