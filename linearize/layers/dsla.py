@@ -160,7 +160,9 @@ class DslaAttention(ConvertedAttention):
     def decode_step(self, x, position_embeddings, slot):
         if self.mode not in self.GAMMA:
             return None
-        kernel = x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling() and not fused_decode.enabled(x)
+        pooled = isinstance(slot.decode_state, DslaDecodeState) and slot.decode_state.index is not None  # rows of a pool
+        kernel = (x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling() and not fused_decode.enabled(x)
+                  and not pooled)  # fmt: skip
         lib = cpu_kernels.library() if kernel else None
         if lib is not None:
             weights = self._kernel_weights()

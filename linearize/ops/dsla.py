@@ -189,6 +189,9 @@ class DslaDecodeState:
     values: Tensor
     width: int = -1
     """The state's columns, Dv [+ 1] (-1: all of ``states``' columns)."""
+    index: Tensor | None = None
+    """(B,) int64: ``states`` is a pool (2, N, Hq, Dk, C) and batch row b keeps its states in row
+    index[b], updated there in place (``in_pool``); None: row b is batch row b."""
     kernel_args: Any = field(default=None, repr=False)
     """What the CPU kernel (``cpu_kernels.dsla_step``) keeps between tokens: its argument block,
     scratch buffer and the weights the block points at."""
@@ -216,10 +219,21 @@ class DslaDecodeState:
             values[..., width - 1] = 1.0
         return cls(states, values, width)
 
+    @classmethod
+    def in_pool(cls, pool: Tensor, index: Tensor, kv_heads: int, width: int, normalize: bool) -> "DslaDecodeState":
+        """Batch row b's states are row index[b] of ``pool`` (2, N, Hq, Dk, C), float32, whose first
+        ``width`` = Dv [+ 1] columns are the state's and the rest zero: decoding updates them there,
+        nothing is copied."""
+        values = pool.new_zeros(index.shape[0], kv_heads, pool.shape[-1])  # (B, Hkv, C)
+        if normalize:
+            values[..., width - 1] = 1.0
+        return cls(pool, values, width, index)
+
     def canonical(self) -> DslaState:
-        if self.width == self.states.shape[-1]:
-            return DslaState(history=self.states[0], recent=self.states[1])
-        return DslaState(history=self.states[0, ..., : self.width].contiguous(), recent=self.states[1, ..., : self.width].contiguous())
+        states = self.states if self.index is None else self.states.index_select(1, self.index)
+        if self.width == states.shape[-1]:
+            return DslaState(history=states[0], recent=states[1])
+        return DslaState(history=states[0, ..., : self.width].contiguous(), recent=states[1, ..., : self.width].contiguous())
 
 
 def dsla_decode_step(
@@ -239,17 +253,21 @@ def dsla_decode_step(
     alpha), history first; ``weights`` (2,) the mix (gamma, 1 - gamma), times the scale without
     ``normalize``. The same numbers as ``dsla_attention`` on that token (its recurrent form, every
     operation once for both states: no concatenation, no repeated KV heads; tested against it)."""
-    s = state.states  # (2, B, Hq, Dk, C): Dv [+ 1] columns, then zero padding
-    _, b, hq, dk, width = s.shape
-    hkv, dv = state.values.shape[1], v.shape[-1]
+    s = state.states  # (2, B, Hq, Dk, C): Dv [+ 1] columns, then zero padding (a pool: (2, N, ...) with index)
+    _, _, hq, dk, width = s.shape
+    b, hkv, dv = v.shape[0], state.values.shape[1], v.shape[-1]
     if fused_decode.enabled(s) and s.dtype == torch.float32:  # one pass over both states
-        o = fused_decode.dsla_state_step(s, qf.reshape(b, hq, dk), kf.reshape(b, hq, dk), v.reshape(b, hkv, dv), decay, normalize)
+        o = fused_decode.dsla_state_step(s, qf.reshape(b, hq, dk), kf.reshape(b, hq, dk), v.reshape(b, hkv, dv), decay, normalize,
+                                         state.index)  # fmt: skip
         o = o.view(2, b, hq, 1, width)
     else:
+        rows = s if state.index is None else s.index_select(1, state.index)  # a pool's rows: gathered, written back below
         state.values[..., :dv] = v.view(b, hkv, dv)
         write = kf.reshape(b, hkv, hq // hkv, dk, 1) * state.values.view(b, hkv, 1, 1, width)  # (B, Hkv, n_rep, Dk, Dv [+ 1]): k v^T
-        torch.addcmul(write.view(b, hq, dk, width), decay.transpose(0, 1)[..., None], s, out=s)  # S = diag(alpha) S + k v^T, both
-        o = torch.matmul(qf.reshape(1, b, hq, 1, dk), s)  # (2, B, Hq, 1, Dv [+ 1]): both states' reads
+        torch.addcmul(write.view(b, hq, dk, width), decay.transpose(0, 1)[..., None], rows, out=rows)  # S = diag(alpha) S + k v^T, both
+        o = torch.matmul(qf.reshape(1, b, hq, 1, dk), rows)  # (2, B, Hq, 1, Dv [+ 1]): both states' reads
+        if state.index is not None:
+            s.index_copy_(1, state.index, rows)
     weights = weights.view(2, 1, 1, 1, 1)
     if normalize:  # each state's read over its normaliser, 0 where that is empty (as safe_divide)
         den = o[..., dv : dv + 1]

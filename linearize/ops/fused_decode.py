@@ -131,18 +131,23 @@ def _kernels() -> _Kernels:
         tl.store(out + r * V + ov, acc, mask=mv)
 
     @tuned(["K", "V"], "states")
-    @triton.jit(do_not_specialize=["rows"])
+    @triton.jit(do_not_specialize=["rows", "state_rows"])
     def dsla_kernel(
-        states, qf, kf, v, decay, out,
-        rows, n_rep, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_db, s_ds, s_dh,
+        states, qf, kf, v, decay, out, index,
+        rows, state_rows, n_rep, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_db, s_ds, s_dh,
         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DV: tl.constexpr,
-        BK: tl.constexpr, BV: tl.constexpr, NORMALIZE: tl.constexpr,
+        BK: tl.constexpr, BV: tl.constexpr, NORMALIZE: tl.constexpr, INDEXED: tl.constexpr,
     ):  # fmt: skip
-        # rows = B * H is a run-time value, not a constexpr: a new batch size compiles nothing
+        # rows = B * H (the batch) and state_rows (the states' rows: B * H, or a pool's slots * H) are
+        # run-time values, not constexprs: a new batch size compiles nothing
         r = tl.program_id(0).to(tl.int64)  # one (batch row, query head)
         iv = tl.program_id(1)
         b = r // H
         h = r % H
+        if INDEXED:  # batch row b keeps its states in row index[b] of a pool
+            sr = tl.load(index + b).to(tl.int64) * H + h
+        else:
+            sr = r
         ov = iv * BV + tl.arange(0, BV)
         mv = ov < V
         vv = tl.load(v + b * s_vb + (h // n_rep) * s_vh + ov, mask=ov < DV, other=0.0).to(tl.float32)
@@ -150,8 +155,8 @@ def _kernels() -> _Kernels:
             vv = tl.where(ov == DV, 1.0, vv)  # the normaliser's column
         acc0 = tl.zeros([BV], dtype=tl.float32)
         acc1 = tl.zeros([BV], dtype=tl.float32)
-        base0 = states + r * K * V  # history
-        base1 = states + (rows + r) * K * V  # recent
+        base0 = states + sr * K * V  # history
+        base1 = states + (state_rows + sr) * K * V  # recent
         for k0 in range(0, K, BK):
             ok = k0 + tl.arange(0, BK)
             mk = ok < K
@@ -266,18 +271,26 @@ def _(linear, features, values, qf, index, slot):
 
 
 @torch.library.custom_op("linearize::dsla_state_step", mutates_args=("states",))
-def dsla_state_step(states: Tensor, qf: Tensor, kf: Tensor, v: Tensor, decay: Tensor, normalize: bool) -> Tensor:
+def dsla_state_step(states: Tensor, qf: Tensor, kf: Tensor, v: Tensor, decay: Tensor, normalize: bool,
+                    index: Tensor | None = None) -> Tensor:  # fmt: skip
     """DSLA's decode step on both states, in place: ``states`` (2, B, Hq, Dk, C) float32, history
     first, become diag(alpha) S + phi(k) [v, (1), 0 ...]^T for ``kf`` (B, Hq, Dk), ``v`` (B, Hkv, Dv)
     and ``decay`` (B, 2, Hq, Dk) = alpha; returns both reads phi(q) S (2, B, Hq, C) float32 for
     ``qf`` (B, Hq, Dk). With ``normalize`` column Dv is the normaliser's (its value is 1 for every
-    token); columns past it (C > Dv [+ 1]: rows padded for aligned loads) get zeros."""
-    _, b, hq, dk, width = states.shape
-    hkv, dv = v.shape[1], v.shape[-1]
+    token); columns past it (C > Dv [+ 1]: rows padded for aligned loads) get zeros. With ``index``
+    (B,) int64, ``states`` is a pool (2, N, Hq, Dk, C) and batch row b updates its row index[b] in
+    place (the other rows are left as they are; the indices must be distinct)."""
+    _, n, hq, dk, width = states.shape
+    b, hkv, dv = v.shape[0], v.shape[1], v.shape[-1]
     _check_buffer("states", states)
     if width < dv + int(normalize):
         raise ValueError(f"states have {width} columns; v's {dv} values" + (" and the normaliser" if normalize else "") + " need "
                          f"{dv + int(normalize)}")  # fmt: skip
+    if index is None:
+        if n != b:
+            raise ValueError(f"states hold {n} rows for a batch of {b}: give the rows' index for a pool")
+    else:
+        _check("index", index, (b,), torch.int64)
     _check("qf", qf, (b, hq, dk))
     _check("kf", kf, (b, hq, dk))
     _check("v", v, (b, hkv, dv))
@@ -286,21 +299,22 @@ def dsla_state_step(states: Tensor, qf: Tensor, kf: Tensor, v: Tensor, decay: Te
         raise ValueError("qf, kf, v and decay must be contiguous in their last axis")
     out = torch.empty(2, b, hq, width, device=states.device, dtype=torch.float32)
     kernel = _kernels().dsla
+
     def grid(meta):
         return (b * hq, -(-width // meta["BV"]))
 
     kernel[grid](
-        states, qf, kf, v, decay, out,
-        b * hq, hq // hkv, qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), v.stride(0), v.stride(1),
+        states, qf, kf, v, decay, out, index if index is not None else out,
+        b * hq, n * hq, hq // hkv, qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), v.stride(0), v.stride(1),
         decay.stride(0), decay.stride(1), decay.stride(2),
-        H=hq, K=dk, V=width, DV=dv, NORMALIZE=normalize,
+        H=hq, K=dk, V=width, DV=dv, NORMALIZE=normalize, INDEXED=index is not None,
     )  # fmt: skip
     return out
 
 
 @dsla_state_step.register_fake
-def _(states, qf, kf, v, decay, normalize):
-    return states.new_empty(2, states.shape[1], states.shape[2], states.shape[4])
+def _(states, qf, kf, v, decay, normalize, index=None):
+    return states.new_empty(2, v.shape[0], states.shape[2], states.shape[4])
 
 
 @torch.library.custom_op("linearize::hybrid_window_read", mutates_args=())

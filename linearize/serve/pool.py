@@ -17,7 +17,10 @@ with the work done once per layer and group of rows:
   math attention take any length. Free slots are handed out lowest first, which keeps the span of running requests short;
 - converted layers: the kind's state with the slot on dim 0; a group's rows are gathered, advanced
   and written back with ``index_copy_``: decoding (one token per row) through the layer's per-token
-  step (``decode_step``, where the kind has one), prefill chunks through its ``attend``.
+  step (``decode_step``, where the kind has one), prefill chunks through its ``attend``. DSLA's two
+  states live in one float32 tensor (2, slots, heads, features, columns), its rows padded as its
+  decode step wants them (``ROW_ALIGN`` on CUDA), and a decode step updates each row's states where
+  they are (``DslaDecodeState.in_pool``): no gather, no write-back.
 
 The arena grows (slots or capacity doubled, one copy) when a request needs more; freed slots are
 reused without clearing (a slot's stale positions are masked; a first chunk starts from no state).
@@ -38,6 +41,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ..cache import StateCacheLayer
 from ..layers.base import ConvertedAttention, project_qkv
 from ..modeling import decoder_layers
+from ..ops.dsla import ROW_ALIGN, DslaDecodeState
+from ..ops.states import DslaState
 from .levels import LevelMemory
 from .runner import check_rows, decoder_forward, next_positions, split_rows
 
@@ -76,6 +81,8 @@ class PooledRunner:
     _keys: list = field(init=False, repr=False)
     _values: list = field(init=False, repr=False)
     _states: dict = field(init=False, repr=False)
+    _dsla: dict = field(init=False, repr=False)
+    """Layer -> the (2, slots, Hq, F, C) tensor its DslaState's history and recent are views of."""
     _free: list = field(init=False, repr=False)
     _slots: int = field(init=False, default=0)
     _capacity: int = field(init=False, default=0)
@@ -88,6 +95,7 @@ class PooledRunner:
         self._keys = [None] * len(self._layers)
         self._values = [None] * len(self._layers)
         self._states = {}
+        self._dsla = {}
         self._free = []
 
     @property
@@ -112,8 +120,8 @@ class PooledRunner:
 
     def arena_bytes(self) -> int:
         """Bytes the pools have allocated (every slot at full capacity)."""
-        tensors = [t for t in self._keys + self._values if t is not None]
-        tensors += [t for s in self._states.values() for t in s.tensors()]
+        tensors = [t for t in self._keys + self._values if t is not None] + list(self._dsla.values())
+        tensors += [t for i, s in self._states.items() if i not in self._dsla for t in s.tensors()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def _grow(self, slots: int | None = None, capacity: int | None = None) -> None:
@@ -129,7 +137,10 @@ class PooledRunner:
                     grown[: t.shape[0], :, : t.shape[2]] = t
                     pool[i] = grown
         for i, state in self._states.items():
-            self._states[i] = state._map(lambda t: torch.cat([t, t.new_zeros(new_slots - t.shape[0], *t.shape[1:])]))
+            if i in self._dsla:
+                self._states[i] = self._dsla_pool(i, state.history.shape[-1], self._dsla[i], new_slots)
+            else:
+                self._states[i] = state._map(lambda t: torch.cat([t, t.new_zeros(new_slots - t.shape[0], *t.shape[1:])]))
         for slot in range(self._slots, new_slots):
             heapq.heappush(self._free, slot)
         self._slots, self._capacity = new_slots, new_capacity
@@ -178,6 +189,14 @@ class PooledRunner:
 
     def _converted(self, attn, h: Tensor, pe: tuple[Tensor, Tensor], group: "_Group", i: int) -> Tensor:
         pool = self._states.get(i)
+        decoding = pool is not None and not group.all_fresh and group.fresh is None and h.shape[1] == 1 and attn.mode == "hybrid"
+        if decoding and i in self._dsla:  # the rows' states advanced where they are in the pool
+            rows = StateCacheLayer()
+            rows.decode_state = DslaDecodeState.in_pool(self._dsla[i], group.slots, attn.num_kv_heads, pool.history.shape[-1],
+                                                        attn.normalize)  # fmt: skip
+            o = attn.decode_step(h, pe, rows)
+            if o is not None:
+                return o
         if group.all_fresh or pool is None:
             state = None
         else:
@@ -185,7 +204,7 @@ class PooledRunner:
             if group.fresh is not None:  # rows starting now begin from an empty (zero) state
                 state = state._map(lambda x: x.index_fill_(0, group.fresh, 0))
         o = None
-        if state is not None and group.fresh is None and h.shape[1] == 1 and attn.mode == "hybrid":  # decoding: the per-token step
+        if decoding:  # the per-token step on the gathered rows
             rows = StateCacheLayer()  # the protocol decode_step advances: state in, decode state back
             rows.state = state
             o = attn.decode_step(h, pe, rows)
@@ -194,10 +213,27 @@ class PooledRunner:
             p = attn.project(h, pe)
             o, new = attn.attend(p, h, None, state, mode="hybrid")
         if pool is None:
-            pool = self._states[i] = new._map(lambda x: x.new_zeros(self._slots, *x.shape[1:]))
+            if isinstance(new, DslaState):
+                pool = self._states[i] = self._dsla_pool(i, new.history.shape[-1], new.history, self._slots)
+            else:
+                pool = self._states[i] = new._map(lambda x: x.new_zeros(self._slots, *x.shape[1:]))
         for dst, src in zip(pool.tensors(), new.tensors()):
             dst.index_copy_(0, group.slots, src.to(dst.dtype))
         return o
+
+    def _dsla_pool(self, i: int, width: int, like: Tensor, slots: int) -> DslaState:
+        """Layer i's DSLA pool for ``slots`` rows: one zeroed (2, slots, Hq, F, C) tensor (C = ``width``
+        padded to ROW_ALIGN on CUDA) holding what ``like`` held if it is the layer's earlier pool, and
+        the DslaState of views into it the generic code reads and writes."""
+        old = self._dsla.get(i)
+        if old is not None:
+            storage = old.new_zeros(2, slots, *old.shape[2:])
+            storage[:, : old.shape[1]] = old
+        else:
+            align = ROW_ALIGN if like.is_cuda else 1
+            storage = like.new_zeros(2, slots, *like.shape[1:-1], -(-width // align) * align)
+        self._dsla[i] = storage
+        return DslaState(history=storage[0, ..., :width], recent=storage[1, ..., :width])
 
     def _softmax(self, attn, h: Tensor, pe: tuple[Tensor, Tensor], group: "_Group", i: int) -> Tensor:
         q, k, v, _, _ = project_qkv(attn, h, pe)  # q (B, Hq, T, D), k/v (B, Hkv, T, D)

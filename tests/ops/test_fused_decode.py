@@ -108,6 +108,39 @@ def test_dsla_fused_steps_continue_the_chunked_op(fused, align):
         torch.testing.assert_close(ds.canonical().recent, state.recent, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch"])
+@torch.no_grad()
+def test_dsla_step_in_a_pool_updates_its_rows_in_place(fused):
+    """Batch rows decoding in rows 4, 0 and 2 of a pool of 5 (float32, rows padded from 17 to 20
+    columns): each gets what the same step gives on its gathered rows, in the pool's own memory; rows
+    1 and 3 and the padding are untouched."""
+    torch.manual_seed(3)
+    n, b, hq, hkv, d, width = 5, 3, 4, 2, 16, 17
+    pool = torch.zeros(2, n, hq, d, 20, device=DEVICE)
+    pool[..., :width] = torch.rand(2, n, hq, d, width, device=DEVICE)
+    index = torch.tensor([4, 0, 2], device=DEVICE)
+    before = pool.clone()
+    qf, kf = torch.rand(b, hq, d, device=DEVICE), torch.rand(b, hq, d, device=DEVICE)
+    v, decay = torch.randn(b, hkv, 1, d, device=DEVICE), torch.rand(b, 2, hq, d, device=DEVICE)
+    weights = torch.tensor([0.3, 0.7], device=DEVICE)
+    gathered = DslaDecodeState(before[:, index].contiguous(), torch.zeros(b, hkv, 20, device=DEVICE), width)
+    gathered.values[..., d] = 1.0
+    in_pool = DslaDecodeState.in_pool(pool, index, hkv, width, normalize=True)
+    address = pool.data_ptr()
+    with fused_decode.use_fused(fused):
+        want = dsla_decode_step(gathered, qf, kf, v, decay, weights, normalize=True)
+        got = dsla_decode_step(in_pool, qf, kf, v, decay, weights, normalize=True)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert pool.data_ptr() == address and in_pool.states is pool
+    torch.testing.assert_close(pool[:, index], gathered.states, atol=1e-6, rtol=1e-6)
+    assert torch.equal(pool[:, [1, 3]], before[:, [1, 3]]) and not pool[..., width:].any()
+    torch.testing.assert_close(in_pool.canonical().history, gathered.canonical().history)
+    with pytest.raises(ValueError, match="states hold 5 rows for a batch of 3"):
+        fused_decode.dsla_state_step(pool, qf, kf, v.view(b, hkv, d), decay, True)
+    with pytest.raises(ValueError, match="index must be torch.int64"):
+        fused_decode.dsla_state_step(pool, qf, kf, v.view(b, hkv, d), decay, True, index.int())
+
+
 def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match="align must be a positive number of columns, got 0"):
         DslaDecodeState.from_state(dsla_attention(*(torch.rand(1, 2, 3, 4) for _ in range(5)), torch.tensor(0.5))[1], 2, True, align=0)

@@ -6,6 +6,8 @@ import torch
 
 from linearize.convert import convert
 from linearize.hub import build_tiny_llama
+from linearize.ops import fused_decode
+from linearize.ops.dsla import DslaDecodeState
 from linearize.serve.engine import Engine, EngineConfig
 from linearize.serve.levels import LevelMemory
 from linearize.serve.policy import parse_policy
@@ -40,15 +42,26 @@ def run_both(model, levels, prompts, level_of, steps, gen, *, pooled=None):
     return worst, rs, ps, pool
 
 
-def test_pooled_equals_reference_across_levels_chunks_and_growth():
+@pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused"])
+def test_pooled_equals_reference_across_levels_chunks_and_growth(fused, monkeypatch):
+    """Also: DSLA's decode steps run on the rows where they are in the pool (the fused state kernel
+    under Triton's interpreter on CPU, or the torch step)."""
     model, levels = family()
     gen = torch.Generator().manual_seed(0)
     level_of = [0, 2, 3, 1, 0, 3]  # more rows than the first arena's slots
     lengths = [9, 4, 13, MIN_CAPACITY + 40, 1, 7]  # one prompt past the first capacity
     prompts = [torch.randint(3, 128, (n,), generator=gen) for n in lengths]
     assert len(level_of) > MIN_SLOTS
-    worst, rs, ps, pool = run_both(model, levels, prompts, level_of, 6, gen)
+    in_pool = DslaDecodeState.in_pool.__func__
+    calls = []
+    monkeypatch.setattr(DslaDecodeState, "in_pool", classmethod(lambda cls, *a, **k: calls.append(1) or in_pool(cls, *a, **k)))
+    if fused and not fused_decode.triton_available():
+        pytest.skip("needs Triton (the test extra installs it)")
+    with fused_decode.use_fused(fused):
+        worst, rs, ps, pool = run_both(model, levels, prompts, level_of, 6, gen)
     assert worst < 1e-5
+    assert len(calls) == 6 * 3  # every decode step, in each of the three DSLA layers
+    assert sorted(pool._dsla) == sorted(ORDER) and all(t.shape[1] == pool._slots for t in pool._dsla.values())
     assert [p.position for p in ps] == [r.position for r in rs] == [n + 6 for n in lengths]
     assert [p.nbytes() for p in ps] == [r.nbytes() for r in rs]
     assert [p.nbytes_by_kind() for p in ps] == [r.nbytes_by_kind() for r in rs]
