@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # DSLA-Serve's experiment: the Azure conversation trace replayed under every policy, in two settings
-# at once (one GPU each), softmax replayed again last as a control for the order of the runs.
+# (one GPU each, or one after the other where settings share a GPU), softmax replayed again last as a
+# control for the order of the runs.
 #
 #   GPUS="0 1" bash scripts/serving_study.sh WORK_DIR              # start both (detached), return
 #   bash scripts/serving_study.sh --pack WORK_DIR OUT_DIR [WAIT_S]   # wait for both (up to WAIT_S), pack
@@ -40,6 +41,7 @@ mkdir -p "$WORK/logs" "$WORK/replay"
 echo "${#SETTINGS[@]}" > "$WORK/expected"
 common="--device ${DEVICE:-cuda} --trace azure-conv --rate-scale $RATE --policies $POLICIES --max-prompt 4096"
 common+=" --slo ttft=2s,tpot=100ms --timeout $TIMEOUT --runner $RUNNER"
+declare -A chain  # GPU -> the commands of the settings it runs, one after another (one GPU: all in turn)
 for i in "${!SETTINGS[@]}"; do
   setting=${SETTINGS[$i]}; gpu=${GPUS[$(( i % ${#GPUS[@]} ))]}
   case $setting in
@@ -58,6 +60,9 @@ for i in "${!SETTINGS[@]}"; do
       cmd+=" --out $WORK/replay/$setting-$n-profile >> $WORK/logs/$setting.log 2>&1; "
     done
   fi
-  CUDA_VISIBLE_DEVICES=$gpu setsid nohup bash -c "$cmd touch $WORK/$setting.done" < /dev/null > /dev/null 2>&1 &
-  echo "started $setting on GPU $gpu"
+  chain[$gpu]+="$cmd touch $WORK/$setting.done; "
+  echo "$setting on GPU $gpu"
+done
+for gpu in "${!chain[@]}"; do
+  CUDA_VISIBLE_DEVICES=$gpu setsid nohup bash -c "${chain[$gpu]}" < /dev/null > /dev/null 2>&1 &
 done
