@@ -371,8 +371,12 @@ def hybrid_prefill(
     qf = token_major_features(phi_q, q_feat, 1, q.new_empty(b, t, hq, feats))  # (B, T, Hq, F)
     kf = q.new_empty(b, w + t, hq, feats)  # (B, L, Hq, F)
     token_major_features(phi_k, k_feat, n_rep, kf[:, w:])
-    token_major_features(phi_k, w_feat.to(k_feat.dtype), n_rep, kf[:, :w])
-    kf[:, :w].mul_(ws.valid[:, :, None, None].to(kf.dtype))  # empty slots enter no sum
+    fresh = state is None  # a first call: its window is known to be empty, which saves it a dozen launches
+    if fresh:
+        kf[:, :w].zero_()
+    else:
+        token_major_features(phi_k, w_feat.to(k_feat.dtype), n_rep, kf[:, :w])
+        kf[:, :w].mul_(ws.valid[:, :, None, None].to(kf.dtype))  # empty slots enter no sum
 
     # Denominator prefix per block of BM queries: z0 + the earlier blocks' phi(k), in float32.
     blocks, full = cdiv(t, BM), t // BM
@@ -408,7 +412,7 @@ def hybrid_prefill(
         num, new_kv = _fla_numerator(qf, kf[:, :t], v_old.view(b, t, hq, dv), None if lin is None else lin.kv)  # (B, T, Hq, Dv)
         hs = q.new_empty(b, hq, 1, feats, dv)  # unread
 
-    empty = (w - ws.valid.sum(dim=1)).to(torch.int32)  # (B,)
+    empty = torch.full((b,), w, device=q.device, dtype=torch.int32) if fresh else (w - ws.valid.sum(dim=1)).to(torch.int32)  # (B,)
     out = torch.empty(b, t, hq, dv, device=q.device, dtype=v.dtype)
     _kernels().window_mix[(blocks, b * hq)](
         q, ws.keys, k, ws.values, v, qf, kf, hs, num, zpre, empty, factor.float().contiguous(), out,
@@ -419,19 +423,31 @@ def hybrid_prefill(
         EPS=EMPTY_DENOMINATOR, IEEE=q.dtype == torch.float32, STATES=numerator == "kernel",
     )  # fmt: skip
 
-    seen = ws.positions.amax(dim=1) + 1  # (B,) real tokens before this call
-    new_pos = seen[:, None] + torch.arange(t, device=q.device)  # (B, T)
+    if fresh and t >= w:  # the window is the call's last W tokens: copies, no concatenation
+        def last_tokens(new: Tensor) -> Tensor:
+            return torch.empty(*new.shape[:2], w, new.shape[3], device=q.device, dtype=torch.float32).copy_(new[:, :, t - w :])
 
-    def last_window(old: Tensor, new: Tensor) -> Tensor:  # the last W of the extended tokens, float32
-        return torch.cat([old[:, :, head:], new[:, :, t - head :].float()], dim=2)
+        new_window = WindowState(
+            keys=last_tokens(k),
+            values=last_tokens(v),
+            valid=torch.ones(b, w, device=q.device, dtype=torch.bool),
+            positions=torch.arange(t - w, t, device=q.device).expand(b, w).contiguous(),
+            linear_keys=last_tokens(k_lin) if separate else None,
+        )
+    else:
+        seen = ws.positions.amax(dim=1) + 1  # (B,) real tokens before this call
+        new_pos = seen[:, None] + torch.arange(t, device=q.device)  # (B, T)
 
-    new_window = WindowState(
-        keys=last_window(ws.keys, k),
-        values=last_window(ws.values, v),
-        valid=torch.cat([ws.valid[:, head:], ws.valid.new_ones(b, head)], dim=1),
-        positions=torch.cat([ws.positions[:, head:], new_pos[:, t - head :]], dim=1),
-        linear_keys=last_window(ws.linear_keys, k_lin) if separate else None,
-    )
+        def last_window(old: Tensor, new: Tensor) -> Tensor:  # the last W of the extended tokens, float32
+            return torch.cat([old[:, :, head:], new[:, :, t - head :].float()], dim=2)
+
+        new_window = WindowState(
+            keys=last_window(ws.keys, k),
+            values=last_window(ws.values, v),
+            valid=torch.cat([ws.valid[:, head:], ws.valid.new_ones(b, head)], dim=1),
+            positions=torch.cat([ws.positions[:, head:], new_pos[:, t - head :]], dim=1),
+            linear_keys=last_window(ws.linear_keys, k_lin) if separate else None,
+        )
     return out.transpose(1, 2), HybridState(window=new_window, linear=LinearState(kv=new_kv, k_sum=z_final))
 
 
