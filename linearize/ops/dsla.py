@@ -207,33 +207,41 @@ class DslaDecodeState:
         """The decode form of ``state``, its rows padded to a multiple of ``align`` columns
         (default: ``ROW_ALIGN`` on CUDA, none elsewhere: the CPU kernel takes unpadded rows)."""
         width = state.history.shape[-1]
-        align = (ROW_ALIGN if state.history.is_cuda else 1) if align is None else align
-        if align < 1:
-            raise ValueError(f"align must be a positive number of columns, got {align}")
-        columns = -(-width // align) * align
-        states = state.history.new_zeros(2, *state.history.shape[:-1], columns)  # (2, B, Hq, Dk, C)
+        states = state.history.new_zeros(2, *state.history.shape[:-1], padded_columns(width, state.history, align))  # (2, B, Hq, Dk, C)
         states[0, ..., :width] = state.history
         states[1, ..., :width] = state.recent
-        values = states.new_zeros(states.shape[1], kv_heads, columns)  # (B, Hkv, C)
-        if normalize:
-            values[..., width - 1] = 1.0
-        return cls(states, values, width)
+        return cls(states, _value_rows(states, states.shape[1], kv_heads, width, normalize), width)
 
     @classmethod
     def in_pool(cls, pool: Tensor, index: Tensor, kv_heads: int, width: int, normalize: bool) -> "DslaDecodeState":
         """Batch row b's states are row index[b] of ``pool`` (2, N, Hq, Dk, C), float32, whose first
         ``width`` = Dv [+ 1] columns are the state's and the rest zero: decoding updates them there,
         nothing is copied."""
-        values = pool.new_zeros(index.shape[0], kv_heads, pool.shape[-1])  # (B, Hkv, C)
-        if normalize:
-            values[..., width - 1] = 1.0
-        return cls(pool, values, width, index)
+        return cls(pool, _value_rows(pool, index.shape[0], kv_heads, width, normalize), width, index)
 
     def canonical(self) -> DslaState:
         states = self.states if self.index is None else self.states.index_select(1, self.index)
         if self.width == states.shape[-1]:
             return DslaState(history=states[0], recent=states[1])
         return DslaState(history=states[0, ..., : self.width].contiguous(), recent=states[1, ..., : self.width].contiguous())
+
+
+def padded_columns(width: int, like: Tensor, align: int | None = None) -> int:
+    """``width`` state columns rounded up to a multiple of ``align`` (default: ``ROW_ALIGN`` for a
+    CUDA ``like``, 1 elsewhere): the row length of a decode state's tensor."""
+    align = (ROW_ALIGN if like.is_cuda else 1) if align is None else align
+    if align < 1:
+        raise ValueError(f"align must be a positive number of columns, got {align}")
+    return -(-width // align) * align
+
+
+def _value_rows(states: Tensor, batch: int, kv_heads: int, width: int, normalize: bool) -> Tensor:
+    """The (B, Hkv, C) buffer a decode step writes each token's values into, the normaliser's column
+    (``width`` - 1, with ``normalize``) set to 1 once."""
+    values = states.new_zeros(batch, kv_heads, states.shape[-1])
+    if normalize:
+        values[..., width - 1] = 1.0
+    return values
 
 
 def dsla_decode_step(

@@ -371,7 +371,7 @@ def hybrid_prefill(
     qf = token_major_features(phi_q, q_feat, 1, q.new_empty(b, t, hq, feats))  # (B, T, Hq, F)
     kf = q.new_empty(b, w + t, hq, feats)  # (B, L, Hq, F)
     token_major_features(phi_k, k_feat, n_rep, kf[:, w:])
-    fresh = state is None  # a first call: its window is known to be empty, which saves it a dozen launches
+    fresh = state is None  # a first call: its window is known to be empty (no features, no masking, no sums)
     if fresh:
         kf[:, :w].zero_()
     else:
@@ -423,20 +423,21 @@ def hybrid_prefill(
         EPS=EMPTY_DENOMINATOR, IEEE=q.dtype == torch.float32, STATES=numerator == "kernel",
     )  # fmt: skip
 
-    if fresh and t >= w:  # the window is the call's last W tokens: copies, no concatenation
+    seen = None if fresh else ws.positions.amax(dim=1, keepdim=True) + 1  # (B, 1) real tokens before this call
+    if t >= w:  # the new window is the call's last W tokens: copies, no concatenation
         def last_tokens(new: Tensor) -> Tensor:
             return torch.empty(*new.shape[:2], w, new.shape[3], device=q.device, dtype=torch.float32).copy_(new[:, :, t - w :])
 
+        positions = torch.arange(t - w, t, device=q.device)
         new_window = WindowState(
             keys=last_tokens(k),
             values=last_tokens(v),
             valid=torch.ones(b, w, device=q.device, dtype=torch.bool),
-            positions=torch.arange(t - w, t, device=q.device).expand(b, w).contiguous(),
+            positions=positions.expand(b, w).contiguous() if fresh else seen + positions,
             linear_keys=last_tokens(k_lin) if separate else None,
         )
-    else:
-        seen = ws.positions.amax(dim=1) + 1  # (B,) real tokens before this call
-        new_pos = seen[:, None] + torch.arange(t, device=q.device)  # (B, T)
+    else:  # the state's last W - T slots, then the call's tokens
+        new_pos = (0 if fresh else seen) + torch.arange(t, device=q.device)  # (B or 1, T)
 
         def last_window(old: Tensor, new: Tensor) -> Tensor:  # the last W of the extended tokens, float32
             return torch.cat([old[:, :, head:], new[:, :, t - head :].float()], dim=2)
@@ -445,7 +446,7 @@ def hybrid_prefill(
             keys=last_window(ws.keys, k),
             values=last_window(ws.values, v),
             valid=torch.cat([ws.valid[:, head:], ws.valid.new_ones(b, head)], dim=1),
-            positions=torch.cat([ws.positions[:, head:], new_pos[:, t - head :]], dim=1),
+            positions=torch.cat([ws.positions[:, head:], new_pos.expand(b, t)[:, t - head :]], dim=1),
             linear_keys=last_window(ws.linear_keys, k_lin) if separate else None,
         )
     return out.transpose(1, 2), HybridState(window=new_window, linear=LinearState(kv=new_kv, k_sum=z_final))

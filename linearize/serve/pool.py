@@ -19,7 +19,7 @@ with the work done once per layer and group of rows:
   and written back with ``index_copy_``: decoding (one token per row) through the layer's per-token
   step (``decode_step``, where the kind has one), prefill chunks through its ``attend``. DSLA's two
   states live in one float32 tensor (2, slots, heads, features, columns), its rows padded as its
-  decode step wants them (``ROW_ALIGN`` on CUDA), and a decode step updates each row's states where
+  decode step wants them (``ops.dsla.ROW_ALIGN`` on CUDA), and a decode step updates each row's states where
   they are (``DslaDecodeState.in_pool``): no gather, no write-back.
 
 The arena grows (slots or capacity doubled, one copy) when a request needs more; freed slots are
@@ -41,7 +41,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ..cache import StateCacheLayer
 from ..layers.base import ConvertedAttention, project_qkv
 from ..modeling import decoder_layers
-from ..ops.dsla import ROW_ALIGN, DslaDecodeState
+from ..ops.dsla import DslaDecodeState, padded_columns
 from ..ops.states import DslaState
 from .levels import LevelMemory
 from .runner import check_rows, decoder_forward, next_positions, split_rows
@@ -138,7 +138,7 @@ class PooledRunner:
                     pool[i] = grown
         for i, state in self._states.items():
             if i in self._dsla:
-                self._states[i] = self._dsla_pool(i, state.history.shape[-1], self._dsla[i], new_slots)
+                self._states[i] = self._dsla_pool(i, new_slots)
             else:
                 self._states[i] = state._map(lambda t: torch.cat([t, t.new_zeros(new_slots - t.shape[0], *t.shape[1:])]))
         for slot in range(self._slots, new_slots):
@@ -214,24 +214,26 @@ class PooledRunner:
             o, new = attn.attend(p, h, None, state, mode="hybrid")
         if pool is None:
             if isinstance(new, DslaState):
-                pool = self._states[i] = self._dsla_pool(i, new.history.shape[-1], new.history, self._slots)
+                pool = self._states[i] = self._dsla_pool(i, self._slots, new)
             else:
                 pool = self._states[i] = new._map(lambda x: x.new_zeros(self._slots, *x.shape[1:]))
         for dst, src in zip(pool.tensors(), new.tensors()):
             dst.index_copy_(0, group.slots, src.to(dst.dtype))
         return o
 
-    def _dsla_pool(self, i: int, width: int, like: Tensor, slots: int) -> DslaState:
-        """Layer i's DSLA pool for ``slots`` rows: one zeroed (2, slots, Hq, F, C) tensor (C = ``width``
-        padded to ROW_ALIGN on CUDA) holding what ``like`` held if it is the layer's earlier pool, and
-        the DslaState of views into it the generic code reads and writes."""
+    def _dsla_pool(self, i: int, slots: int, like: DslaState | None = None) -> DslaState:
+        """Layer i's DSLA pool for ``slots`` rows: one zeroed (2, slots, Hq, F, C) tensor, its rows
+        padded as the decode step wants them (``padded_columns``), shaped like the state ``like`` for a
+        new pool, holding the layer's earlier pool otherwise; returns the DslaState of views into it
+        that the generic code reads and writes."""
         old = self._dsla.get(i)
-        if old is not None:
+        if old is None:
+            width = like.history.shape[-1]
+            storage = like.history.new_zeros(2, slots, *like.history.shape[1:-1], padded_columns(width, like.history))
+        else:
+            width = self._states[i].history.shape[-1]
             storage = old.new_zeros(2, slots, *old.shape[2:])
             storage[:, : old.shape[1]] = old
-        else:
-            align = ROW_ALIGN if like.is_cuda else 1
-            storage = like.new_zeros(2, slots, *like.shape[1:-1], -(-width // align) * align)
         self._dsla[i] = storage
         return DslaState(history=storage[0, ..., :width], recent=storage[1, ..., :width])
 
