@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..cache import cache_argument, fast_decoding, state_layer
+from ..ops.feature_maps import hedgehog_pair
 from ..ops.rope import apply_rope
 from ..ops.softmax import sinks_attention, zero_attention
 from ..ops.states import BatchState, KVState
@@ -379,9 +380,9 @@ def token_features(module: nn.Module, phi_q: nn.Module, phi_k: nn.Module, q: Ten
     """The feature maps of one token: ``phi_q(q)`` and ``phi_k(repeat_kv(k))`` as (B, Hq, F) each, for
     q (B, Hq, 1, D) and k (B, Hkv, 1, D) (k's features for every query head of its KV head).
 
-    Two learned Hedgehog maps run as one batched projection and one softmax over both, from
-    weights stacked once (``derived``) and k's grouped view (no repeated copy of its heads); any
-    other maps are called as they are."""
+    Two learned Hedgehog maps run as one batched projection and one softmax over both
+    (``hedgehog_pair``), from weights stacked once (``derived``) and k's grouped view (no repeated
+    copy of its heads); any other maps are called as they are."""
     from .feature_map import HedgehogFeatureMap
 
     b, hq, _, d = q.shape
@@ -395,10 +396,7 @@ def token_features(module: nn.Module, phi_q: nn.Module, phi_k: nn.Module, q: Ten
                            lambda: _hedgehog_weights(phi_q, phi_k, q.dtype))  # fmt: skip
     if weight.dtype != q.dtype:
         weight, bias = weight.to(q.dtype), bias.to(q.dtype)
-    x = torch.cat((q.reshape(b, hkv, n_rep, d), k.reshape(b, hkv, 1, d).expand(b, hkv, n_rep, d)), dim=1)  # (B, 2 Hkv, n_rep, D)
-    proj = torch.baddbmm(bias, x.view(b, 2 * hq, d).transpose(0, 1), weight)  # (2 Hq, B, f): q heads, then k per q head
-    feats = torch.stack((proj, -proj), dim=-2).softmax(dim=-1).view(2 * hq, b, -1).transpose(0, 1)  # (B, 2 Hq, 2f)
-    return feats[:, :hq], feats[:, hq:]
+    return hedgehog_pair(q.reshape(b, hq, d), k.reshape(b, hkv, d), weight, bias)
 
 
 def expect_state(state: BatchState | None, kind: type, module: ConvertedAttention):

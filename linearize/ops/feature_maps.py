@@ -23,6 +23,20 @@ def hedgehog(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
     return torch.stack((proj, -proj), dim=-2).softmax(dim=-1).flatten(-2)  # [softmax(p), softmax(-p)]
 
 
+def hedgehog_pair(q: Tensor, k: Tensor, weight: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+    """The q and k Hedgehog maps of one token, as a decode step reads them: q (B, Hq, D) and k (B, Hkv, D)
+    (grouped heads: k's features for every query head of its KV head), ``weight`` (2 Hq, D, f) and
+    ``bias`` (2 Hq, 1, f) the two maps stacked, queries' first -> (phi_q(q), phi_k(k)) as (B, Hq, 2f)
+    each: one batched projection and one softmax over both maps, no repeated copy of k's heads."""
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    n_rep = hq // hkv
+    x = torch.cat((q.reshape(b, hkv, n_rep, d), k.reshape(b, hkv, 1, d).expand(b, hkv, n_rep, d)), dim=1)  # (B, 2 Hkv, n_rep, D)
+    proj = torch.baddbmm(bias, x.view(b, 2 * hq, d).transpose(0, 1), weight)  # (2 Hq, B, f): q heads, then k per q head
+    feats = torch.stack((proj, -proj), dim=-2).softmax(dim=-1).view(2 * hq, b, -1).transpose(0, 1)  # (B, 2 Hq, 2f)
+    return feats[:, :hq], feats[:, hq:]
+
+
 def hedgehog_reference(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
     """The same map as a plain float32 loop over heads and tokens (the specification)."""
     b, h, t, _ = x.shape

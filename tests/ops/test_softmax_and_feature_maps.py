@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from linearize.ops.feature_maps import FIXED_FEATURE_MAPS, hedgehog, hedgehog_reference
+from linearize.ops.feature_maps import FIXED_FEATURE_MAPS, hedgehog, hedgehog_pair, hedgehog_reference
 from linearize.ops.softmax import (
     sinks_attention,
     sinks_attention_reference,
@@ -179,3 +179,17 @@ def test_references_equal_brute_force(n_sinks):
     else:
         ref = sinks_attention_reference(q, k, v, n_sinks=n_sinks, valid=valid)
     torch.testing.assert_close(ref, brute_force_softmax(q, k, v, valid, n_sinks))
+
+
+def test_hedgehog_pair_equals_the_reference_map():
+    """``hedgehog_pair`` (both maps as one batched projection, k's heads grouped) equals the plain
+    float32 loop of each map, k's features once per query head of its KV head."""
+    torch.manual_seed(3)
+    b, hq, hkv, d, f = 2, 6, 2, 8, 5
+    weight, bias = torch.randn(2 * hq, d, f), torch.randn(2 * hq, 1, f)
+    q, k = torch.randn(b, hq, d), torch.randn(b, hkv, d)
+    qf, kf = hedgehog_pair(q, k, weight, bias)
+    want_q = hedgehog_reference(q[:, :, None], weight[:hq], bias[:hq, 0])[:, :, 0]
+    want_k = hedgehog_reference(k.repeat_interleave(hq // hkv, dim=1)[:, :, None], weight[hq:], bias[hq:, 0])[:, :, 0]
+    torch.testing.assert_close(qf, want_q, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(kf, want_k, atol=1e-6, rtol=1e-5)
