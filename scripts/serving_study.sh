@@ -12,7 +12,8 @@
 #            --max-running 40 (its pools: 40 slots x 4,096 tokens x 512 KiB = 80 GiB)
 #   tiny     random:tiny on DEVICE=cpu: checks the script in seconds
 # Environment: DEVICE (cuda)  REQUESTS ("40 100": one replay per count, in turn)  RATE (8)  TIMEOUT (150 s per policy)
-#   POLICIES (softmax,length-caps,memory,softmax)
+#   POLICIES (softmax,length-caps,memory,softmax)  REPEATS (1; N: the policy list replayed N times in turn, the report's
+#   "Across runs" table gives each policy's mean and range over its runs)
 #   PROFILE (0; N > 0: after the timed replays, one more replay of the same requests, in its own process, with N
 #   engine steps of each policy under torch.profiler, to replay/SETTING-N-profile; its timings are not the result:
 #   in a profiled replay on an H200 the repeated softmax ran 0.61x its first run)  PROFILE_FROM (300: the first
@@ -35,7 +36,7 @@ if [ "${1:-}" = --pack ]; then
 fi
 WORK=${1:?usage: GPUS="0 1" serving_study.sh WORK_DIR}
 GPUS=(${GPUS:-0}); REQUESTS=${REQUESTS:-"40 100"}; RATE=${RATE:-8}; TIMEOUT=${TIMEOUT:-150}
-POLICIES=${POLICIES:-softmax,length-caps,memory,softmax}; PROFILE=${PROFILE:-0}; RUNNER=${RUNNER:-pooled}
+POLICIES=${POLICIES:-softmax,length-caps,memory,softmax}; PROFILE=${PROFILE:-0}; RUNNER=${RUNNER:-pooled}; REPEATS=${REPEATS:-1}
 SETTINGS=(${SETTINGS:-smollm2 7b})
 mkdir -p "$WORK/logs" "$WORK/replay"
 echo "${#SETTINGS[@]}" > "$WORK/expected"
@@ -52,7 +53,7 @@ for i in "${!SETTINGS[@]}"; do
   esac
   cmd=""
   for n in $REQUESTS; do
-    cmd+="python -m linearize.cli -v replay $args --requests $n $common --out $WORK/replay/$setting-$n >> $WORK/logs/$setting.log 2>&1; "
+    cmd+="python -m linearize.cli -v replay $args --requests $n $common --repeats $REPEATS --out $WORK/replay/$setting-$n >> $WORK/logs/$setting.log 2>&1; "
   done
   if [ "$PROFILE" -gt 0 ]; then
     for n in $REQUESTS; do

@@ -101,8 +101,8 @@ def cmd_replay(args) -> int:
         print(replay_markdown(result))
         return 0
     model, tokenizer, levels, device = load_family(serve)
-    policies = replay.policy_list()
-    for policy in policies:  # fail on a bad name before replaying anything
+    policies = replay.run_list()
+    for policy in replay.policy_list():  # fail on a bad name before replaying anything
         make_engine(model, tokenizer, levels, device, serve, policy)
     max_positions = getattr(model.config, "max_position_embeddings", replay.max_prompt)
     requests, max_prompt = replay_requests(trace, replay, tokenizer, serve.model, max_positions)

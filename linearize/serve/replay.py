@@ -409,7 +409,8 @@ def run_replay(engine_factory, requests: Sequence[ReplayRequest], policies: Sequ
     """Replay the same requests once per policy (``engine_factory(policy) -> Engine``) in this process;
     the report (JSON-able; with ``out_dir``: report.json, report.md and plots, written atomically).
     A policy named again runs again as a control, reported as 'NAME#2', 'NAME#3', ... (e.g.
-    softmax,length-caps,memory,softmax: whether the order of the runs moved the numbers)."""
+    softmax,length-caps,memory,softmax: whether the order of the runs moved the numbers); where a
+    policy ran more than once the report adds its runs together (``across_runs``)."""
 
     def run(policy: str, name: str) -> Run:
         def replay() -> tuple[list[RequestRecord], list[dict[str, Any]], dict[str, Any]]:
@@ -486,9 +487,53 @@ def report_runs(runs: dict[str, Run], *, n_requests: int, rate_scale: float, slo
         for summary in result["policies"].values():
             mean = summary["normalized_latency_s"]["mean"]
             summary["speedup_vs_softmax"] = base["normalized_latency_s"]["mean"] / mean if mean else None
+    across = across_runs(result["policies"])
+    if across:
+        result["across_runs"] = across
     if out_dir is not None:
         _write(result, raw, Path(out_dir), plots=True)
     return result
+
+
+def base_policy(name: str) -> str:
+    """The policy a report name stands for: 'softmax#2' -> 'softmax' (``run_names``' suffix removed)."""
+    head, sep, tail = name.rpartition("#")
+    return head if sep and tail.isdigit() else name
+
+
+def across_runs(policies: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each policy's runs together, where some policy ran more than once: the mean over its runs of
+    each run's mean normalised latency, their lowest and highest, the mean p99 and TTFT, requests
+    lost in all runs, and against softmax's runs: the ratio of the means and whether the two ranges
+    are apart (every run of one policy faster than every run of the other: ``apart_from_softmax``,
+    None unless both ran at least twice). {} when every policy ran once."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for name, summary in policies.items():
+        groups.setdefault(base_policy(name), []).append(summary)
+    if all(len(runs) < 2 for runs in groups.values()):
+        return {}
+
+    def mean(values: list[float]) -> float | None:
+        return sum(values) / len(values) if values else None
+
+    def of(runs: list[dict[str, Any]], metric: str, stat: str) -> list[float]:
+        return [m[metric][stat] for m in runs if m[metric][stat] is not None]
+
+    out: dict[str, dict[str, Any]] = {}
+    for policy, runs in groups.items():
+        means = of(runs, "normalized_latency_s", "mean")
+        out[policy] = {"runs": len(runs), "normalized_latency_mean_s": mean(means), "normalized_latency_min_s": min(means, default=None),
+                       "normalized_latency_max_s": max(means, default=None), "p99_mean_s": mean(of(runs, "normalized_latency_s", "p99")),
+                       "ttft_mean_s": mean(of(runs, "ttft_s", "mean")), "lost": sum(m["lost"] for m in runs)}  # fmt: skip
+    base = out.get("softmax")
+    for policy, entry in out.items():
+        ours = entry["normalized_latency_mean_s"]
+        ok = base is not None and ours and base["normalized_latency_mean_s"]
+        entry["speedup_vs_softmax"] = base["normalized_latency_mean_s"] / ours if ok else None
+        both = ok and policy != "softmax" and entry["runs"] > 1 and base["runs"] > 1
+        entry["apart_from_softmax"] = (entry["normalized_latency_max_s"] < base["normalized_latency_min_s"]
+                                       or entry["normalized_latency_min_s"] > base["normalized_latency_max_s"]) if both else None  # fmt: skip
+    return out
 
 
 def _write(result: dict[str, Any], raw: dict[str, Any], out: Path, *, plots: bool) -> None:
@@ -526,6 +571,18 @@ def replay_markdown(result: dict[str, Any]) -> str:
             f"| {m['preemptions']} | {m['conversions']} | {f(m['mean_level'], 1, 1)} "
             f"| {peak(m)} |"
         )
+    across = result.get("across_runs")
+    if across:
+        lines += ["", "Across runs: each policy's runs together (mean of the runs' mean normalised latencies; range: the fastest and the "
+                      "slowest run). 'apart' means every run of the policy was faster (or every one slower) than every softmax run; "
+                      "'within the spread' that the ranges overlap, so this replay does not rank the two.", "",
+                  "| policy | runs | mean normalised latency (ms/token) | range | vs softmax | p99 (mean of runs) | TTFT mean (s) | lost | "
+                  "against softmax |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+        for policy, a in across.items():
+            apart = {True: "apart", False: "within the spread", None: ""}[a["apart_from_softmax"]]
+            lines.append(f"| {policy} | {a['runs']} | {f(a['normalized_latency_mean_s'], 1e3)} | {f(a['normalized_latency_min_s'], 1e3)}"
+                         f"-{f(a['normalized_latency_max_s'], 1e3)} | {f(a['speedup_vs_softmax'])}x | {f(a['p99_mean_s'], 1e3)} "
+                         f"| {f(a['ttft_mean_s'])} | {a['lost']} | {apart} |")
     stepped = {p: m for p, m in result["policies"].items() if m.get("engine_steps")}
     if stepped:
         lines += ["", "Engine steps (in process): time between consecutive steps' ends, with the requests running.", "",

@@ -123,6 +123,11 @@ class ReplaySettings:
     with --url: the server's one policy, named by its /metrics)."""
     url: str | None = None
     """Replay against a running server (http://HOST:PORT) through /v1/completions instead of an engine in this process."""
+    repeats: int = 1
+    """In process: replay the policy list this many times in turn (softmax,memory with 2: softmax, memory, softmax#2,
+    memory#2). The report adds each policy's mean over its runs and their range, and says which policies stand apart
+    from softmax by more than the run-to-run spread (one open-loop replay that queues requests can move by 30% between
+    runs of the same policy)."""
     rate_scale: float = 1.0
     """Arrival times are divided by this (2 = twice the trace's rate)."""
     start: int = 0
@@ -165,6 +170,10 @@ class ReplaySettings:
             raise ValueError(f"profile-steps must be an integer >= 0, got {self.profile_steps!r}")
         if not isinstance(self.profile_from, int) or self.profile_from < 0:
             raise ValueError(f"profile-from must be an integer >= 0, got {self.profile_from!r}")
+        if not isinstance(self.repeats, int) or self.repeats < 1:
+            raise ValueError(f"repeats must be an integer >= 1, got {self.repeats!r}")
+        if self.repeats > 1 and self.url is not None:
+            raise ValueError(f"repeats {self.repeats}: repeated runs are in process only (no --url); replay the server again instead")
         if self.profile_steps and (self.url is not None or self.out is None):
             raise ValueError("profile-steps needs an in-process replay (no --url) and --out for the profiles")
         if not self.turns_mean > 0:
@@ -180,6 +189,10 @@ class ReplaySettings:
     def policy_list(self) -> list[str]:
         """The policies to replay (in process: the default four unless given)."""
         return [p.strip() for p in (self.policies or DEFAULT_POLICIES).split(",") if p.strip()]
+
+    def run_list(self) -> list[str]:
+        """The policies in the order they run: the list, ``repeats`` times."""
+        return self.policy_list() * self.repeats
 
     def trace_path(self) -> Path:
         from ..data import TRACES

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from linearize.data import TRACES
-from linearize.serve.replay import RequestRecord, TraceRequest, augment, load_trace, parse_slo, run_replay, summarize
+from linearize.serve.replay import (RequestRecord, TraceRequest, across_runs, augment, base_policy, load_trace, parse_slo, run_replay,
+                                    summarize)
+from linearize.serve.settings import ReplaySettings
 
 from .test_api import tiny_engine
 
@@ -173,3 +175,41 @@ def test_each_policy_releases_its_engine_before_the_next_starts():
     requests = augment([TraceRequest(i * 0.01, 12, 3) for i in range(3)], torch.arange(3, 128), seed=0, max_prompt=100)
     result = run_replay(factory, requests, ["softmax", "static:50%", "softmax"])
     assert len(engines) == 3 and all(p["completed"] == 3 for p in result["policies"].values())
+
+
+def _summary(mean: float, p99: float | None = None, lost: int = 0) -> dict:
+    return {"normalized_latency_s": {"mean": mean, "p99": p99 or 2 * mean}, "ttft_s": {"mean": 10 * mean}, "lost": lost}
+
+
+def test_runs_of_a_policy_are_reported_together():
+    """Means, ranges and the ratio over each policy's runs; a policy is apart from softmax only when
+    every run of it is faster (or slower) than every softmax run."""
+    policies = {"softmax": _summary(0.20), "memory": _summary(0.10), "length-caps": _summary(0.22), "static:25%": _summary(0.5),
+                "softmax#2": _summary(0.25), "memory#2": _summary(0.12, lost=1), "length-caps#2": _summary(0.30)}  # fmt: skip
+    across = across_runs(policies)
+    assert list(across) == ["softmax", "memory", "length-caps", "static:25%"]
+    assert across["softmax"]["runs"] == 2 and across["softmax"]["normalized_latency_mean_s"] == pytest.approx(0.225)
+    memory = across["memory"]
+    assert (memory["normalized_latency_min_s"], memory["normalized_latency_max_s"], memory["lost"]) == (0.10, 0.12, 1)
+    assert memory["speedup_vs_softmax"] == pytest.approx(0.225 / 0.11) and memory["apart_from_softmax"] is True
+    assert across["length-caps"]["apart_from_softmax"] is False  # 0.22-0.30 overlaps softmax's 0.20-0.25
+    assert across["static:25%"]["runs"] == 1 and across["static:25%"]["apart_from_softmax"] is None  # one run: no range
+    assert across["softmax"]["apart_from_softmax"] is None
+    assert across_runs({"softmax": _summary(0.2), "memory": _summary(0.1)}) == {}  # every policy once: nothing to add
+    assert (base_policy("softmax#12"), base_policy("static:25%"), base_policy("a#b")) == ("softmax", "static:25%", "a#b")
+
+
+def test_repeats_replay_the_policy_list_in_turn(tmp_path):
+    settings = ReplaySettings(policies="softmax,memory", repeats=2)
+    assert settings.run_list() == ["softmax", "memory", "softmax", "memory"]
+    requests = augment([TraceRequest(i * 0.02, 14, 3) for i in range(4)], torch.arange(3, 128), seed=0, max_prompt=100)
+    result = run_replay(lambda policy: tiny_engine(policy)[1], requests, settings.run_list(), out_dir=tmp_path)
+    assert list(result["policies"]) == ["softmax", "memory", "softmax#2", "memory#2"]
+    assert {p: a["runs"] for p, a in result["across_runs"].items()} == {"softmax": 2, "memory": 2}
+    assert result["across_runs"]["memory"]["apart_from_softmax"] in (True, False)
+    assert "Across runs" in (tmp_path / "report.md").read_text()
+    assert json.loads((tmp_path / "report.json").read_text())["across_runs"]["softmax"]["lost"] == 0
+    with pytest.raises(ValueError, match="repeats must be an integer >= 1, got 0"):
+        ReplaySettings(repeats=0)
+    with pytest.raises(ValueError, match="repeated runs are in process only"):
+        ReplaySettings(url="http://localhost:8000", repeats=2)
