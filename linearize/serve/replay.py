@@ -513,18 +513,15 @@ def across_runs(policies: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]
     if all(len(runs) < 2 for runs in groups.values()):
         return {}
 
-    def mean(values: list[float]) -> float | None:
-        return sum(values) / len(values) if values else None
-
     def of(runs: list[dict[str, Any]], metric: str, stat: str) -> list[float]:
         return [m[metric][stat] for m in runs if m[metric][stat] is not None]
 
     out: dict[str, dict[str, Any]] = {}
     for policy, runs in groups.items():
         means = of(runs, "normalized_latency_s", "mean")
-        out[policy] = {"runs": len(runs), "normalized_latency_mean_s": mean(means), "normalized_latency_min_s": min(means, default=None),
-                       "normalized_latency_max_s": max(means, default=None), "p99_mean_s": mean(of(runs, "normalized_latency_s", "p99")),
-                       "ttft_mean_s": mean(of(runs, "ttft_s", "mean")), "lost": sum(m["lost"] for m in runs)}  # fmt: skip
+        out[policy] = {"runs": len(runs), "normalized_latency_mean_s": _stats(means)["mean"], "normalized_latency_min_s": min(means, default=None),
+                       "normalized_latency_max_s": max(means, default=None), "p99_mean_s": _stats(of(runs, "normalized_latency_s", "p99"))["mean"],
+                       "ttft_mean_s": _stats(of(runs, "ttft_s", "mean"))["mean"], "lost": sum(m["lost"] for m in runs)}  # fmt: skip
     base = out.get("softmax")
     for policy, entry in out.items():
         ours = entry["normalized_latency_mean_s"]
