@@ -45,7 +45,7 @@ from .cache import StateCacheLayer, cache_kwargs, state_layer
 from .checks import check_int
 from .layers.base import FUSED_QKV, ConvertedAttention, project_qkv
 from .modeling import decoder_layers
-from .ops.states import BatchState
+from .ops.states import BatchState, DecodeClock
 from .runtime import check_length
 
 logger = logging.getLogger(__name__)
@@ -138,6 +138,7 @@ class StaticDecoder:
         self.position = torch.zeros(batch_size, dtype=torch.long, device=self.device)  # (B,) each row's position (RoPE)
         self.slot = torch.zeros(1, dtype=torch.long, device=self.device)  # the buffer slot the step writes (all rows)
         self.slots = torch.arange(max_length, device=self.device)
+        self.clock = DecodeClock(self.device)  # the tokens decoded since the prefill, read by the layers' static states
         self.padding = torch.zeros(batch_size, max_length, dtype=torch.bool, device=self.device)  # (B, L) prompt padding
         self.logits = torch.zeros(batch_size, model.config.vocab_size, device=self.device)
         """(B, vocab) float32: the logits the last token came from (prefill's or the last step's)."""
@@ -172,6 +173,7 @@ class StaticDecoder:
         repeat = self.batch_size if ids.shape[0] == 1 and self.batch_size > 1 else 1
         dtype = self.model.dtype
         self.memory = []
+        self.clock.reset()
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             if _softmax_layer(attn):
@@ -185,7 +187,7 @@ class StaticDecoder:
                 prefilled = state_layer(cache, i)
                 state = prefilled.state
                 mem.store(state.select([0] * repeat) if repeat > 1 else state, t)
-                if not attn.static_decoding(mem, self.batch_size, self.device, dtype):
+                if not attn.static_decoding(mem, self.batch_size, self.device, dtype, clock=self.clock):
                     raise ValueError(f"layer {i} ({attn.spec.attention}) has no static decode step in mode {attn.mode!r}")
                 mem = StaticSlot(mem.decode_state)
             self.memory.append(mem)
@@ -221,6 +223,7 @@ class StaticDecoder:
         self.token.copy_(logits.argmax(dim=-1, keepdim=True))
         self.position.add_(1)
         self.slot.add_(1)
+        self.clock.advance()
 
     @torch.inference_mode()
     def step(self) -> Tensor:

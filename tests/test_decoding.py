@@ -10,6 +10,7 @@ from linearize.layers import dsla as dsla_layers
 from linearize.ops import cpu_kernels, fused_decode, fused_prefill
 from linearize.ops.hybrid import HybridDecodeState, hybrid_attention, hybrid_decode_step
 from linearize.ops.lola import LolaDecodeState, lola_attention, lola_decode_step
+from linearize.ops.states import DecodeClock
 
 from .test_model import VARIANTS, convert, tiny
 
@@ -44,6 +45,9 @@ def test_static_decoding_matches_full_forward(name, rows):
     torch.testing.assert_close(torch.stack(logits, dim=1), full, atol=2e-5, rtol=2e-5)
     assert torch.equal(torch.stack(tokens, dim=1), full.argmax(dim=-1))
     assert decoder.length == 16
+    hybrid = [m.decode_state for m in decoder.memory if isinstance(getattr(m, "decode_state", None), HybridDecodeState)]
+    assert all(s.clock is decoder.clock and s.count is None for s in hybrid)  # the hybrid layers count on the decoder's clock
+    assert decoder.clock.now() == 9
 
 
 @pytest.mark.skipif(not fused_decode.triton_available(), reason="needs Triton (the test extra installs it)")
@@ -81,8 +85,8 @@ def test_fused_decode_kernels_match_full_forward(name, monkeypatch):
     assert fused_prefills == model.config.num_hidden_layers  # every layer's prefill took its fused form
 
 
-@pytest.mark.parametrize("name,fused", [("hybrid-nope", False), ("dsla-partial", False), ("hybrid-joint", True)],
-                         ids=["hybrid-nope", "dsla-partial", "hybrid-joint-fused"])
+@pytest.mark.parametrize("name,fused", [("hybrid-nope", False), ("dsla-partial", False), ("hybrid-joint", True), ("lola-nope-sinks-weight", False)],
+                         ids=["hybrid-nope", "dsla-partial", "hybrid-joint-fused", "lola"])
 @torch.no_grad()
 def test_compiled_step_equals_the_eager_step(name, fused):
     """torch.compile'd steps (one compilation: nothing in the step changes a Python value) give the
@@ -236,37 +240,107 @@ def test_static_hybrid_step_equals_the_host_ring_step(mix):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 
+@torch.no_grad()
+def test_states_on_one_clock_equal_the_host_ring_step():
+    """Two layers' static states on one shared clock (made after the clock already counted 3): each
+    step derives the ring index from the clock and writes no counter of its own; outputs and states
+    equal the host form's, and both states read the same index tensors."""
+    torch.manual_seed(1)
+    b, hq, hkv, d, w = 2, 4, 2, 8, 4
+    phi = torch.nn.functional.softplus
+    clock = DecodeClock()
+    for _ in range(3):
+        clock.advance()
+    hosts, clocked = [], []
+    for _ in range(2):  # two layers, the same prefill length
+        q, k, v = torch.randn(b, hq, 3, d), torch.randn(b, hkv, 3, d), torch.randn(b, hkv, 3, d)
+        _, state = hybrid_attention(q, k, v, phi_q=phi, phi_k=phi, window=w, mix="joint")
+        hosts.append(HybridDecodeState.from_state(state, phi, hq))
+        clocked.append(HybridDecodeState.from_state(state, phi, hq).make_static(clock))
+    assert clocked[0].index is clocked[1].index and clocked[0].clock_start is clocked[1].clock_start
+    assert clocked[0].count is None and int(clocked[0].index) == hosts[0].head
+    for _ in range(9):
+        for host, static in zip(hosts, clocked):
+            q, k, v = torch.randn(b, hq, 1, d), torch.randn(b, hkv, 1, d), torch.randn(b, hkv, 1, d)
+            qf, kf = phi(q)[:, :, 0], phi(k.repeat_interleave(hq // hkv, dim=1))[:, :, 0]
+            outs = [hybrid_decode_step(s, q, k, v, qf, kf, mix="joint") for s in (host, static)]
+            torch.testing.assert_close(outs[1], outs[0], atol=1e-6, rtol=1e-6)
+        clock.advance()
+    for host, static in zip(hosts, clocked):
+        assert static.decoded() == host.steps == 9 and int(static.ring_index()) == host.head
+        assert int(static.index) == (host.head - 9) % w  # never written: the ring index comes from the clock
+        for got, want in zip(static.canonical().tensors(), host.canonical().tensors()):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_a_clock_on_another_device_is_refused():
+    phi = torch.nn.functional.softplus
+    _, state = hybrid_attention(*(torch.randn(1, 2, 2, 4) for _ in range(3)), phi_q=phi, phi_k=phi, window=4, mix="joint")
+    with pytest.raises(ValueError, match="the clock is on meta"):
+        HybridDecodeState.from_state(state, phi, 2).make_static(DecodeClock("meta"))
+
+
+LOLA_STEPS = {  # name: (prompt tokens, sparse slots, sinks, read_state, read_sparse, weight_tokens)
+    "full": (9, 4, 1, True, True, 3),  # past the window and the cache's capacity from the start
+    "filling": (2, 4, 0, True, True, 0),  # the window and the cache fill during the steps
+    "empty": (0, 3, 2, True, True, 2),  # from no token at all, two sinks
+    "no-cache": (5, 0, 0, True, True, 0),  # lambda 0: the hybrid
+    "no-state": (9, 4, 1, False, True, 0),
+    "no-sparse": (9, 4, 1, True, False, 0),
+}
+
+
+@pytest.mark.parametrize("case", list(LOLA_STEPS))
 @pytest.mark.parametrize("linear", [False, True], ids=["rope-maps", "separate-maps"])
 @torch.no_grad()
-def test_lola_decode_step_equals_the_op_on_one_token(linear):
+def test_lola_decode_step_equals_the_op_on_one_token(linear, case):
     """lola_decode_step (state updated in place, constants on the device) gives lola_attention's
-    outputs and states token by token, with per-head weights, sinks and a length-scaled weight,
-    from a prefilled state past the window and the sparse cache's capacity."""
+    outputs and states token by token, with per-head weights, sinks and a length-scaled weight, from
+    prefilled states full, filling and empty, with and without a sparse cache, in every read."""
     torch.manual_seed(0)
-    b, hq, hkv, d, w, lam = 2, 4, 2, 8, 3, 4
+    t0, lam, sinks, read_state, read_sparse, weight_tokens = LOLA_STEPS[case]
+    b, hq, hkv, d, w = 2, 4, 2, 8, 3
     phi = torch.nn.functional.softplus
     factor = torch.rand(hq)
-    kw = dict(phi_q=phi, phi_k=phi, window=w, sparse=lam, window_factor=factor, sinks=1, linear_weight=[0.2, 0.5, 1.0, 0.0],
-              weight_tokens=3)
+    options = dict(window_factor=factor, sinks=sinks, linear_weight=[0.2, 0.5, 1.0, 0.0], weight_tokens=weight_tokens,
+                   read_state=read_state, read_sparse=read_sparse)  # fmt: skip
+    kw = dict(phi_q=phi, phi_k=phi, window=w, sparse=lam, **options)
 
     def inputs(t):
         q, k, v = torch.randn(b, hq, t, d), torch.randn(b, hkv, t, d), torch.randn(b, hkv, t, d)
         return (q, k, v, {"q_lin": torch.randn(b, hq, t, d), "k_lin": torch.randn(b, hkv, t, d)} if linear else {})
 
-    q, k, v, lin = inputs(9)
+    q, k, v, lin = inputs(t0)
     _, state = lola_attention(q, k, v, chunk=3, **kw, **lin)
-    ds = LolaDecodeState.from_state(state, phi_q=phi, phi_k=phi, window_factor=factor, scale=d**-0.5, dtype=torch.float32,
-                                    sinks=1, linear_weight=[0.2, 0.5, 1.0, 0.0], weight_tokens=3)  # fmt: skip
-    tensors = [t.data_ptr() for t in ds.state.tensors()]
-    for _ in range(7):
+    ds = LolaDecodeState.from_state(state, phi_q=phi, phi_k=phi, scale=d**-0.5, dtype=torch.float32, **options)
+    tensors = {name: t.data_ptr() for name, t in vars(ds).items() if isinstance(t, torch.Tensor)}
+    for _ in range(11):
         q, k, v, lin = inputs(1)
         want, state = lola_attention(q, k, v, chunk=1, state=state, **kw, **lin)
-        torch.testing.assert_close(lola_decode_step(ds, q, k, v, **lin), want, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(lola_decode_step(ds, q, k, v, **lin), want, atol=1e-5, rtol=1e-5)
     for got, ref in zip(ds.canonical().tensors(), state.tensors()):
-        torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-6)
-    assert [t.data_ptr() for t in ds.state.tensors()] == tensors  # updated in place
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert {name: t.data_ptr() for name, t in vars(ds).items() if isinstance(t, torch.Tensor)} == tensors  # updated in place
     with pytest.raises(ValueError, match="separate feature-map keys"):
         lola_decode_step(ds, q, k, v, **({} if linear else {"q_lin": q, "k_lin": k}))
+
+
+@torch.no_grad()
+def test_lola_decode_step_breaks_ties_as_the_op():
+    """Equal self-recall errors (every key and value the same): the newest candidate is the one not
+    kept, as in the chunked op's stable sort, so the cache keeps the oldest tokens."""
+    b, hq, hkv, d, w, lam = 1, 2, 1, 4, 2, 3
+    phi = torch.nn.functional.softplus
+    factor = torch.ones(hq)
+    kw = dict(phi_q=phi, phi_k=phi, window=w, sparse=lam, window_factor=factor)
+    one = torch.ones(b, hkv, 1, d)
+    _, state = lola_attention(torch.ones(b, hq, 1, d), one, one, chunk=1, **kw)
+    ds = LolaDecodeState.from_state(state, phi_q=phi, phi_k=phi, window_factor=factor, scale=d**-0.5, dtype=torch.float32)
+    for _ in range(8):
+        want, state = lola_attention(torch.ones(b, hq, 1, d), one, one, chunk=1, state=state, **kw)
+        torch.testing.assert_close(lola_decode_step(ds, torch.ones(b, hq, 1, d), one, one), want)
+    got = ds.canonical()
+    assert torch.equal(got.sparse.positions, state.sparse.positions) and got.sparse.positions[0, 0].tolist() == [0, 1, 2]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

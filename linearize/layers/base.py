@@ -264,19 +264,21 @@ class ConvertedAttention(nn.Module):
         """Whether ``static_decoding`` applies to this layer in its current mode."""
         return False
 
-    def static_decoding(self, slot, batch: int, device, dtype) -> bool:
+    def static_decoding(self, slot, batch: int, device, dtype, clock=None) -> bool:
         """Put ``slot``'s state (``batch`` rows) in the decode form ``decode_step`` updates in place
         with no host reads (every index a device tensor, no shape that changes with the step), so
         that a whole decode step can be captured once in a CUDA graph and replayed; False where this
-        kind or mode has no such form (``has_static_decoding``; nothing is changed then)."""
+        kind or mode has no such form (``has_static_decoding``; nothing is changed then). ``clock``
+        (an ``ops.states.DecodeClock`` its owner advances once per step): kinds that count tokens
+        read it instead of counting their own."""
         if not self.has_static_decoding():
             return False
-        slot.advance(self.static_decode_state(slot, batch, device, dtype), 0)
+        slot.advance(self.static_decode_state(slot, batch, device, dtype, clock), 0)
         return True
 
-    def static_decode_state(self, slot, batch: int, device, dtype):
+    def static_decode_state(self, slot, batch: int, device, dtype, clock=None):
         """The static decode form of ``slot``'s state (empty when it has none), for kinds with
-        ``has_static_decoding``."""
+        ``has_static_decoding``; ``clock`` as in ``static_decoding``."""
         raise NotImplementedError(f"attention {self.spec.attention!r} has no static decode state")
 
     # --- forward -----------------------------------------------------------------------------

@@ -187,7 +187,7 @@ class DslaAttention(ConvertedAttention):
     def has_static_decoding(self) -> bool:
         return self.mode in self.GAMMA
 
-    def static_decode_state(self, slot, batch: int, device, dtype) -> DslaDecodeState:
+    def static_decode_state(self, slot, batch: int, device, dtype, clock=None) -> DslaDecodeState:
         return self._decode_state(slot, batch, device, dtype)  # already updated in place, no host reads
 
     def _decode_state(self, slot, b: int, device, dtype) -> DslaDecodeState:

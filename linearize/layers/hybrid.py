@@ -173,8 +173,8 @@ class HybridAttention(WindowedLinearAttention):
     def has_static_decoding(self) -> bool:
         return self.BRANCHES.get(self.mode) is not None and self.window_dropout is None
 
-    def static_decode_state(self, slot, batch: int, device, dtype) -> HybridDecodeState:
-        return self._decode_state(slot, batch, device, dtype).make_static()
+    def static_decode_state(self, slot, batch: int, device, dtype, clock=None) -> HybridDecodeState:
+        return self._decode_state(slot, batch, device, dtype).make_static(clock)
 
     def _decode_state(self, slot, b: int, device, dtype) -> HybridDecodeState:
         """The slot's decode state, made from its state (empty before any token) before the first token."""

@@ -66,7 +66,7 @@ class LolaAttention(WindowedLinearAttention):
     def has_static_decoding(self) -> bool:
         return self.mode in self.READS
 
-    def static_decode_state(self, slot, batch: int, device, dtype) -> LolaDecodeState:
+    def static_decode_state(self, slot, batch: int, device, dtype, clock=None) -> LolaDecodeState:
         state = expect_state(slot.state, LolaState, self)
         o = self.options
         if state is None:  # nothing prefilled: the empty memory

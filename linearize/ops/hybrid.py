@@ -39,7 +39,7 @@ from . import fused_decode, fused_prefill
 from .common import EMPTY_DENOMINATOR, FeatureFn, accumulation_dtype, default_valid, gather_tokens, gqa_groups, repeat_kv, safe_divide
 from .linear_attn import linear_attention_numden
 from .naive import hybrid_attention_reference  # noqa: F401 (the specification)
-from .states import HybridState, LinearState, WindowState
+from .states import DecodeClock, HybridState, LinearState, WindowState
 
 MIXES = ("joint", "gate")
 BRANCHES = ("both", "window", "linear")
@@ -415,7 +415,12 @@ class HybridDecodeState:
     graph; None: the host's ``head``."""
     count: Tensor | None = None
     """Static form: the tokens decoded since ``make_static`` (0-dim, on the device; the host's
-    ``steps`` stops there)."""
+    ``steps`` stops there). None with a ``clock``."""
+    clock: DecodeClock | None = None
+    """Static form with a shared clock (``make_static(clock)``): ``index`` stays the ring index at
+    ``make_static`` and ``clock_start`` the clock's count then; the step derives the ring index from
+    the clock and writes no counter of its own (the clock's owner advances it once per step)."""
+    clock_start: Tensor | None = None
     kernel_args: Any = field(default=None, repr=False)
     """What the CPU kernel (``cpu_kernels.hybrid_step``) keeps between tokens: its argument block,
     scratch buffer and the weights the block points at."""
@@ -448,22 +453,43 @@ class HybridDecodeState:
             full=bool(ws.valid.all()),
         )  # fmt: skip
 
-    def make_static(self) -> "HybridDecodeState":
+    def make_static(self, clock: DecodeClock | None = None) -> "HybridDecodeState":
         """Switch to the static form: the ring index and the token count live on the device and every
         step masks the empty slots (no host read of ``valid``), so a step replayed from a CUDA graph
-        misses nothing; ``canonical`` reads the count back."""
+        misses nothing; ``canonical`` reads the count back. With ``clock`` (on this state's device)
+        the count is the clock's since now: the steps read it and write no counter."""
         if self.index is None:
-            self.index = torch.tensor(self.head, dtype=torch.long, device=self.keys.device)
-            self.count = torch.zeros((), dtype=torch.long, device=self.keys.device)
+            if clock is None:
+                self.index = torch.tensor(self.head, dtype=torch.long, device=self.keys.device)
+                self.count = torch.zeros((), dtype=torch.long, device=self.keys.device)
+            else:
+                if clock.count.device != self.keys.device:
+                    raise ValueError(f"the clock is on {clock.count.device}; the state on {self.keys.device}")
+                self.index, self.clock, self.clock_start = clock.constant(self.head), clock, clock.constant(clock.now())
             self.full = False
         return self
+
+    def ring_index(self) -> Tensor | None:
+        """Static form: the ring index of the oldest slot (the one the next token takes), (1,) on
+        the device; None in the host form (``head``)."""
+        if self.index is None:
+            return None
+        if self.clock is None:
+            return self.index.view(1)
+        return (self.index + self.clock.count - self.clock_start).remainder(self.keys.shape[1]).view(1)
+
+    def decoded(self) -> int:
+        """Tokens decoded in the static form (read on the host); 0 in the host form."""
+        if self.clock is not None:
+            return self.clock.now() - int(self.clock_start)
+        return 0 if self.count is None else int(self.count)
 
     def canonical(self) -> HybridState:
         """The HybridState this stands for (window oldest first, right-aligned)."""
         bk, w, d = self.keys.shape
         b = self.valid.shape[0]
         hkv, dv = bk // b, self.values.shape[-1] - 1
-        steps = self.steps + (0 if self.count is None else int(self.count))  # static form: the device counts
+        steps = self.steps + self.decoded()  # static form: the device counts
         head = (self.start + steps) % w
         valid, positions = self.valid.clone(), self.positions.clone()
         if steps:
@@ -524,11 +550,12 @@ def hybrid_decode_step(
         qf = qf.to(dt)
     lin = None
     fused = fused_decode.enabled(state.linear) and state.linear.dtype == torch.float32
+    ring = state.ring_index()  # (1,) on the device in the static form
     if fused:
         # The leaving token joins [S | z] and the query reads it, in one pass over the state.
-        lin = fused_decode.hybrid_linear_step(state.linear, state.features, state.values, qf, state.index,
-                                              state.head if state.index is None else 0).view(b, hq, dv + 1)  # fmt: skip
-    if state.index is None:
+        lin = fused_decode.hybrid_linear_step(state.linear, state.features, state.values, qf, ring,
+                                              state.head if ring is None else 0).view(b, hq, dv + 1)  # fmt: skip
+    if ring is None:
         i = state.head
         # The oldest slot leaves the window: its features (zero for an empty slot) join [S | z].
         if lin is None:
@@ -545,7 +572,7 @@ def hybrid_decode_step(
         state.features[:, i] = kf.reshape(bk, -1)
         state.steps += 1
     else:  # the same with the ring index on the device (static form)
-        i = state.index.view(1)
+        i = ring
         if lin is None:
             state.linear.view(bk, -1, dv + 1).baddbmm_(state.features.index_select(1, i).transpose(1, 2), state.values.index_select(1, i))
         state.keys.index_copy_(1, i, k.reshape(bk, 1, d).to(dt))
@@ -556,8 +583,9 @@ def hybrid_decode_step(
         # Slot i holds a token from now on; a whole-tensor update (index_fill_ on this bool tensor fails torch.compile at batch 1).
         state.valid.copy_(state.valid | (torch.arange(w, device=i.device) == i))
         state.features.index_copy_(1, i, kf.reshape(bk, 1, -1).to(dt))
-        state.index.add_(1).remainder_(w)
-        state.count.add_(1)  # the host's ``steps`` stays
+        if state.clock is None:  # (with a clock, its owner counts)
+            state.index.add_(1).remainder_(w)
+            state.count.add_(1)  # the host's ``steps`` stays
 
     if fused and branches == "both" and not overlap:  # the window's read and the mix, one kernel
         if mix == "joint":

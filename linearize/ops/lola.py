@@ -348,47 +348,184 @@ def _lola_chunk(
 
 @dataclass
 class LolaDecodeState:
-    """A ``LolaState`` decoded token by token in place: each step writes the new memory into the same
-    tensors (a copy of the state it was made from, which is never changed), so nothing is allocated
-    from step to step and a step can be captured once as a CUDA graph. ``context`` holds the per-call
-    constants (window factor, linear weights) already on the device: a step reads nothing on the host."""
+    """A ``LolaState`` in the form per-token decoding updates in place, with no sort, no
+    concatenation and no copy of the memory per token: each step writes one window slot, at most one
+    sparse-cache slot and one rank-1 update of the linear state, so nothing is allocated from step to
+    step and no host value changes (a step can be captured once as a CUDA graph).
 
-    state: LolaState
+    - The window is a ring: ring index ``index`` (a device tensor) holds its oldest slot, the one
+      the next token takes.
+    - The sparse cache is unordered: a token that leaves the window takes the slot of the candidate
+      it displaces; ``cache_positions`` says where each entry came from (``canonical`` sorts).
+    - The linear state is kept as [S | z] (``linear``), so one matmul reads a numerator and its
+      denominator together; ``held`` counts the tokens written into it (for ``weight_tokens``).
+
+    ``context`` holds the per-call constants (window factor, linear weights) already on the
+    device. ``canonical()`` gives the equivalent ``LolaState`` (the chunked op's layout)."""
+
+    keys: Tensor  # (B, Hkv, eta, D) ring order
+    values: Tensor  # (B, Hkv, eta, Dv)
+    linear_keys: Tensor | None  # (B, Hkv, eta, D) or None
+    valid: Tensor  # (B, eta)
+    positions: Tensor  # (B, eta), -1 at empty slots
+    index: Tensor  # () ring index of the oldest window slot
+    next_position: Tensor  # (B,) the position of the next token
+    cache_keys: Tensor  # (B, Hq, lambda, D), unordered
+    cache_values: Tensor  # (B, Hq, lambda, Dv)
+    cache_linear_keys: Tensor | None  # (B, Hq, lambda, D) or None
+    cache_valid: Tensor  # (B, Hq, lambda)
+    cache_positions: Tensor  # (B, Hq, lambda), -1 at empty slots
+    linear: Tensor  # (B, Hq, F, Dv + 1): [S | z]
+    held: Tensor  # (B, Hq) tokens written into the linear state
     context: _ChunkContext
 
     @classmethod
     def from_state(cls, state: LolaState, *, phi_q: FeatureFn, phi_k: FeatureFn, window_factor: Tensor, scale: float,
                    dtype: torch.dtype, read_state: bool = True, read_sparse: bool = True, sinks: int = 0,
                    linear_weight: float | Sequence[float] | Tensor = 1.0, weight_tokens: int = 0) -> "LolaDecodeState":
-        """The decode form of ``state`` for ``lola_attention``'s arguments of the same names (checked
-        once here; ``dtype``: the inputs' dtype, in which the feature maps run)."""
+        """The decode form of ``state`` (copies: ``state`` is left untouched) for ``lola_attention``'s
+        arguments of the same names (checked once here; ``dtype``: the inputs' dtype, in which the
+        feature maps run)."""
         hq, hkv = state.sparse.keys.shape[1], state.window.keys.shape[1]
         weights = _check_options(heads=hq, window=state.window.keys.shape[2], sparse=state.sparse.keys.shape[2], chunk=1,
                                  window_factor=window_factor, sinks=sinks, linear_weight=linear_weight, weight_tokens=weight_tokens)  # fmt: skip
         context = _ChunkContext.on(state.linear.kv.device, phi_q, phi_k, window_factor, scale, hq // hkv, dtype, read_state, read_sparse,
                                    sinks, weights, weight_tokens)  # fmt: skip
-        return cls(state.clone(), context)
+        win, cache = state.window, state.sparse
+
+        def copy(x: Tensor | None) -> Tensor | None:
+            return None if x is None else x.clone()
+
+        return cls(
+            keys=copy(win.keys), values=copy(win.values), linear_keys=copy(win.linear_keys), valid=copy(win.valid),
+            positions=copy(win.positions), index=torch.zeros((), dtype=torch.long, device=win.keys.device),
+            next_position=win.positions[:, -1] + 1,  # the newest token sits in the last slot (-1 + 1 = 0 when empty)
+            cache_keys=copy(cache.keys), cache_values=copy(cache.values), cache_linear_keys=copy(cache.linear_keys),
+            cache_valid=copy(cache.valid), cache_positions=copy(cache.positions),
+            linear=torch.cat([state.linear.kv, state.linear.k_sum[..., None]], dim=-1), held=state_tokens(state), context=context,
+        )  # fmt: skip
 
     def canonical(self) -> LolaState:
-        return self.state.clone()
+        """The LolaState this stands for: the window oldest first, right-aligned; the sparse cache in
+        position order with its empty slots last."""
+        head = int(self.index)
+
+        def ring(x: Tensor | None, dim: int) -> Tensor | None:
+            return None if x is None else x.roll(-head, dims=dim)
+
+        order = torch.sort(torch.where(self.cache_valid, self.cache_positions, torch.iinfo(torch.long).max), dim=-1, stable=True).indices
+
+        def sort(x: Tensor | None) -> Tensor | None:  # (B, Hq, L, X) in position order
+            return None if x is None else x.gather(2, order.unsqueeze(-1).expand(-1, -1, -1, x.shape[-1]))
+
+        dv = self.linear.shape[-1] - 1
+        return LolaState(
+            window=WindowState(keys=ring(self.keys, 2), values=ring(self.values, 2), valid=ring(self.valid, 1),
+                               positions=ring(self.positions, 1), linear_keys=ring(self.linear_keys, 2)),
+            sparse=SparseCacheState(keys=sort(self.cache_keys), values=sort(self.cache_values), valid=self.cache_valid.gather(-1, order),
+                                    positions=self.cache_positions.gather(-1, order), linear_keys=sort(self.cache_linear_keys)),
+            linear=LinearState(kv=self.linear[..., :dv].contiguous(), k_sum=self.linear[..., dv].contiguous()),
+        )  # fmt: skip
+
+
+def _recall_error(phi: Tensor, v: Tensor, linear: Tensor) -> Tensor:
+    """``self_recall_error`` against a state kept as [S | z] (..., F, Dv + 1): phi (..., N, F), v
+    (..., N, Dv) -> (..., N)."""
+    r = phi @ linear  # (..., N, Dv + 1): [phi S, phi z]
+    return torch.linalg.vector_norm(safe_divide(r[..., :-1], r[..., -1]) - v, dim=-1)
 
 
 def lola_decode_step(ds: LolaDecodeState, q: Tensor, k: Tensor, v: Tensor, q_lin: Tensor | None = None,
                      k_lin: Tensor | None = None) -> Tensor:
     """One new real token per row (q (B, Hq, 1, D), k/v (B, Hkv, 1, D|Dv), no padding): the output
-    (B, Hq, 1, Dv) in q's dtype; ``ds.state`` updated in place. The same numbers as ``lola_attention``
-    on that token (its one-token chunk, without the packing of padding; tested against it)."""
-    st = ds.state
-    if (k_lin is not None) != (st.window.linear_keys is not None):
+    (B, Hq, 1, Dv) in q's dtype; ``ds`` updated in place. The same numbers as ``lola_attention`` on
+    that token (its one-token chunk; tested against it), computed as the per-token rule reads:
+
+    1. the window's oldest token leaves it; with the sparse cache's lambda entries it makes lambda + 1
+       candidates, scored by self-recall error against the state before this token. Exactly one
+       is not kept: the lowest error (sinks +inf, empty slots -inf), ties to the newest position
+       (the chunked op's stable sort), so the leaving token loses every tie. It is written into
+       [S | z]; if it was a cache entry, the leaving token takes its slot.
+    2. the new token takes the leaving token's window slot.
+    3. the query reads the window and the cache exactly and the state linearly, one denominator."""
+    ctx = ds.context
+    separate = ds.linear_keys is not None
+    if (k_lin is not None) != separate:
         raise ValueError("the decode state " + ("keeps" if k_lin is None else "does not keep") + " separate feature-map keys: "
                          "give q_lin/k_lin exactly when it does")  # fmt: skip
-    cvalid = torch.ones(q.shape[0], 1, dtype=torch.bool, device=q.device)  # (B, 1)
-    cpos = st.window.positions[:, -1:] + 1  # (B, 1) the newest token sits in the last slot
-    lin = None if k_lin is None else (q_lin.float(), k_lin.float())
-    out, new = _lola_chunk(st, q.float(), k.float(), v.float(), cvalid, cpos, ds.context, lin)
-    for old, value in zip(st.tensors(), new.tensors()):
-        old.copy_(value)
-    return out.to(q.dtype)
+    b, hq, _, d = q.shape
+    eta, lam, dv = ds.keys.shape[2], ds.cache_keys.shape[2], ds.values.shape[-1]
+    n_rep = ctx.n_rep
+    i = ds.index.view(1)
+
+    # 1. Select: the leaving token against the cache entries.
+    leave = {"keys": repeat_kv(ds.keys.index_select(2, i), n_rep), "values": repeat_kv(ds.values.index_select(2, i), n_rep)}  # (B, Hq, 1, X)
+    if separate:
+        leave["linear_keys"] = repeat_kv(ds.linear_keys.index_select(2, i), n_rep)
+    leave_valid = ds.valid.index_select(1, i).expand(b, hq)  # (B, Hq)
+    leave_pos = ds.positions.index_select(1, i).expand(b, hq)  # (B, Hq)
+    phi_leave = ctx.phi(ctx.phi_k, leave["linear_keys" if separate else "keys"])  # (B, Hq, 1, F)
+    err_leave = _recall_error(phi_leave, leave["values"], ds.linear)[..., 0].masked_fill(leave_pos < ctx.sinks, torch.inf)  # (B, Hq)
+    if lam:
+        cache = {"keys": ds.cache_keys, "values": ds.cache_values}
+        if separate:
+            cache["linear_keys"] = ds.cache_linear_keys
+        phi_cache = ctx.phi(ctx.phi_k, cache["linear_keys" if separate else "keys"])  # (B, Hq, L, F)
+        err = _recall_error(phi_cache, ds.cache_values, ds.linear)  # (B, Hq, L)
+        err = err.masked_fill(ds.cache_positions < ctx.sinks, torch.inf).masked_fill(~ds.cache_valid, -torch.inf)
+        least = err.amin(-1)  # (B, Hq)
+        j = torch.where(err == least[..., None], ds.cache_positions, -2).argmax(-1, keepdim=True)  # (B, Hq, 1) the newest of the least
+        drop_leaving = err_leave <= least  # (B, Hq): the leaving token is newer than every cache entry
+        take = leave_valid & ~drop_leaving  # (B, Hq): the leaving token takes slot j
+        slot_valid = ds.cache_valid.gather(2, j)[..., 0]  # (B, Hq)
+        phi_slot = phi_cache.gather(2, j[..., None].expand(-1, -1, 1, phi_cache.shape[-1]))  # (B, Hq, 1, F)
+        v_slot = ds.cache_values.gather(2, j[..., None].expand(-1, -1, 1, dv))  # (B, Hq, 1, Dv)
+        out_phi = torch.where(drop_leaving[..., None, None], phi_leave, phi_slot)  # (B, Hq, 1, F)
+        out_v = torch.where(drop_leaving[..., None, None], leave["values"], v_slot)  # (B, Hq, 1, Dv)
+        written = leave_valid & torch.where(drop_leaving, True, slot_valid)  # (B, Hq)
+        for name, buf in cache.items():  # slot j <- the leaving token, where it stays
+            at = j[..., None].expand(-1, -1, 1, buf.shape[-1])
+            buf.scatter_(2, at, torch.where(take[..., None, None], leave[name], buf.gather(2, at)))
+        ds.cache_positions.scatter_(2, j, torch.where(take, leave_pos, ds.cache_positions.gather(2, j)[..., 0])[..., None])
+        ds.cache_valid.scatter_(2, j, (slot_valid | take)[..., None])
+    else:
+        out_phi, out_v, written = phi_leave, leave["values"], leave_valid
+    # The token not kept joins [S | z] for good.
+    row = torch.cat([out_v, torch.ones_like(out_v[..., :1])], dim=-1) * written[..., None, None]  # (B, Hq, 1, Dv + 1)
+    f = out_phi.shape[-1]
+    ds.linear.view(b * hq, f, dv + 1).baddbmm_(out_phi.reshape(b * hq, 1, f).transpose(1, 2), row.view(b * hq, 1, dv + 1))
+    ds.held.add_(written)
+
+    # 2. The new token takes the leaving token's window slot.
+    ds.keys.index_copy_(2, i, k.float())
+    ds.values.index_copy_(2, i, v.float())
+    if separate:
+        ds.linear_keys.index_copy_(2, i, k_lin.float())
+    ds.valid.copy_(ds.valid | (torch.arange(eta, device=i.device) == i))
+    ds.positions.index_copy_(1, i, ds.next_position[:, None])
+    ds.next_position.add_(1)
+    ds.index.add_(1).remainder_(eta)
+
+    # 3. Read: the window and the cache exactly (factor f, one max), the state linearly.
+    qf = q.float()
+    s_win = (qf.reshape(b, -1, n_rep, d) @ ds.keys.transpose(-1, -2)).view(b, hq, 1, eta) * ctx.scale  # (B, Hq, 1, eta)
+    s_win = s_win.masked_fill(~ds.valid[:, None, None, :], -torch.inf)
+    s_cache = (qf @ ds.cache_keys.transpose(-1, -2)) * ctx.scale  # (B, Hq, 1, L)
+    s_cache = s_cache.masked_fill(~(ds.cache_valid[:, :, None, :] & ctx.read_sparse), -torch.inf)
+    m = torch.maximum(s_win.amax(-1, keepdim=True), s_cache.amax(-1, keepdim=True)) if lam else s_win.amax(-1, keepdim=True)
+    p_win = ctx.factor * torch.exp(s_win - m)  # (B, Hq, 1, eta): the new token is in the window, so m is finite
+    p_cache = ctx.factor * torch.exp(s_cache - m)  # (B, Hq, 1, L)
+    num = (p_win.view(b, -1, n_rep, eta) @ ds.values).view(b, hq, 1, dv) + p_cache @ ds.cache_values  # (B, Hq, 1, Dv)
+    den = p_win.sum(-1) + p_cache.sum(-1)  # (B, Hq, 1)
+    if ctx.read_state:  # LoLCATs convention: the linear term is not rescaled by exp(-m)
+        weight = ctx.linear_weight  # (1, Hq, 1, 1)
+        if ctx.weight_tokens:
+            weight = weight * length_factor(ds.held, ctx.weight_tokens)[..., None, None]
+        q_phi = ctx.phi(ctx.phi_q, qf if q_lin is None else q_lin.float()) * weight  # (B, Hq, 1, F)
+        r = q_phi @ ds.linear  # (B, Hq, 1, Dv + 1)
+        num = num + r[..., :dv]
+        den = den + r[..., dv]
+    return safe_divide(num, den).to(q.dtype)
 
 
 def lola_state_empty(batch, hq, hkv, window, sparse, d, dv, feats, device, linear_keys: bool = False) -> LolaState:

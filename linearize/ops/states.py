@@ -238,3 +238,30 @@ class KVState(BatchState):
             values=torch.cat([zv, self.values], dim=2),
             valid=torch.cat([zvalid, self.valid], dim=1),
         )
+
+
+class DecodeClock:
+    """A token counter on the device that every static decode state of one decoder reads: the
+    decoder ``advance``s it once per step, after all layers, instead of each layer counting its own
+    tokens (one kernel per step instead of one or two per layer). ``constant(n)`` gives a 0-dim
+    device tensor holding n, the same tensor for the same n, so states that start alike read the
+    same inputs and a compiled step computes what they derive from the clock once."""
+
+    def __init__(self, device=None) -> None:
+        self.count = torch.zeros((), dtype=torch.long, device=device)
+        self._constants: dict[int, Tensor] = {}
+
+    def constant(self, value: int) -> Tensor:
+        if value not in self._constants:
+            self._constants[value] = torch.tensor(value, dtype=torch.long, device=self.count.device)
+        return self._constants[value]
+
+    def now(self) -> int:
+        """The count, read on the host."""
+        return int(self.count)
+
+    def advance(self) -> None:
+        self.count.add_(1)
+
+    def reset(self) -> None:
+        self.count.zero_()

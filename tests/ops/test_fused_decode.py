@@ -10,6 +10,7 @@ import torch
 from linearize.ops import fused_decode
 from linearize.ops.dsla import DslaDecodeState, dsla_attention, dsla_decode_step
 from linearize.ops.hybrid import HybridDecodeState, hybrid_attention, hybrid_decode_step
+from linearize.ops.states import DecodeClock
 
 pytestmark = pytest.mark.skipif(not fused_decode.triton_available(), reason="needs Triton (the test extra installs it)")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -19,7 +20,7 @@ def _phi(x):
     return torch.nn.functional.softplus(x)
 
 
-@pytest.mark.parametrize("form", ["host", "static"])
+@pytest.mark.parametrize("form", ["host", "static", "clocked"])
 @pytest.mark.parametrize("mix", ["joint", "gate"])
 @pytest.mark.parametrize("feats", [8, 37], ids=["F8", "F37"])  # 37: blocks of the feature and value axes masked
 @torch.no_grad()
@@ -30,10 +31,10 @@ def test_hybrid_fused_step_equals_the_torch_step(form, mix, feats):
     b, hq, hkv, d, w = 2, 4, 2, feats, 4
     q, k, v = (torch.randn(b, h, 2, d, device=DEVICE) for h in (hq, hkv, hkv))
     _, state = hybrid_attention(q, k, v, phi_q=_phi, phi_k=_phi, window=w, mix=mix)
-    runs = []
+    runs, clock = [], DecodeClock(DEVICE)
     for _ in range(2):  # torch, fused
         ds = HybridDecodeState.from_state(state, _phi, hq)
-        runs.append(ds.make_static() if form == "static" else ds)
+        runs.append(ds.make_static() if form == "static" else ds.make_static(clock) if form == "clocked" else ds)
     ptr = runs[1].linear.data_ptr()
     for _ in range(9):
         q, k, v = (torch.randn(b, h, 1, d, device=DEVICE) for h in (hq, hkv, hkv))
@@ -43,6 +44,7 @@ def test_hybrid_fused_step_equals_the_torch_step(form, mix, feats):
             with fused_decode.use_fused(fused):
                 outs.append(hybrid_decode_step(ds, q, k, v, qf, kf, mix=mix))
         torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+        clock.advance()
     assert runs[1].linear.data_ptr() == ptr  # updated in place
     for got, want in zip(runs[1].canonical().tensors(), runs[0].canonical().tensors()):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
