@@ -100,6 +100,20 @@ class StepOutput:
     finish_reason: str | None
 
 
+@dataclass(frozen=True)
+class StepWork:
+    """One engine step's work: the decode forward (one token for each of ``decode_rows`` requests)
+    and the prefill chunks after it (``prefill_tokens`` in ``prefill_chunks`` forwards, recomputes
+    included), each with its wall time (each forward ends by reading its logits on the host, so on a
+    GPU the times include the device's work)."""
+
+    decode_rows: int = 0
+    decode_s: float = 0.0
+    prefill_chunks: int = 0
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+
+
 @dataclass
 class EngineConfig:
     """Engine limits (the ``linearize serve`` flags)."""
@@ -141,6 +155,8 @@ class Engine:
         self.peak_bytes = 0
         self.held_after_step = (0, 0)
         """(KV bytes, state bytes) the running requests held at the end of the last step."""
+        self.last_step = StepWork()
+        """What the last step ran: its decode forward and its prefill chunks, with their wall times."""
         self._ids = itertools.count()
 
     # --- requests ---------------------------------------------------------------------------
@@ -196,9 +212,15 @@ class Engine:
         outputs: dict[str, StepOutput] = {}
         self._apply_raises(self._view())
         decoding = self._make_room(outputs)
+        start = time.perf_counter()
         if decoding:
             self._decode(decoding, outputs)
+        decoded = time.perf_counter()
+        chunks = self.counters["prefill_chunks"], self.counters["prefill_tokens"]
         self._prefill(self.config.max_step_tokens - len(decoding), outputs)
+        self.last_step = StepWork(decode_rows=len(decoding), decode_s=decoded - start if decoding else 0.0,
+                                  prefill_chunks=self.counters["prefill_chunks"] - chunks[0],
+                                  prefill_tokens=self.counters["prefill_tokens"] - chunks[1], prefill_s=time.perf_counter() - decoded)  # fmt: skip
         by_kind = [r.seq.nbytes_by_kind() for r in self.running if r.seq is not None]
         self.held_after_step = (sum(kv for kv, _ in by_kind), sum(state for _, state in by_kind))
         held = sum(self.held_after_step)
@@ -274,6 +296,7 @@ class Engine:
             logits = self.runner.forward([request.seq], torch.tensor([chunk], device=self.device)).cpu()
             budget -= len(chunk)
             self.counters["prefill_tokens"] += len(chunk)
+            self.counters["prefill_chunks"] += 1
             if request.prefilled and not request.output:
                 self._append(request, logits[0], outputs)  # the first token comes with the prompt's last chunk
 

@@ -296,8 +296,11 @@ def replay_engine(engine: Engine, requests: Sequence[ReplayRequest], *, rate_sca
                 if out.finish_reason not in ("stop", "length"):
                     rec.status = out.finish_reason
                 bar.update(1)
+        work = engine.last_step
         timeline.append({"t": stamp, "bytes": sum(engine.held_after_step), "running": len(engine.running), "waiting": len(engine.waiting),
-                         "mean_level": statistics.fmean([r.level for r in engine.running]) if engine.running else 0.0})
+                         "mean_level": statistics.fmean([r.level for r in engine.running]) if engine.running else 0.0,
+                         "decode_rows": work.decode_rows, "decode_s": work.decode_s, "prefill_tokens": work.prefill_tokens,
+                         "prefill_s": work.prefill_s})  # fmt: skip
     bar.close()
     if profiler is not None:  # the replay ended first: what was profiled
         _write_profile(profiler, profile_out, steps=steps - profile_from)
@@ -392,10 +395,22 @@ def _file_name(policy: str) -> str:
 
 def step_stats(timeline: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Engine steps of an in-process replay (one timeline sample per step): how many, their durations
-    (seconds between consecutive steps' ends: mean, p50, p90, p99) and the mean number of running requests."""
+    (seconds between consecutive steps' ends: mean, p50, p90, p99), the mean number of running
+    requests, and where the time went: ``decode_s`` (the decode forwards of the steps that decoded:
+    mean, p50, ...; ``mean_decode_rows`` their rows), ``prefill_s_per_token`` (all prefill and
+    recompute time over the tokens it fed) and ``prefill_share`` (prefill time over decode and
+    prefill time together); None where the timeline does not say."""
     times = [p["t"] for p in timeline]
+    decodes = [p for p in timeline if p.get("decode_rows")]
+    prefill_s = sum(p.get("prefill_s", 0.0) for p in timeline)
+    prefill_tokens = sum(p.get("prefill_tokens", 0) for p in timeline)
+    work_s = prefill_s + sum(p["decode_s"] for p in decodes)
     return {"steps": len(times), "duration_s": _stats([b - a for a, b in zip(times, times[1:])]),
-            "mean_running": statistics.fmean([p["running"] for p in timeline]) if timeline else None}  # fmt: skip
+            "mean_running": statistics.fmean([p["running"] for p in timeline]) if timeline else None,
+            "decode_s": _stats([p["decode_s"] for p in decodes]),
+            "mean_decode_rows": statistics.fmean([p["decode_rows"] for p in decodes]) if decodes else None,
+            "prefill_s_per_token": prefill_s / prefill_tokens if prefill_tokens else None,
+            "prefill_share": prefill_s / work_s if work_s > 0 else None}  # fmt: skip
 
 
 Run = Callable[[], tuple[list[RequestRecord], list[dict[str, Any]], dict[str, Any]]]
@@ -582,14 +597,21 @@ def replay_markdown(result: dict[str, Any]) -> str:
                          f"| {f(a['ttft_mean_s'])} | {a['lost']} | {apart} |")
     stepped = {p: m for p, m in result["policies"].items() if m.get("engine_steps")}
     if stepped:
-        lines += ["", "Engine steps (in process): time between consecutive steps' ends, with the requests running.", "",
-                  "| policy | steps | mean (ms) | p50 | p90 | p99 | mean running | pools allocated (GiB) | allocator retries |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        lines += ["", "Engine steps (in process): time between consecutive steps' ends, with the requests running; "
+                  "where it went: the decode forward of the steps that decoded (its median and mean rows), prefill and "
+                  "recompute chunks per 1,000 tokens they fed, and prefill's share of the two.", "",
+                  "| policy | steps | mean (ms) | p50 | p90 | p99 | mean running | decode forward p50 (ms) | rows | "
+                  "prefill ms / 1K tokens | prefill share | pools allocated (GiB) | allocator retries |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
         for policy, m in stepped.items():
             st, d = m["engine_steps"], m["engine_steps"]["duration_s"]
+            dec = st.get("decode_s") or {}
             arena, retries = m.get("arena_bytes"), m.get("alloc_retries")
+            share = st.get("prefill_share")
             lines.append(f"| {policy} | {st['steps']} | {f(d['mean'], 1e3, 1)} | {f(d['p50'], 1e3, 1)} | {f(d['p90'], 1e3, 1)} "
-                         f"| {f(d['p99'], 1e3, 1)} | {f(st['mean_running'], 1, 1)} | {f(arena / 2**30 if arena else None, 1, 2)} "
+                         f"| {f(d['p99'], 1e3, 1)} | {f(st['mean_running'], 1, 1)} | {f(dec.get('p50'), 1e3, 1)} "
+                         f"| {f(st.get('mean_decode_rows'), 1, 1)} | {f(st.get('prefill_s_per_token'), 1e6, 1)} "
+                         f"| {'' if share is None else f'{share:.0%}'} | {f(arena / 2**30 if arena else None, 1, 2)} "
                          f"| {'' if retries is None else retries} |")
     return "\n".join(lines) + "\n"
 

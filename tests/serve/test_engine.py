@@ -185,3 +185,19 @@ def test_a_level_raised_mid_generation_continues_as_if_converted_from_the_first_
         logits = model(input_ids=torch.tensor([prompt + r.output[:-1]])).logits[0]
     assert r.output[switch:] == logits[len(prompt) - 1 + switch :].argmax(-1).tolist()
     check_alone(model, engine.get("other"))
+
+
+def test_each_step_says_what_it_ran(family):
+    """``last_step``: the first step prefills the prompts in chunks within the step's token budget
+    and decodes nothing; a later step decodes every running request, then prefills with the rest."""
+    model, levels = family
+    engine = Engine(model, levels, EngineConfig(kv_budget=10**9, max_step_tokens=16), policy=parse_policy("softmax", levels))
+    engine.add_request(list(range(3, 13)), SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.add_request(list(range(3, 28)), SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()
+    first = engine.last_step
+    assert (first.decode_rows, first.decode_s, first.prefill_tokens, first.prefill_chunks) == (0, 0.0, 16, 2) and first.prefill_s > 0
+    engine.step()  # the first request decodes; the second's prompt goes on (19 of its 25 tokens are left)
+    second = engine.last_step
+    assert (second.decode_rows, second.prefill_tokens, second.prefill_chunks) == (1, 15, 1) and second.decode_s > 0
+    assert engine.counters["prefill_tokens"] == 31 and engine.counters["prefill_chunks"] == 3

@@ -90,6 +90,8 @@ def test_replay_every_policy_loses_nothing(tmp_path):
         assert m["normalized_latency_s"]["mean"] > 0
         steps = m["engine_steps"]
         assert steps["steps"] > 1 and steps["duration_s"]["p50"] > 0 and steps["mean_running"] > 0
+        assert steps["decode_s"]["p50"] > 0 and steps["mean_decode_rows"] >= 1 and steps["prefill_s_per_token"] > 0
+        assert 0 < steps["prefill_share"] < 1
         assert m["arena_bytes"] > 0
     assert result["policies"]["softmax"]["speedup_vs_softmax"] == pytest.approx(1.0)
     for name in ("report.json", "report.md", "latency_cdf.png", "latency_vs_length.png", "memory_levels.png"):
