@@ -79,10 +79,16 @@ class LolaAttention(WindowedLinearAttention):
             weight_tokens=o.linear_weight_tokens)  # fmt: skip
 
     def decode_step(self, x, position_embeddings, slot):
-        """The per-token path of a static decode state (``static_decoding``); None otherwise (the
-        general op decodes)."""
+        """The per-token path (``lola_decode_step``, memory updated in place): on the slot's decode
+        state, made from its state before the first token (and kept by static decoding); None in a
+        mode without it (the general op decodes)."""
+        reads = self.READS.get(self.mode)
+        if reads is None:
+            return None
         ds = slot.decode_state
-        if not isinstance(ds, LolaDecodeState) or (ds.context.read_state, ds.context.read_sparse) != self.READS.get(self.mode):
+        if not isinstance(ds, LolaDecodeState):
+            ds = self.static_decode_state(slot, x.shape[0], x.device, x.dtype)
+        elif (ds.context.read_state, ds.context.read_sparse) != reads:
             return None  # (a mode switched since: the general op reads the state in the new mode)
         p = self.project(x, position_embeddings)
         out = lola_decode_step(ds, p.q, p.k, p.v, **self.linear_inputs(p))
