@@ -75,6 +75,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from linearize.ops import fused_decode
 from linearize.ops.common import FeatureFn, default_valid, gather_tokens, gqa_groups, head_weights, repeat_kv, safe_divide
 from linearize.ops.naive import lola_attention_reference  # noqa: F401 (the specification)
 from linearize.ops.states import LinearState, LolaState, SparseCacheState, WindowState
@@ -375,7 +376,7 @@ class LolaDecodeState:
     cache_linear_keys: Tensor | None  # (B, Hq, lambda, D) or None
     cache_valid: Tensor  # (B, Hq, lambda)
     cache_positions: Tensor  # (B, Hq, lambda), -1 at empty slots
-    linear: Tensor  # (B, Hq, F, Dv + 1): [S | z]
+    linear: Tensor  # (B Hq, F, Dv + 1): [S | z]
     held: Tensor  # (B, Hq) tokens written into the linear state
     context: _ChunkContext
 
@@ -402,7 +403,8 @@ class LolaDecodeState:
             next_position=win.positions[:, -1] + 1,  # the newest token sits in the last slot (-1 + 1 = 0 when empty)
             cache_keys=copy(cache.keys), cache_values=copy(cache.values), cache_linear_keys=copy(cache.linear_keys),
             cache_valid=copy(cache.valid), cache_positions=copy(cache.positions),
-            linear=torch.cat([state.linear.kv, state.linear.k_sum[..., None]], dim=-1), held=state_tokens(state), context=context,
+            linear=torch.cat([state.linear.kv, state.linear.k_sum[..., None]], dim=-1).flatten(0, 1), held=state_tokens(state),
+            context=context,
         )  # fmt: skip
 
     def canonical(self) -> LolaState:
@@ -419,12 +421,13 @@ class LolaDecodeState:
             return None if x is None else x.gather(2, order.unsqueeze(-1).expand(-1, -1, -1, x.shape[-1]))
 
         dv = self.linear.shape[-1] - 1
+        linear = self.linear.view(*self.cache_valid.shape[:2], -1, dv + 1)  # (B, Hq, F, Dv + 1)
         return LolaState(
             window=WindowState(keys=ring(self.keys, 2), values=ring(self.values, 2), valid=ring(self.valid, 1),
                                positions=ring(self.positions, 1), linear_keys=ring(self.linear_keys, 2)),
             sparse=SparseCacheState(keys=sort(self.cache_keys), values=sort(self.cache_values), valid=self.cache_valid.gather(-1, order),
                                     positions=self.cache_positions.gather(-1, order), linear_keys=sort(self.cache_linear_keys)),
-            linear=LinearState(kv=self.linear[..., :dv].contiguous(), k_sum=self.linear[..., dv].contiguous()),
+            linear=LinearState(kv=linear[..., :dv].contiguous(), k_sum=linear[..., dv].contiguous()),
         )  # fmt: skip
 
 
@@ -457,6 +460,7 @@ def lola_decode_step(ds: LolaDecodeState, q: Tensor, k: Tensor, v: Tensor, q_lin
     eta, lam, dv = ds.keys.shape[2], ds.cache_keys.shape[2], ds.values.shape[-1]
     n_rep = ctx.n_rep
     i = ds.index.view(1)
+    state = ds.linear.view(b, hq, -1, dv + 1)  # (B, Hq, F, Dv + 1) [S | z]
 
     # 1. Select: the leaving token against the cache entries.
     leave = {"keys": repeat_kv(ds.keys.index_select(2, i), n_rep), "values": repeat_kv(ds.values.index_select(2, i), n_rep)}  # (B, Hq, 1, X)
@@ -465,13 +469,13 @@ def lola_decode_step(ds: LolaDecodeState, q: Tensor, k: Tensor, v: Tensor, q_lin
     leave_valid = ds.valid.index_select(1, i).expand(b, hq)  # (B, Hq)
     leave_pos = ds.positions.index_select(1, i).expand(b, hq)  # (B, Hq)
     phi_leave = ctx.phi(ctx.phi_k, leave["linear_keys" if separate else "keys"])  # (B, Hq, 1, F)
-    err_leave = _recall_error(phi_leave, leave["values"], ds.linear)[..., 0].masked_fill(leave_pos < ctx.sinks, torch.inf)  # (B, Hq)
+    err_leave = _recall_error(phi_leave, leave["values"], state)[..., 0].masked_fill(leave_pos < ctx.sinks, torch.inf)  # (B, Hq)
     if lam:
         cache = {"keys": ds.cache_keys, "values": ds.cache_values}
         if separate:
             cache["linear_keys"] = ds.cache_linear_keys
         phi_cache = ctx.phi(ctx.phi_k, cache["linear_keys" if separate else "keys"])  # (B, Hq, L, F)
-        err = _recall_error(phi_cache, ds.cache_values, ds.linear)  # (B, Hq, L)
+        err = _recall_error(phi_cache, ds.cache_values, state)  # (B, Hq, L)
         err = err.masked_fill(ds.cache_positions < ctx.sinks, torch.inf).masked_fill(~ds.cache_valid, -torch.inf)
         least = err.amin(-1)  # (B, Hq)
         j = torch.where(err == least[..., None], ds.cache_positions, -2).argmax(-1, keepdim=True)  # (B, Hq, 1) the newest of the least
@@ -490,10 +494,12 @@ def lola_decode_step(ds: LolaDecodeState, q: Tensor, k: Tensor, v: Tensor, q_lin
         ds.cache_valid.scatter_(2, j, (slot_valid | take)[..., None])
     else:
         out_phi, out_v, written = phi_leave, leave["values"], leave_valid
-    # The token not kept joins [S | z] for good.
+    # The token not kept joins [S | z] for good (on CUDA with the read below: one pass over the state).
     row = torch.cat([out_v, torch.ones_like(out_v[..., :1])], dim=-1) * written[..., None, None]  # (B, Hq, 1, Dv + 1)
     f = out_phi.shape[-1]
-    ds.linear.view(b * hq, f, dv + 1).baddbmm_(out_phi.reshape(b * hq, 1, f).transpose(1, 2), row.view(b * hq, 1, dv + 1))
+    fused = ctx.read_state and fused_decode.enabled(ds.linear) and ds.linear.dtype == torch.float32
+    if not fused:
+        ds.linear.baddbmm_(out_phi.reshape(b * hq, 1, f).transpose(1, 2), row.view(b * hq, 1, dv + 1))
     ds.held.add_(written)
 
     # 2. The new token takes the leaving token's window slot.
@@ -522,7 +528,11 @@ def lola_decode_step(ds: LolaDecodeState, q: Tensor, k: Tensor, v: Tensor, q_lin
         if ctx.weight_tokens:
             weight = weight * length_factor(ds.held, ctx.weight_tokens)[..., None, None]
         q_phi = ctx.phi(ctx.phi_q, qf if q_lin is None else q_lin.float()) * weight  # (B, Hq, 1, F)
-        r = q_phi @ ds.linear  # (B, Hq, 1, Dv + 1)
+        if fused:  # [S | z] += phi_w [v_w, 1]^T, then phi(q) [S | z]: the hybrid's state kernel, one slot per query head
+            r = fused_decode.hybrid_linear_step(ds.linear, out_phi.reshape(b * hq, 1, f), row.view(b * hq, 1, dv + 1),
+                                                q_phi.reshape(b * hq, f), None, 0).view(b, hq, 1, dv + 1)  # fmt: skip
+        else:
+            r = q_phi @ state  # (B, Hq, 1, Dv + 1)
         num = num + r[..., :dv]
         den = den + r[..., dv]
     return safe_divide(num, den).to(q.dtype)

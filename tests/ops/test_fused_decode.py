@@ -10,6 +10,7 @@ import torch
 from linearize.ops import fused_decode
 from linearize.ops.dsla import DslaDecodeState, dsla_attention, dsla_decode_step
 from linearize.ops.hybrid import HybridDecodeState, hybrid_attention, hybrid_decode_step
+from linearize.ops.lola import LolaDecodeState, lola_attention, lola_decode_step
 from linearize.ops.states import DecodeClock
 
 pytestmark = pytest.mark.skipif(not fused_decode.triton_available(), reason="needs Triton (the test extra installs it)")
@@ -48,6 +49,45 @@ def test_hybrid_fused_step_equals_the_torch_step(form, mix, feats):
     assert runs[1].linear.data_ptr() == ptr  # updated in place
     for got, want in zip(runs[1].canonical().tensors(), runs[0].canonical().tensors()):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("reads", [(True, True, 0), (True, False, 3), (False, True, 0)], ids=["hybrid", "no-sparse-weight-tokens", "no-state"])
+@pytest.mark.parametrize("dims", [(8, 8), (37, 70)], ids=["D8", "D37-Dv70"])
+@torch.no_grad()
+def test_lola_fused_step_equals_the_torch_step(reads, dims, monkeypatch):
+    """LoLA's step with the state's update and read in one kernel pass (the hybrid's state kernel, one
+    slot per query head): outputs and memory equal the torch step's over 9 tokens from a state past
+    the window and the cache's capacity, and the chunked op's; without the state read the torch
+    update runs."""
+    torch.manual_seed(2)
+    read_state, read_sparse, weight_tokens = reads
+    b, hq, hkv, w, lam = 2, 4, 2, 3, 4
+    d, dv = dims
+    factor = torch.rand(hq, device=DEVICE)
+    options = dict(window_factor=factor, sinks=1, linear_weight=[0.2, 0.5, 1.0, 0.0], weight_tokens=weight_tokens,
+                   read_state=read_state, read_sparse=read_sparse)  # fmt: skip
+    kw = dict(phi_q=_phi, phi_k=_phi, window=w, sparse=lam, **options)
+    q, k, v = torch.randn(b, hq, 9, d, device=DEVICE), torch.randn(b, hkv, 9, d, device=DEVICE), torch.randn(b, hkv, 9, dv, device=DEVICE)
+    _, state = lola_attention(q, k, v, chunk=3, **kw)
+    runs = [LolaDecodeState.from_state(state, phi_q=_phi, phi_k=_phi, scale=d**-0.5, dtype=torch.float32, **options) for _ in range(2)]
+    ptr = runs[1].linear.data_ptr()
+    calls = []
+    kernel = fused_decode.hybrid_linear_step
+    monkeypatch.setattr(fused_decode, "hybrid_linear_step", lambda *a: calls.append(1) or kernel(*a))
+    for _ in range(9):
+        q, k, v = torch.randn(b, hq, 1, d, device=DEVICE), torch.randn(b, hkv, 1, d, device=DEVICE), torch.randn(b, hkv, 1, dv, device=DEVICE)
+        want, state = lola_attention(q, k, v, chunk=1, state=state, **kw)
+        outs = []
+        for fused, ds in zip((False, True), runs):
+            with fused_decode.use_fused(fused):
+                outs.append(lola_decode_step(ds, q, k, v))
+        torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(outs[1], want, atol=1e-5, rtol=1e-5)
+    assert runs[1].linear.data_ptr() == ptr  # updated in place
+    assert len(calls) == (9 if read_state else 0)  # the fused path ran where the state is read
+    for got, ref, chunked in zip(runs[1].canonical().tensors(), runs[0].canonical().tensors(), state.tensors()):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, chunked, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("normalize", [True, False], ids=["normalised", "plain"])
