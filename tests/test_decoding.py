@@ -85,6 +85,35 @@ def test_fused_decode_kernels_match_full_forward(name, monkeypatch):
     assert fused_prefills == model.config.num_hidden_layers  # every layer's prefill took its fused form
 
 
+@pytest.mark.skipif(not fused_decode.triton_available(), reason="needs Triton (the test extra installs it)")
+@torch.no_grad()
+def test_lola_decoder_with_the_fused_state_pass_equals_the_torch_decoder(monkeypatch):
+    """LoLA layers under the static decoder with the state's update and read as one kernel (in
+    Triton's interpreter without a GPU): the same tokens and logits as the torch steps, and the same
+    memory after (compared with each other rather than with a full forward: LoLA's selection can
+    flip on a near-tie between candidates when the projections are batched differently)."""
+    calls = []
+    kernel = fused_decode.hybrid_linear_step
+    monkeypatch.setattr(fused_decode, "hybrid_linear_step", lambda *a: calls.append(1) or kernel(*a))
+    model = _model("lola-nope-sinks-weight")
+    prompt = torch.randint(3, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(5))
+    runs = []
+    for fused in (False, True):
+        decoder = StaticDecoder(model, batch_size=2, max_length=14, graphs=False)
+        with fused_decode.use_fused(fused):
+            tokens, logits = [decoder.prefill(prompt)], [decoder.logits.clone()]
+            for _ in range(6):
+                tokens.append(decoder.step())
+                logits.append(decoder.logits.clone())
+        runs.append((torch.stack(tokens, dim=1), torch.stack(logits, dim=1), decoder))
+    assert torch.equal(runs[1][0], runs[0][0])
+    torch.testing.assert_close(runs[1][1], runs[0][1], atol=1e-5, rtol=1e-5)
+    assert len(calls) == 6 * model.config.num_hidden_layers  # the fused pass ran once per layer and step
+    for torch_mem, fused_mem in zip(runs[0][2].memory, runs[1][2].memory):
+        for got, want in zip(fused_mem.decode_state.canonical().tensors(), torch_mem.decode_state.canonical().tensors()):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("name,fused", [("hybrid-nope", False), ("dsla-partial", False), ("hybrid-joint", True), ("lola-nope-sinks-weight", False)],
                          ids=["hybrid-nope", "dsla-partial", "hybrid-joint-fused", "lola"])
 @torch.no_grad()
