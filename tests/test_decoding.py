@@ -25,6 +25,15 @@ def _model(name: str | None):
     return convert(tiny(), spec, mode)
 
 
+def _prefill_and_step(decoder: StaticDecoder, prompt, steps: int) -> tuple[list, list]:
+    """The prefill's token and logits, then ``steps`` static steps': (tokens, logits), one per call."""
+    tokens, logits = [decoder.prefill(prompt)], [decoder.logits.clone()]
+    for _ in range(steps):
+        tokens.append(decoder.step())
+        logits.append(decoder.logits.clone())
+    return tokens, logits
+
+
 @pytest.mark.parametrize("name", [None, *STATIC], ids=["teacher", *STATIC])
 @pytest.mark.parametrize("rows", [1, 3], ids=["one-row", "three-rows"])
 @torch.no_grad()
@@ -35,11 +44,7 @@ def test_static_decoding_matches_full_forward(name, rows):
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, model.config.vocab_size, (rows, 7), generator=gen)
     decoder = StaticDecoder(model, batch_size=3, max_length=20)
-    first = decoder.prefill(prompt)
-    tokens, logits = [first], [decoder.logits.clone()]
-    for _ in range(9):
-        tokens.append(decoder.step())
-        logits.append(decoder.logits.clone())
+    tokens, logits = _prefill_and_step(decoder, prompt, 9)
     seq = torch.cat([prompt.expand(3, -1), torch.stack(tokens[:-1], dim=1)], dim=1)  # (3, 16): every token fed
     full = model(seq).logits[:, prompt.shape[1] - 1 :]  # (3, 10): the logits each new token came from
     torch.testing.assert_close(torch.stack(logits, dim=1), full, atol=2e-5, rtol=2e-5)
@@ -70,10 +75,7 @@ def test_fused_decode_kernels_match_full_forward(name, monkeypatch):
     prompt = torch.randint(3, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(5)).to(device)
     decoder = StaticDecoder(model, batch_size=2, max_length=14, graphs=False)
     with fused_decode.use_fused(True):
-        tokens, logits = [decoder.prefill(prompt)], [decoder.logits.clone()]
-        for _ in range(6):
-            tokens.append(decoder.step())
-            logits.append(decoder.logits.clone())
+        tokens, logits = _prefill_and_step(decoder, prompt, 6)
     fused_prefills = len(prefills)  # the decoder's (on CUDA the full forward below takes the fused form too)
     seq = torch.cat([prompt, torch.stack(tokens[:-1], dim=1)], dim=1)
     full = model(seq).logits[:, prompt.shape[1] - 1 :]
@@ -101,10 +103,7 @@ def test_lola_decoder_with_the_fused_state_pass_equals_the_torch_decoder(monkeyp
     for fused in (False, True):
         decoder = StaticDecoder(model, batch_size=2, max_length=14, graphs=False)
         with fused_decode.use_fused(fused):
-            tokens, logits = [decoder.prefill(prompt)], [decoder.logits.clone()]
-            for _ in range(6):
-                tokens.append(decoder.step())
-                logits.append(decoder.logits.clone())
+            tokens, logits = _prefill_and_step(decoder, prompt, 6)
         runs.append((torch.stack(tokens, dim=1), torch.stack(logits, dim=1), decoder))
     assert torch.equal(runs[1][0], runs[0][0])
     torch.testing.assert_close(runs[1][1], runs[0][1], atol=1e-5, rtol=1e-5)

@@ -91,7 +91,12 @@ def self_recall_error(k_phi: Tensor, v: Tensor, linear: LinearState) -> Tensor:
     """
     num = k_phi @ linear.kv  # (..., N, Dv)
     den = (k_phi @ linear.k_sum.unsqueeze(-1)).squeeze(-1)  # (..., N)
-    return torch.linalg.vector_norm(safe_divide(num, den) - v, dim=-1)  # (..., N)
+    return _recall_distance(num, den, v)
+
+
+def _recall_distance(num: Tensor, den: Tensor, v: Tensor) -> Tensor:
+    """|| num / den - v ||_2 over the last axis, the readout 0 where den is empty: (..., N)."""
+    return torch.linalg.vector_norm(safe_divide(num, den) - v, dim=-1)
 
 
 def lola_attention(
@@ -392,17 +397,13 @@ class LolaDecodeState:
                                  window_factor=window_factor, sinks=sinks, linear_weight=linear_weight, weight_tokens=weight_tokens)  # fmt: skip
         context = _ChunkContext.on(state.linear.kv.device, phi_q, phi_k, window_factor, scale, hq // hkv, dtype, read_state, read_sparse,
                                    sinks, weights, weight_tokens)  # fmt: skip
-        win, cache = state.window, state.sparse
-
-        def copy(x: Tensor | None) -> Tensor | None:
-            return None if x is None else x.clone()
-
+        win, cache = state.window.clone(), state.sparse.clone()
         return cls(
-            keys=copy(win.keys), values=copy(win.values), linear_keys=copy(win.linear_keys), valid=copy(win.valid),
-            positions=copy(win.positions), index=torch.zeros((), dtype=torch.long, device=win.keys.device),
+            keys=win.keys, values=win.values, linear_keys=win.linear_keys, valid=win.valid, positions=win.positions,
+            index=torch.zeros((), dtype=torch.long, device=win.keys.device),
             next_position=win.positions[:, -1] + 1,  # the newest token sits in the last slot (-1 + 1 = 0 when empty)
-            cache_keys=copy(cache.keys), cache_values=copy(cache.values), cache_linear_keys=copy(cache.linear_keys),
-            cache_valid=copy(cache.valid), cache_positions=copy(cache.positions),
+            cache_keys=cache.keys, cache_values=cache.values, cache_linear_keys=cache.linear_keys, cache_valid=cache.valid,
+            cache_positions=cache.positions,
             linear=torch.cat([state.linear.kv, state.linear.k_sum[..., None]], dim=-1).flatten(0, 1), held=state_tokens(state),
             context=context,
         )  # fmt: skip
@@ -435,7 +436,7 @@ def _recall_error(phi: Tensor, v: Tensor, linear: Tensor) -> Tensor:
     """``self_recall_error`` against a state kept as [S | z] (..., F, Dv + 1): phi (..., N, F), v
     (..., N, Dv) -> (..., N)."""
     r = phi @ linear  # (..., N, Dv + 1): [phi S, phi z]
-    return torch.linalg.vector_norm(safe_divide(r[..., :-1], r[..., -1]) - v, dim=-1)
+    return _recall_distance(r[..., :-1], r[..., -1], v)
 
 
 def lola_decode_step(ds: LolaDecodeState, q: Tensor, k: Tensor, v: Tensor, q_lin: Tensor | None = None,

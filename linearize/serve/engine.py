@@ -216,11 +216,11 @@ class Engine:
         if decoding:
             self._decode(decoding, outputs)
         decoded = time.perf_counter()
-        chunks = self.counters["prefill_chunks"], self.counters["prefill_tokens"]
+        chunks, tokens = self.counters["prefill_chunks"], self.counters["prefill_tokens"]  # before this step's prefill
         self._prefill(self.config.max_step_tokens - len(decoding), outputs)
         self.last_step = StepWork(decode_rows=len(decoding), decode_s=decoded - start if decoding else 0.0,
-                                  prefill_chunks=self.counters["prefill_chunks"] - chunks[0],
-                                  prefill_tokens=self.counters["prefill_tokens"] - chunks[1], prefill_s=time.perf_counter() - decoded)  # fmt: skip
+                                  prefill_chunks=self.counters["prefill_chunks"] - chunks,
+                                  prefill_tokens=self.counters["prefill_tokens"] - tokens, prefill_s=time.perf_counter() - decoded)  # fmt: skip
         by_kind = [r.seq.nbytes_by_kind() for r in self.running if r.seq is not None]
         self.held_after_step = (sum(kv for kv, _ in by_kind), sum(state for _, state in by_kind))
         held = sum(self.held_after_step)
