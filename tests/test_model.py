@@ -212,6 +212,25 @@ def test_kernel_decode_token_by_token_equals_full_forward(spec):
     assert all(cache.layers[i].decode_state.kernel_args is not None for i in converted_layers(model))
 
 
+@torch.no_grad()
+def test_dsla_stacked_gates_equal_each_gate():
+    """Both DSLA gates from one projection (down projections side by side, up block-diagonal: what
+    the token-major prefill and the decode step read) equal each gate's own module, history first."""
+    model = convert(tiny(), {"attention": "dsla"}, None)
+    layer = model.model.layers[1].self_attn
+    gen = torch.Generator().manual_seed(3)
+    for p in layer.gate_history.parameters():
+        p.copy_(torch.randn(p.shape, generator=gen))
+    x = torch.randn(2, 7, model.config.hidden_size, generator=gen)
+    stacked = layer.stacked_log_gates(x)  # (B, T, 2, Hq, F)
+    history, recent = layer.log_gates(x)  # (B, Hq, T, F) each
+    assert stacked.shape == (2, 7, 2, layer.num_heads, layer.features)
+    torch.testing.assert_close(stacked[:, :, 0], history.transpose(1, 2), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(stacked[:, :, 1], recent.transpose(1, 2), atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(stacked[:, :, 0], stacked[:, :, 1])
+    torch.testing.assert_close(layer.decode_gates(x[:, :1], torch.float32), stacked[:, 0].exp())
+
+
 @pytest.mark.parametrize("name", ["hybrid-joint", "hybrid-gate-learned-rect", "dsla"])
 @torch.no_grad()
 def test_decode_path_sees_parameters_updated_between_tokens(name):

@@ -94,14 +94,12 @@ class DslaAttention(ConvertedAttention):
     def gamma(self) -> Tensor:
         return torch.sigmoid(self.gamma_logit.float())
 
-    def log_gates(self, x: Tensor, token_major: bool = False) -> tuple[Tensor, Tensor]:
+    def log_gates(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(B, T, hidden) -> two (B, Hq, T, F) log-gates (F: features per head), views of token-major
-        (B, T, Hq, F) tensors (those themselves with ``token_major``); x is cast to the gates'
-        dtype once for both."""
+        (B, T, Hq, F) tensors; x is cast to the gates' dtype once for both."""
         b, t, _ = x.shape
         xg = x.to(self.gate_history.down.weight.dtype)
-        gates = tuple(g(xg).view(b, t, self.num_heads, self.features) for g in (self.gate_history, self.gate_recent))
-        return gates if token_major else tuple(g.transpose(1, 2) for g in gates)
+        return tuple(g(xg).view(b, t, self.num_heads, self.features).transpose(1, 2) for g in (self.gate_history, self.gate_recent))
 
     def attend_modes(self):
         """hybrid: both states mixed by gamma; history_only / recent_only: read one state alone
@@ -129,7 +127,7 @@ class DslaAttention(ConvertedAttention):
 
     def _prefill(self, p, x, state, fixed_gamma: float | None, backend: str):
         """``dsla_prefill`` on token-major inputs: the features written token-major (Hedgehog's in
-        one kernel, without repeated KV heads), the gates as their projections give them."""
+        one kernel, without repeated KV heads), both gates from one projection (``stacked_log_gates``)."""
         q, k, v = p.q_lin, p.k_lin, p.v
         n_rep = q.shape[1] // k.shape[1]
         if self.normalize:
@@ -138,10 +136,9 @@ class DslaAttention(ConvertedAttention):
             b, hkv, t, d = k.shape
             kf = k.transpose(1, 2)[:, :, :, None].expand(b, t, hkv, n_rep, d).reshape(b, t, hkv * n_rep, d)
             qf, scale = q.transpose(1, 2).contiguous(), self.scaling
-        log_h, log_r = self.log_gates(x, token_major=True)
         gamma = self.gamma() if fixed_gamma is None else torch.full((), fixed_gamma, device=q.device)
-        return dsla_prefill(qf, kf, v.transpose(1, 2), log_h, log_r, gamma, state=expect_state(state, DslaState, self), scale=scale,
-                            backend=backend, normalize=self.normalize, chunk=self.options.chunk)  # fmt: skip
+        return dsla_prefill(qf, kf, v.transpose(1, 2), self.stacked_log_gates(x), gamma, state=expect_state(state, DslaState, self),
+                            scale=scale, backend=backend, normalize=self.normalize, chunk=self.options.chunk)  # fmt: skip
 
     def _dsla(self, fixed_gamma: float | None) -> Attend:
         def dsla(p, x, valid, state):
@@ -239,17 +236,21 @@ class DslaAttention(ConvertedAttention):
         slot.advance(ds, 1)
         return out
 
-    def decode_gates(self, x: Tensor, dtype: torch.dtype) -> Tensor:
-        """(B, 2, Hq, F) gate values alpha = exp(log alpha) of one token x (B, 1, hidden), history
-        first: both gates' low-rank projections as two matmuls (down projections side by side, up
-        projections block-diagonal, stacked once), one log-sigmoid and one exp for both."""
+    def stacked_log_gates(self, x: Tensor) -> Tensor:
+        """(B, T, hidden) -> (B, T, 2, Hq, F) float32 log-gates, history first: both gates' low-rank
+        projections as two matmuls (down projections side by side, up projections block-diagonal,
+        stacked once and kept), one log-sigmoid for both. The same numbers as ``log_gates``."""
         h, r = self.gate_history, self.gate_recent
         down, up, bias = derived(self, "gates", tuple(t for g in (h, r) for t in (g.down.weight, g.up.weight, g.up.bias)),
                                  lambda: (torch.cat((h.down.weight, r.down.weight)), torch.block_diag(h.up.weight, r.up.weight),
                                           torch.cat((h.up.bias, r.up.bias))))  # fmt: skip
-        z = F.linear(F.linear(x.to(down.dtype), down), up, bias)  # (B, 1, 2 Hq F)
-        alpha = log_gate(z).exp_()
-        return alpha.view(x.shape[0], 2, self.num_heads, self.features).to(dtype)
+        z = F.linear(F.linear(x.to(down.dtype), down), up, bias)  # (B, T, 2 Hq F)
+        return log_gate(z).view(*x.shape[:2], 2, self.num_heads, self.features)
+
+    def decode_gates(self, x: Tensor, dtype: torch.dtype) -> Tensor:
+        """(B, 2, Hq, F) gate values alpha = exp(log alpha) of one token x (B, 1, hidden), history
+        first (``stacked_log_gates``, one exp for both)."""
+        return self.stacked_log_gates(x).exp_().view(x.shape[0], 2, self.num_heads, self.features).to(dtype)
 
     def _mix_weights(self, dtype: torch.dtype) -> Tensor:
         """(gamma, 1 - gamma) of this layer's mode, times the read's scale without a normaliser."""

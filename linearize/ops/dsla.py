@@ -127,8 +127,7 @@ def dsla_prefill(
     qf: Tensor,
     kf: Tensor,
     v: Tensor,
-    log_alpha_history: Tensor,
-    log_alpha_recent: Tensor,
+    log_alphas: Tensor,
     gamma: Tensor,
     *,
     state: DslaState | None = None,
@@ -137,16 +136,16 @@ def dsla_prefill(
     chunk: int = 32,
     normalize: bool = False,
 ) -> tuple[Tensor, DslaState]:
-    """``dsla_attention`` for a prefill without padding, on token-major inputs: qf and kf (B, T, Hq,
-    Dk) (kf for every query head: the keys as the states see them), v (B, T, Hkv, Dv), the
-    log-gates (B, T, Hq, Dk). The same output (B, Hq, T, Dv) in qf's dtype (on "fla" a view of a
-    token-major tensor) and the same state as ``dsla_attention`` on the (B, H, T, D) views of these
-    tensors.
+    """``dsla_attention`` for a prefill without padding, on token-major inputs, both states in one
+    GLA call: qf and kf (B, T, Hq, Dk) (kf for every query head: the keys as the states see them),
+    v (B, T, Hkv, Dv), ``log_alphas`` (B, T, 2, Hq, Dk) the two log-gates, history first (as one
+    projection of both gates gives them). The same output (B, Hq, T, Dv) in qf's dtype (a view of a
+    token-major tensor) and the same state as ``dsla_attention`` on the (B, H, T, D) views.
 
-    Token-major is fla's layout, so on "fla" nothing is copied on the way in; the values are
-    repeated to the query heads, with the normaliser's column of ones, in one copy. (The (B, H, T,
-    D) path copies q, k, v and both float32 gates once for each state, and repeats the values and
-    appends their ones column in two more copies.)"""
+    The two states are 2 Hq heads of one GLA: q and k written twice side by side, the values
+    repeated to those heads with the normaliser's column of ones in one copy, the initial states
+    concatenated. One kernel sequence runs both states (on "fla" one ``chunk_gla`` call, whose host
+    work, not its kernels, bounds a short prefill), and the mix reads the output in place."""
     gla = BACKENDS.get(backend)
     if gla is None:
         raise ValueError(f"unknown DSLA backend {backend!r}; expected one of {tuple(BACKENDS)}")
@@ -155,19 +154,43 @@ def dsla_prefill(
     if kf.shape != qf.shape or v.shape[:2] != (b, t) or hq % hkv:
         raise ValueError(f"qf {tuple(qf.shape)} and kf {tuple(kf.shape)} must match, and v {tuple(v.shape)} must be (B, T, Hkv, Dv) "
                          "with Hkv dividing Hq")  # fmt: skip
-    for name, g in (("log_alpha_history", log_alpha_history), ("log_alpha_recent", log_alpha_recent)):
-        if g.shape != qf.shape:
-            raise ValueError(f"{name} has shape {tuple(g.shape)}, expected qf's shape {tuple(qf.shape)}")
+    if log_alphas.shape != (b, t, 2, hq, dk):
+        raise ValueError(f"log_alphas has shape {tuple(log_alphas.shape)}, expected (B, T, 2, Hq, Dk) = {(b, t, 2, hq, dk)}")
     scale = dk**-0.5 if scale is None else scale
-    values = v.new_empty(b, t, hkv, hq // hkv, dv + int(normalize))  # (B, T, Hkv, n_rep, Dv [+ 1])
-    values[..., :dv] = v[:, :, :, None]
+    width = dv + int(normalize)
+    q2, k2 = (x[:, :, None].expand(b, t, 2, hq, dk).reshape(b, t, 2 * hq, dk) for x in (qf, kf))  # (B, T, 2 Hq, Dk)
+    values = v.new_empty(b, t, 2, hkv, hq // hkv, width)  # (B, T, 2, Hkv, n_rep, Dv [+ 1])
+    values[..., :dv] = v[:, :, None, :, None]
     if normalize:
         values[..., dv] = 1.0
-    values = values.view(b, t, hq, -1).transpose(1, 2)  # (B, Hq, T, Dv [+ 1]) views of token-major tensors
-    q, k = qf.transpose(1, 2), kf.transpose(1, 2)
-    o1, s1 = gla(q, k, values, log_alpha_history.transpose(1, 2), None if state is None else state.history, scale, chunk)
-    o2, s2 = gla(q, k, values, log_alpha_recent.transpose(1, 2), None if state is None else state.recent, scale, chunk)
-    return _mix(o1, o2, gamma, q, normalize), DslaState(history=s1, recent=s2)
+    values = values.view(b, t, 2 * hq, width)
+    h0 = None if state is None else torch.cat((state.history, state.recent), dim=1)  # (B, 2 Hq, Dk, Dv [+ 1])
+    o, s = gla(q2.transpose(1, 2), k2.transpose(1, 2), values.transpose(1, 2), log_alphas.reshape(b, t, 2 * hq, dk).transpose(1, 2),
+               h0, scale, chunk)  # fmt: skip
+    o = o.transpose(1, 2).view(b, t, 2, hq, width)  # token-major on "fla" (a view); a copy on "torch"
+    s = s.view(b, 2, hq, dk, width)
+    return _mix_stacked(o, gamma, dv, normalize, qf.dtype), DslaState(history=s[:, 0].contiguous(), recent=s[:, 1].contiguous())
+
+
+def _mix_stacked(o: Tensor, gamma: Tensor, dv: int, normalize: bool, dtype: torch.dtype) -> Tensor:
+    """gamma * o_history + (1 - gamma) * o_recent of a stacked GLA output ``o`` (B, T, 2, Hq, Dv [+ 1]),
+    each read over its normaliser first with ``normalize`` (0 where that is empty, as
+    ``safe_divide``), in float32 (or wider): (B, Hq, T, Dv) in ``dtype``, a view of a token-major tensor."""
+    hq = o.shape[3]
+    gamma = torch.as_tensor(gamma, device=o.device)
+    if gamma.numel() not in (1, hq):
+        raise ValueError(f"gamma must be a scalar or have one value per query head ({hq}), got {tuple(gamma.shape)}")
+    acc = torch.promote_types(torch.promote_types(o.dtype, gamma.dtype), torch.float32)
+    gamma = gamma.to(acc).reshape(-1, 1)  # (Hq or 1, 1)
+    weights = torch.stack((gamma, 1 - gamma)).expand(2, hq, 1)  # (2, Hq, 1)
+    num = o[..., :dv]
+    if normalize:
+        den = o[..., dv:].to(acc)  # (B, T, 2, Hq, 1)
+        weights = torch.where(den > EMPTY_DENOMINATOR, weights / torch.where(den > EMPTY_DENOMINATOR, den, 1.0), 0.0)
+    else:
+        weights = weights.expand(*o.shape[:2], 2, hq, 1)
+    out = torch.addcmul(num[:, :, 1] * weights[:, :, 1], num[:, :, 0], weights[:, :, 0])  # (B, T, Hq, Dv), promoted to acc
+    return out.to(dtype).transpose(1, 2)
 
 
 ROW_ALIGN = 4

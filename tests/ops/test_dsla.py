@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import linearize.ops.dsla as dsla_ops
 from linearize.ops.common import repeat_kv
 from linearize.ops.dsla import (
     GATE_NORMALISER,
@@ -416,8 +417,9 @@ def test_log_gate_uses_the_gate_normaliser() -> None:
 def _token_major(x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """q, k (repeated to every query head), v and the gates of ``x`` laid out token-major (B, T, H, D)."""
     n_rep = x["q"].shape[1] // x["k"].shape[1]
-    out = {n: x[n].transpose(1, 2).contiguous() for n in ("q", "v", "g1", "g2")}
+    out = {n: x[n].transpose(1, 2).contiguous() for n in ("q", "v")}
     out["k"] = repeat_kv(x["k"], n_rep).transpose(1, 2).contiguous()
+    out["g"] = torch.stack((x["g1"], x["g2"]), dim=2).transpose(1, 3).contiguous()  # (B, T, 2, Hq, Dk), history first
     return out
 
 
@@ -432,18 +434,38 @@ def test_token_major_prefill_equals_dsla_attention(case: Case, normalize: bool) 
     state = DslaState(history=x["history"], recent=x["recent"])
     want = dsla_attention(x["q"], x["k"], x["v"], x["g1"], x["g2"], x["gamma"], state=state, normalize=normalize, chunk=case.chunk)
     tm = _token_major(x)
-    got = dsla_prefill(tm["q"], tm["k"], tm["v"], tm["g1"], tm["g2"], x["gamma"], state=state, normalize=normalize, chunk=case.chunk,
+    got = dsla_prefill(tm["q"], tm["k"], tm["v"], tm["g"], x["gamma"], state=state, normalize=normalize, chunk=case.chunk,
                        backend="torch")  # fmt: skip
     for g, w in zip((got[0], got[1].history, got[1].recent), (want[0], want[1].history, want[1].recent)):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalised"])
+@torch.no_grad()
+def test_token_major_prefill_runs_both_states_in_one_gla_call(monkeypatch, normalize: bool) -> None:
+    """The two states are 2 Hq heads of one GLA call (one kernel sequence on fla), from an empty
+    state, with a gamma per query head: still ``dsla_attention``'s output and states."""
+    case = Case(b=3, t=21, hq=4, dk=8, hkv=2, dv=6, chunk=8)
+    x = (normalized_inputs if normalize else make_inputs)(case)
+    gamma = torch.tensor([0.0, 0.3, 0.7, 1.0])
+    want = dsla_attention(x["q"], x["k"], x["v"], x["g1"], x["g2"], gamma, normalize=normalize, chunk=case.chunk)
+    calls = []
+    gla = dsla_ops.BACKENDS["torch"]
+    monkeypatch.setitem(dsla_ops.BACKENDS, "torch", lambda q, *a: calls.append(q.shape) or gla(q, *a))
+    tm = _token_major(x)
+    got = dsla_prefill(tm["q"], tm["k"], tm["v"], tm["g"], gamma, normalize=normalize, chunk=case.chunk, backend="torch")
+    assert calls == [(3, 8, 21, 8)]  # one call over (B, 2 Hq, T, Dk)
+    for g, w in zip((got[0], got[1].history, got[1].recent), (want[0], want[1].history, want[1].recent)):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    assert got[1].history.is_contiguous() and got[1].recent.is_contiguous()
+
+
 def test_token_major_prefill_names_bad_shapes() -> None:
     tm = _token_major(make_inputs(Case(b=1, t=5, hq=4, dk=8, hkv=2)))
-    with pytest.raises(ValueError, match="log_alpha_recent has shape"):
-        dsla_prefill(tm["q"], tm["k"], tm["v"], tm["g1"], tm["g2"][:, :4], torch.tensor(0.5), backend="torch")
+    with pytest.raises(ValueError, match="log_alphas has shape"):
+        dsla_prefill(tm["q"], tm["k"], tm["v"], tm["g"][:, :4], torch.tensor(0.5), backend="torch")
     with pytest.raises(ValueError, match="unknown DSLA backend 'cuda'"):
-        dsla_prefill(tm["q"], tm["k"], tm["v"], tm["g1"], tm["g2"], torch.tensor(0.5), backend="cuda")
+        dsla_prefill(tm["q"], tm["k"], tm["v"], tm["g"], torch.tensor(0.5), backend="cuda")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="fla (fla-core) is not installed")
@@ -459,7 +481,7 @@ def test_token_major_prefill_on_fla_in_bfloat16(normalize: bool) -> None:
     state = DslaState(history=x["history"], recent=x["recent"])
     want = dsla_attention(x["q"], x["k"], x["v"], x["g1"], x["g2"], x["gamma"], state=state, normalize=normalize, backend="fla")
     tm = _token_major(x)
-    got = dsla_prefill(tm["q"], tm["k"], tm["v"], tm["g1"], tm["g2"], x["gamma"], state=state, normalize=normalize, backend="fla")
+    got = dsla_prefill(tm["q"], tm["k"], tm["v"], tm["g"], x["gamma"], state=state, normalize=normalize, backend="fla")
     assert got[0].transpose(1, 2).is_contiguous()  # fla's outputs are token-major, and so is their mix
     torch.testing.assert_close(got[0].float(), want[0].float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got[1].history, want[1].history, atol=2e-2, rtol=2e-2)
