@@ -399,7 +399,8 @@ def step_stats(timeline: Sequence[dict[str, Any]]) -> dict[str, Any]:
     requests, and where the time went: ``decode_s`` (the decode forwards of the steps that decoded:
     mean, p50, ...; ``mean_decode_rows`` their rows), ``prefill_s_per_token`` (all prefill and
     recompute time over the tokens it fed) and ``prefill_share`` (prefill time over decode and
-    prefill time together); None where the timeline does not say."""
+    prefill time together); ``decode_fit``: the decode forward's seconds as a fixed cost plus a
+    cost per row (``decode_fit``); None where the timeline does not say."""
     times = [p["t"] for p in timeline]
     decodes = [p for p in timeline if p.get("decode_rows")]
     prefill_s = sum(p.get("prefill_s", 0.0) for p in timeline)
@@ -410,7 +411,18 @@ def step_stats(timeline: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "decode_s": _stats([p["decode_s"] for p in decodes]),
             "mean_decode_rows": statistics.fmean([p["decode_rows"] for p in decodes]) if decodes else None,
             "prefill_s_per_token": prefill_s / prefill_tokens if prefill_tokens else None,
-            "prefill_share": prefill_s / work_s if work_s > 0 else None}  # fmt: skip
+            "prefill_share": prefill_s / work_s if work_s > 0 else None,
+            "decode_fit": decode_fit([p["decode_rows"] for p in decodes], [p["decode_s"] for p in decodes])}  # fmt: skip
+
+
+def decode_fit(rows: Sequence[int], seconds: Sequence[float]) -> dict[str, float] | None:
+    """The least-squares line seconds = fixed_s + per_row_s * rows over decode forwards: what a
+    forward costs whatever its batch (launches, host work, weight reads) and what each row adds
+    (its KV or state reads). None with fewer than two distinct row counts."""
+    if len(set(rows)) < 2:
+        return None
+    per_row, fixed = statistics.linear_regression([float(r) for r in rows], list(seconds))
+    return {"fixed_s": fixed, "per_row_s": per_row}
 
 
 Run = Callable[[], tuple[list[RequestRecord], list[dict[str, Any]], dict[str, Any]]]
@@ -599,18 +611,20 @@ def replay_markdown(result: dict[str, Any]) -> str:
     if stepped:
         lines += ["", "Engine steps (in process): time between consecutive steps' ends, with the requests running; "
                   "where it went: the decode forward of the steps that decoded (its median and mean rows), prefill and "
-                  "recompute chunks per 1,000 tokens they fed, and prefill's share of the two.", "",
+                  "recompute chunks per 1,000 tokens they fed, and prefill's share of the two; the decode forward "
+                  "fitted as a fixed cost plus a cost per row (least squares over its steps).", "",
                   "| policy | steps | mean (ms) | p50 | p90 | p99 | mean running | decode forward p50 (ms) | rows | "
-                  "prefill ms / 1K tokens | prefill share | pools allocated (GiB) | allocator retries |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+                  "decode fixed (ms) | per row (ms) | prefill ms / 1K tokens | prefill share | pools allocated (GiB) | allocator retries |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
         for policy, m in stepped.items():
             st, d = m["engine_steps"], m["engine_steps"]["duration_s"]
             dec = st.get("decode_s") or {}
             arena, retries = m.get("arena_bytes"), m.get("alloc_retries")
-            share = st.get("prefill_share")
+            share, fit = st.get("prefill_share"), st.get("decode_fit") or {}
             lines.append(f"| {policy} | {st['steps']} | {f(d['mean'], 1e3, 1)} | {f(d['p50'], 1e3, 1)} | {f(d['p90'], 1e3, 1)} "
                          f"| {f(d['p99'], 1e3, 1)} | {f(st['mean_running'], 1, 1)} | {f(dec.get('p50'), 1e3, 1)} "
-                         f"| {f(st.get('mean_decode_rows'), 1, 1)} | {f(st.get('prefill_s_per_token'), 1e6, 1)} "
+                         f"| {f(st.get('mean_decode_rows'), 1, 1)} | {f(fit.get('fixed_s'), 1e3, 1)} | {f(fit.get('per_row_s'), 1e3, 2)} "
+                         f"| {f(st.get('prefill_s_per_token'), 1e6, 1)} "
                          f"| {'' if share is None else f'{share:.0%}'} | {f(arena / 2**30 if arena else None, 1, 2)} "
                          f"| {'' if retries is None else retries} |")
     return "\n".join(lines) + "\n"

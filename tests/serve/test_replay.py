@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from linearize.data import TRACES
-from linearize.serve.replay import (RequestRecord, TraceRequest, across_runs, augment, base_policy, load_trace, parse_slo, run_replay,
-                                    summarize)
+from linearize.serve.replay import (RequestRecord, TraceRequest, across_runs, augment, base_policy, decode_fit, load_trace, parse_slo,
+                                    run_replay, step_stats, summarize)
 from linearize.serve.settings import ReplaySettings
 
 from .test_api import tiny_engine
@@ -71,6 +71,18 @@ def test_metrics_follow_vllm_definitions():
     assert parse_slo("ttft=2s,tpot=100ms") == {"ttft": 2.0, "tpot": 0.1}
     with pytest.raises(ValueError, match="keys are ttft, tpot and e2e"):
         parse_slo("latency=1s")
+
+
+def test_decode_fit_splits_a_forward_into_fixed_and_per_row_cost():
+    rows = [1, 2, 4, 8, 8, 16]
+    seconds = [0.030 + 0.0005 * r for r in rows]
+    fit = decode_fit(rows, seconds)
+    assert fit["fixed_s"] == pytest.approx(0.030) and fit["per_row_s"] == pytest.approx(0.0005)
+    assert decode_fit([4, 4, 4], [0.1, 0.2, 0.3]) is None  # one row count: no line
+    assert decode_fit([], []) is None
+    timeline = [{"t": 0.1 * i, "running": r, "decode_rows": r, "decode_s": s, "prefill_tokens": 0, "prefill_s": 0.0}
+                for i, (r, s) in enumerate(zip(rows, seconds))]
+    assert step_stats(timeline)["decode_fit"]["per_row_s"] == pytest.approx(0.0005)
 
 
 def test_replay_every_policy_loses_nothing(tmp_path):
