@@ -236,11 +236,17 @@ class DslaDecodeState:
         return cls(states, _value_rows(states, states.shape[1], kv_heads, width, normalize), width)
 
     @classmethod
-    def in_pool(cls, pool: Tensor, index: Tensor, kv_heads: int, width: int, normalize: bool) -> "DslaDecodeState":
+    def in_pool(cls, pool: Tensor, index: Tensor, kv_heads: int, width: int, normalize: bool, values: Tensor | None = None) -> "DslaDecodeState":
         """Batch row b's states are row index[b] of ``pool`` (2, N, Hq, Dk, C), float32, whose first
         ``width`` = Dv [+ 1] columns are the state's and the rest zero: decoding updates them there,
-        nothing is copied."""
-        return cls(pool, _value_rows(pool, index.shape[0], kv_heads, width, normalize), width, index)
+        nothing is copied. ``values``: the value-row buffer of an earlier state of these rows with the
+        same kv heads, columns, width and normaliser (each step rewrites its value columns), reused."""
+        if values is None:
+            values = _value_rows(pool, index.shape[0], kv_heads, width, normalize)
+        elif tuple(values.shape) != (index.shape[0], kv_heads, pool.shape[-1]) or values.dtype != pool.dtype:
+            raise ValueError(f"values {tuple(values.shape)} {values.dtype} do not fit {index.shape[0]} rows of {kv_heads} kv heads "
+                             f"and {pool.shape[-1]} {pool.dtype} columns")  # fmt: skip
+        return cls(pool, values, width, index)
 
     def canonical(self) -> DslaState:
         states = self.states if self.index is None else self.states.index_select(1, self.index)

@@ -12,7 +12,9 @@ with the work done once per layer and group of rows:
   their position 0 and are dropped), or over a gathered copy of its rows when that span is more
   than three times the rows (a copy costs a write and a read); one ``scaled_dot_product_attention``
   call with the query heads of a KV head folded into the query axis, so grouped heads are never
-  repeated. cuDNN's attention is left out of that call's backends: it builds a graph for every new
+  repeated, and one additive mask per call (its rows aligned for the memory-efficient kernel) that
+  every layer reads as it is. A layer whose rows are split between softmax and a converted path
+  runs one output projection for both groups. cuDNN's attention is left out of that call's backends: it builds a graph for every new
   key length, i.e. for every decode step (tens of ms each on an H200); flash, memory-efficient and
   math attention take any length. Free slots are handed out lowest first, which keeps the span of running requests short;
 - converted layers: the kind's state with the slot on dim 0; a group's rows are gathered, advanced
@@ -48,6 +50,9 @@ from .runner import check_rows, decoder_forward, next_positions, split_rows
 
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 """The attention backends the pooled runner lets SDPA choose from (not cuDNN: a graph per key length)."""
+MASK_ALIGN = 16
+"""Attention masks are laid out with rows of a multiple of this many elements (what SDPA's
+memory-efficient kernel wants; it copies and pads other masks on every call)."""
 MIN_SLOTS = 4
 MIN_CAPACITY = 256
 
@@ -169,31 +174,34 @@ class PooledRunner:
         def attention(i: int, attn, h: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
             split = split_rows(converted_rows, i)
             if not split[0] or not split[1]:  # one group: no gather of the hidden states
-                return self._attention(attn, h, (cos, sin), group_of(tuple(range(b))), i, converted=bool(split[0]))
-            out = torch.empty_like(h)
+                return attn.o_proj(self._attention(attn, h, (cos, sin), group_of(tuple(range(b))), i, converted=bool(split[0])))
+            out = None
             for converted, part in zip((True, False), split):
                 group = group_of(tuple(part))
                 o = self._attention(attn, h[group.rows], (cos[group.rows], sin[group.rows]), group, i, converted)
-                out.index_copy_(0, group.rows, o)
-            return out
+                out = (o.new_empty(b, *o.shape[1:]) if out is None else out).index_copy_(0, group.rows, o)
+            return attn.o_proj(out)  # one output projection for both groups
 
         return decoder_forward(self.model, self._layers, seqs, ids, positions, attention)
 
     def _attention(self, attn, h: Tensor, pe: tuple[Tensor, Tensor], group: "_Group", i: int, converted: bool) -> Tensor:
+        """The group's attention output before the output projection, (G, T, Hq * Dv) in h's dtype."""
         b, t, _ = h.shape
         if converted:
             o = self._converted(attn, h, pe, group, i)
         else:
             o = self._softmax(attn, h, pe, group, i)
-        return attn.o_proj(o.transpose(1, 2).reshape(b, t, -1).to(h.dtype))
+        return o.transpose(1, 2).reshape(b, t, -1).to(h.dtype)
 
     def _converted(self, attn, h: Tensor, pe: tuple[Tensor, Tensor], group: "_Group", i: int) -> Tensor:
         pool = self._states.get(i)
         decoding = pool is not None and not group.all_fresh and group.fresh is None and h.shape[1] == 1 and attn.mode == "hybrid"
         if decoding and i in self._dsla:  # the rows' states advanced where they are in the pool
-            rows = StateCacheLayer()
-            rows.decode_state = DslaDecodeState.in_pool(self._dsla[i], group.slots, attn.num_kv_heads, pool.history.shape[-1],
-                                                        attn.normalize)  # fmt: skip
+            rows, width = StateCacheLayer(), pool.history.shape[-1]
+            key = (attn.num_kv_heads, self._dsla[i].shape[-1], width, attn.normalize)
+            rows.decode_state = DslaDecodeState.in_pool(self._dsla[i], group.slots, attn.num_kv_heads, width, attn.normalize,
+                                                        values=group.scratch.get(key))  # fmt: skip
+            group.scratch[key] = rows.decode_state.values  # the call's converted layers write their values there in turn
             o = attn.decode_step(h, pe, rows)
             if o is not None:
                 return o
@@ -256,7 +264,7 @@ class PooledRunner:
             if group.span_index is not None:  # rows placed in the span; the span's other slots idle
                 qf = qf.new_zeros(group.span, *qf.shape[1:]).index_copy_(0, group.span_index, qf)
         with sdpa_kernel(SDPA_BACKENDS):
-            o = F.scaled_dot_product_attention(qf, keys, values, attn_mask=group.mask(n_rep), scale=attn.scaling)
+            o = F.scaled_dot_product_attention(qf, keys, values, attn_mask=group.mask(n_rep, qf.dtype), scale=attn.scaling)
         if group.span_index is not None and not group.gather:
             o = o.index_select(0, group.span_index)
         return o.reshape(b, hkv * n_rep, t, values.shape[3])
@@ -278,6 +286,7 @@ class _Group:
     allowed: Tensor  # (G or span, T, length) bool: key j visible to query t of row g (span rows: the span's)
     fresh: Tensor | None  # rows (within the group) that hold nothing yet, when some do
     all_fresh: bool
+    scratch: dict = field(default_factory=dict)  # the DSLA decode step's value rows, shared by the call's converted layers
     _masks: dict = field(default_factory=dict)
 
     @classmethod
@@ -306,10 +315,16 @@ class _Group:
             all_fresh=len(fresh) == len(rows),
         )  # fmt: skip
 
-    def mask(self, n_rep: int) -> Tensor:
-        """(G or span, 1, n_rep * T, length): the mask for queries folded as (head in group, token)."""
-        m = self._masks.get(n_rep)
+    def mask(self, n_rep: int, dtype: torch.dtype) -> Tensor:
+        """(G or span, 1, n_rep * T, length): the additive mask (0 where ``allowed``, -inf elsewhere) in
+        the queries' ``dtype`` for queries folded as (head in group, token), built once per call and
+        shared by its layers. Its rows are padded in memory to a multiple of MASK_ALIGN, so SDPA's
+        memory-efficient kernel takes it as it is: a boolean mask, or an unaligned one, is converted and
+        padded again by every layer's call."""
+        m = self._masks.get((n_rep, dtype))
         if m is None:
-            m = self._masks[n_rep] = self.allowed.repeat(1, n_rep, 1)[:, None]
+            allowed = self.allowed.repeat(1, n_rep, 1)[:, None]  # (G or span, 1, n_rep * T, length)
+            aligned = -(-self.length // MASK_ALIGN) * MASK_ALIGN
+            m = allowed.new_zeros(*allowed.shape[:-1], aligned, dtype=dtype).fill_(float("-inf"))[..., : self.length]
+            m = self._masks[(n_rep, dtype)] = m.masked_fill_(allowed, 0.0)
         return m
-

@@ -11,7 +11,8 @@ from linearize.ops.dsla import DslaDecodeState
 from linearize.serve.engine import Engine, EngineConfig
 from linearize.serve.levels import LevelMemory
 from linearize.serve.policy import parse_policy
-from linearize.serve.pool import MIN_CAPACITY, MIN_SLOTS, PooledRunner
+from linearize.serve.pool import MASK_ALIGN, MIN_CAPACITY, MIN_SLOTS, PooledRunner, _Group
+from linearize.serve.runner import next_positions
 from linearize.serve.runner import Runner
 from linearize.serve.sampling import SamplingParams
 from linearize.spec import ConversionSpec
@@ -66,6 +67,29 @@ def test_pooled_equals_reference_across_levels_chunks_and_growth(fused, monkeypa
     assert [p.nbytes() for p in ps] == [r.nbytes() for r in rs]
     assert [p.nbytes_by_kind() for p in ps] == [r.nbytes_by_kind() for r in rs]
     assert pool.arena_bytes() > 0
+
+
+def test_a_call_shares_one_aligned_additive_mask_and_one_value_buffer(monkeypatch):
+    """Within one forward call, every softmax layer reads the same additive mask (0 where a key is
+    visible, -inf elsewhere, rows laid out on MASK_ALIGN elements so SDPA takes it as it is), and every
+    DSLA layer's decode step writes its values into one buffer."""
+    model, levels = family()
+    pool = PooledRunner(model, levels)
+    seqs = [pool.new_sequence(3) for _ in range(3)]
+    gen = torch.Generator().manual_seed(1)
+    for seq, n in zip(seqs, (5, 9, 2)):
+        pool.forward([seq], torch.randint(3, 128, (1, n), generator=gen))
+    ids = torch.randint(3, 128, (3, 1), generator=gen)
+    group = _Group.make((0, 1, 2), seqs, next_positions(seqs, ids), 1, ids.device)
+    mask = group.mask(2, torch.float32)
+    assert mask is group.mask(2, torch.float32) and mask.stride(-2) % MASK_ALIGN == 0 and mask.stride(-1) == 1
+    allowed = group.allowed.repeat(1, 2, 1)[:, None]
+    assert torch.equal(mask == 0, allowed) and bool((mask[~allowed] == float("-inf")).all())
+    buffers = []
+    in_pool = DslaDecodeState.in_pool.__func__
+    monkeypatch.setattr(DslaDecodeState, "in_pool", classmethod(lambda cls, *a, **k: buffers.append(in_pool(cls, *a, **k)) or buffers[-1]))
+    pool.forward(seqs, ids)
+    assert len(buffers) == len(ORDER) and all(b.values is buffers[0].values for b in buffers)
 
 
 def test_a_reused_slot_starts_clean():
