@@ -16,7 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
 from ..layers.base import ConvertedAttention, project_qkv
 from ..modeling import decoder_layers
 from ..ops.softmax import softmax_attention
@@ -146,11 +149,21 @@ def decoder_forward(model, layers, seqs, ids: Tensor, positions: Tensor, attenti
     x = base.embed_tokens(ids)  # (B, T, hidden)
     cos, sin = base.rotary_emb(x, positions)
     for i, layer in enumerate(layers):
-        x = x + attention(i, layer.self_attn, layer.input_layernorm(x), cos, sin)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = x + attention(i, layer.self_attn, rms_norm(layer.input_layernorm, x), cos, sin)
+        x = x + layer.mlp(rms_norm(layer.post_attention_layernorm, x))
     for s in seqs:
         s.position += t
-    return model.lm_head(base.norm(x[:, -1])).float()  # (B, vocab)
+    return model.lm_head(rms_norm(base.norm, x[:, -1])).float()  # (B, vocab)
+
+
+def rms_norm(norm, x: Tensor) -> Tensor:
+    """``norm(x)``; for a Llama RMSNorm on CUDA through torch's fused RMSNorm kernel (one launch where
+    the module runs six: float32 cast, square, mean, rsqrt, scale, cast back), then the module's own
+    weight multiply, in the same order and dtypes as the module (the normalised rows are computed in
+    float32 and cast to x's dtype before the weight)."""
+    if x.is_cuda and type(norm) is LlamaRMSNorm:
+        return norm.weight * F.rms_norm(x, (x.shape[-1],), eps=norm.variance_epsilon)
+    return norm(x)
 
 
 def _by_state(rows: list[int], seqs: list[Sequence], i: int) -> list[list[int]]:

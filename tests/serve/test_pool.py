@@ -206,3 +206,22 @@ def test_pooled_equals_reference_on_cuda():
         ids = torch.randint(3, 128, (len(rs), 1), generator=gen).cuda()
         worst = max(worst, (ref.forward(rs, ids) - pool.forward(ps, ids)).abs().max().item())
     assert worst < 2e-3
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_the_runners_rms_norm_equals_the_models(device):
+    """The runners' norm (torch's fused RMSNorm on CUDA, the module elsewhere) gives the module's
+    numbers: in float32 to rounding, in bfloat16 within one unit in the last place."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from linearize.serve.runner import rms_norm
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 2**-7)):
+        norm = LlamaRMSNorm(256, eps=1e-5).to(device=device, dtype=dtype)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(256, generator=gen).to(device=device, dtype=dtype))
+        x = (4 * torch.randn(7, 3, 256, generator=gen)).to(device=device, dtype=dtype)
+        want, got = norm(x), rms_norm(norm, x)
+        assert got.dtype == want.dtype == dtype
+        torch.testing.assert_close(got.float(), want.float(), atol=tol * want.abs().max().item(), rtol=tol)
