@@ -325,6 +325,6 @@ class _Group:
         if m is None:
             allowed = self.allowed.repeat(1, n_rep, 1)[:, None]  # (G or span, 1, n_rep * T, length)
             aligned = -(-self.length // MASK_ALIGN) * MASK_ALIGN
-            m = allowed.new_zeros(*allowed.shape[:-1], aligned, dtype=dtype).fill_(float("-inf"))[..., : self.length]
+            m = allowed.new_full((*allowed.shape[:-1], aligned), float("-inf"), dtype=dtype)[..., : self.length]
             m = self._masks[(n_rep, dtype)] = m.masked_fill_(allowed, 0.0)
         return m
