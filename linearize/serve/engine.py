@@ -62,7 +62,12 @@ class Request:
     text: str = ""
     generator: torch.Generator | None = field(default=None, repr=False)
     stop_checker: StopChecker | None = field(default=None, repr=False)
-    _decoded: str = field(default="", repr=False)
+    _text_ids: list[int] = field(default_factory=list, repr=False)
+    """The output tokens the text is decoded from (end-of-sequence tokens left out)."""
+    _prefix: int = field(default=0, repr=False)
+    """Where the window decoded for the next text delta starts in ``_text_ids``."""
+    _read: int = field(default=0, repr=False)
+    """How many of ``_text_ids`` the emitted text covers."""
 
     @property
     def tokens(self) -> list[int]:
@@ -104,8 +109,8 @@ class StepOutput:
 class StepWork:
     """One engine step's work: the decode forward (one token for each of ``decode_rows`` requests)
     and the prefill chunks after it (``prefill_tokens`` in ``prefill_chunks`` forwards, recomputes
-    included), each with its wall time (each forward ends by reading its logits on the host, so on a
-    GPU the times include the device's work)."""
+    included), each with its wall time (the decode forward ends by reading its tokens on the host and
+    the prefill chunks by waiting for the device, so on a GPU the times include the device's work)."""
 
     decode_rows: int = 0
     decode_s: float = 0.0
@@ -218,6 +223,8 @@ class Engine:
         decoded = time.perf_counter()
         chunks, tokens = self.counters["prefill_chunks"], self.counters["prefill_tokens"]  # before this step's prefill
         self._prefill(self.config.max_step_tokens - len(decoding), outputs)
+        if self.counters["prefill_chunks"] > chunks and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # chunks are not read back one by one: the step's prefill time includes the device's work
         self.last_step = StepWork(decode_rows=len(decoding), decode_s=decoded - start if decoding else 0.0,
                                   prefill_chunks=self.counters["prefill_chunks"] - chunks,
                                   prefill_tokens=self.counters["prefill_tokens"] - tokens, prefill_s=time.perf_counter() - decoded)  # fmt: skip
@@ -276,9 +283,9 @@ class Engine:
 
     def _decode(self, decoding: list[Request], outputs: dict[str, StepOutput]) -> None:
         ids = torch.tensor([[r.output[-1]] for r in decoding], device=self.device)  # (B, 1)
-        logits = self.runner.forward([r.seq for r in decoding], ids).cpu()
-        for r, row in zip(decoding, logits):
-            self._append(r, row, outputs)
+        logits = self.runner.forward([r.seq for r in decoding], ids)  # (B, vocab) on the device
+        for r, token in zip(decoding, self._next_tokens(decoding, logits)):
+            self._append(r, token, outputs)
 
     def _prefill(self, budget: int, outputs: dict[str, StepOutput]) -> None:
         candidates = [r for r in self.running if not r.prefilled]
@@ -293,12 +300,12 @@ class Engine:
                 request.seq = self.runner.new_sequence(request.level)
             start = request.seq.position
             chunk = request.tokens[start : min(request.target, start + budget)]
-            logits = self.runner.forward([request.seq], torch.tensor([chunk], device=self.device)).cpu()
+            logits = self.runner.forward([request.seq], torch.tensor([chunk], device=self.device))
             budget -= len(chunk)
             self.counters["prefill_tokens"] += len(chunk)
             self.counters["prefill_chunks"] += 1
-            if request.prefilled and not request.output:
-                self._append(request, logits[0], outputs)  # the first token comes with the prompt's last chunk
+            if request.prefilled and not request.output:  # the first token comes with the prompt's last chunk
+                self._append(request, self._next_tokens([request], logits)[0], outputs)
 
     def _admit(self, outputs: dict[str, StepOutput]) -> Request | None:
         """The next waiting request, running, if its memory fits now; None if it must wait."""
@@ -327,8 +334,25 @@ class Engine:
             return request
         return None
 
-    def _append(self, request: Request, logits: torch.Tensor, outputs: dict[str, StepOutput]) -> None:
-        token = sample(logits, request.params, request.generator)
+    @staticmethod
+    def _next_tokens(requests: list[Request], logits: torch.Tensor) -> list[int]:
+        """Each request's next token from its row of ``logits`` (B, vocab), where the forward left
+        them: the greedy rows' argmax taken there, so only their token ids reach the host, and the
+        sampled rows' logits copied to the host for their own generators (as ``sample``)."""
+        greedy = [r.params.greedy for r in requests]
+        tokens = [0] * len(requests)
+        picked = [i for i, g in enumerate(greedy) if g]
+        if picked:
+            rows = logits if len(picked) == len(requests) else logits[picked]
+            for i, token in zip(picked, rows.argmax(dim=-1).tolist()):
+                tokens[i] = token
+        drawn = [i for i, g in enumerate(greedy) if not g]
+        if drawn:
+            for i, row in zip(drawn, logits[drawn].cpu()):
+                tokens[i] = sample(row, requests[i].params, requests[i].generator)
+        return tokens
+
+    def _append(self, request: Request, token: int, outputs: dict[str, StepOutput]) -> None:
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
         request.output.append(token)
@@ -355,13 +379,21 @@ class Engine:
             self.running.remove(request)
 
     def _text_delta(self, request: Request) -> tuple[str, bool]:
-        """Text the new token adds (held back while it may be a stop string's start or half a character)."""
-        ids = [t for t in request.output if t not in self.eos]
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+        """Text the newest token adds (held back while it may be a stop string's start or half a
+        character), decoded incrementally: only the tokens since the last emitted piece and the piece
+        before them (its context: a word's leading space, a character's first bytes), so a token
+        costs the same at any output length. The pieces join to the decode of the whole output."""
+        token = request.output[-1]
+        if token in self.eos:
             return "", False
-        new, request._decoded = text[len(request._decoded):], text
-        emit, stopped = request.stop_checker.feed(new)
+        ids = request._text_ids
+        ids.append(token)
+        before = self.tokenizer.decode(ids[request._prefix : request._read], skip_special_tokens=True)
+        text = self.tokenizer.decode(ids[request._prefix :], skip_special_tokens=True)
+        if len(text) <= len(before) or text.endswith("\ufffd"):  # nothing new yet, or an incomplete UTF-8 sequence
+            return "", False
+        request._prefix, request._read = request._read, len(ids)
+        emit, stopped = request.stop_checker.feed(text[len(before) :])
         request.text += emit
         return emit, stopped
 

@@ -121,15 +121,21 @@ def test_too_long_is_rejected_not_lost(family):
 def test_sampled_requests_do_not_depend_on_their_batch(family):
     model, levels = family
     params = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)
     alone = Engine(model, levels, EngineConfig(kv_budget=10**9))
     rid = alone.add_request(list(range(5, 25)), params)
     alone.run()
+    alone_greedy = Engine(model, levels, EngineConfig(kv_budget=10**9))
+    gid = alone_greedy.add_request(list(range(9, 21)), greedy)
+    alone_greedy.run()
     busy = Engine(model, levels, EngineConfig(kv_budget=10**9, max_step_tokens=16))
     for k in range(4):
         busy.add_request(list(range(7, 30 + k)), SamplingParams(max_tokens=6, temperature=1.0, seed=k))
     rid2 = busy.add_request(list(range(5, 25)), params)
+    gid2 = busy.add_request(list(range(9, 21)), greedy)  # greedy rows decode beside sampled ones
     busy.run()
     assert busy.get(rid2).output == alone.get(rid).output
+    assert busy.get(gid2).output == alone_greedy.get(gid).output
 
 
 def test_bad_requests_name_the_problem(family):
@@ -201,3 +207,46 @@ def test_each_step_says_what_it_ran(family):
     second = engine.last_step
     assert (second.decode_rows, second.prefill_tokens, second.prefill_chunks) == (1, 15, 1) and second.decode_s > 0
     assert engine.counters["prefill_tokens"] == 31 and engine.counters["prefill_chunks"] == 3
+
+
+@pytest.fixture(params=["words", "smollm2"])
+def tokenizer_and_text(request):
+    """A word-level tokenizer, and SmolLM2's byte-level BPE (skipped without the model's GGUF), each
+    with a text to stream (the BPE's with characters of two to four bytes)."""
+    from linearize.hub import build_tiny_tokenizer, find_smollm2_gguf, load_gguf_tokenizer
+
+    if request.param == "words":
+        return build_tiny_tokenizer(), "w3 w17 w5 w99 w4 w4 w120"
+    try:
+        gguf = find_smollm2_gguf()
+    except FileNotFoundError as err:
+        pytest.skip(f"SmolLM2 GGUF not available: {err}")
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(eos_token_id=2, pad_token_id=2, max_position_embeddings=8192)
+    return load_gguf_tokenizer(gguf, config), "Naïve café — 東京タワー 🚀🚀 x  y\n\tz, \"quoted\" ünïcödé 🤖"
+
+
+def test_streamed_text_joins_to_the_whole_decode(family, tokenizer_and_text):
+    """The engine decodes each new token's text from a short window (the tokens since its last piece
+    and that piece), not the whole output: the pieces, end-of-sequence tokens among them, still join to
+    the decode of the whole output, multi-byte characters split across tokens included."""
+    from linearize.serve.engine import Request
+    from linearize.serve.sampling import StopChecker
+
+    tokenizer, text = tokenizer_and_text
+    model, levels = family
+    engine = Engine(model, levels, EngineConfig(kv_budget=10**9), tokenizer=tokenizer, eos_token_ids=[2])
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids = ids[:3] + [2] + ids[3:] + [2]  # an end-of-sequence token inside (ignore_eos) and at the end
+    request = Request("r", [1], SamplingParams(max_tokens=len(ids), ignore_eos=True))
+    request.stop_checker = StopChecker(())
+    pieces = []
+    for token in ids:
+        request.output.append(token)
+        pieces.append(engine._text_delta(request)[0])
+    want = tokenizer.decode([t for t in ids if t != 2], skip_special_tokens=True)
+    assert "".join(pieces) == request.text == want
+    assert sum(1 for p in pieces if p) > len(ids) // 3  # streamed as it goes, not at the end
+    if "🚀" in text:  # the byte-level BPE splits some of these characters across tokens
+        assert any("\ufffd" in tokenizer.decode([t]) for t in ids)
