@@ -182,14 +182,8 @@ def _mix_stacked(o: Tensor, gamma: Tensor, dv: int, normalize: bool, dtype: torc
         raise ValueError(f"gamma must be a scalar or have one value per query head ({hq}), got {tuple(gamma.shape)}")
     acc = torch.promote_types(torch.promote_types(o.dtype, gamma.dtype), torch.float32)
     gamma = gamma.to(acc).reshape(-1, 1)  # (Hq or 1, 1)
-    weights = torch.stack((gamma, 1 - gamma)).expand(2, hq, 1)  # (2, Hq, 1)
-    num = o[..., :dv]
-    if normalize:
-        den = o[..., dv:].to(acc)  # (B, T, 2, Hq, 1)
-        weights = torch.where(den > EMPTY_DENOMINATOR, weights / torch.where(den > EMPTY_DENOMINATOR, den, 1.0), 0.0)
-    else:
-        weights = weights.expand(*o.shape[:2], 2, hq, 1)
-    out = torch.addcmul(num[:, :, 1] * weights[:, :, 1], num[:, :, 0], weights[:, :, 0])  # (B, T, Hq, Dv), promoted to acc
+    weights = torch.stack((gamma, 1 - gamma))[:, None, None]  # (2, 1, 1, Hq or 1, 1)
+    out = _mix_reads(o.movedim(2, 0), weights, dv, normalize)  # (B, T, Hq, Dv) in acc
     return out.to(dtype).transpose(1, 2)
 
 
@@ -305,13 +299,20 @@ def dsla_decode_step(
         o = torch.matmul(qf.reshape(1, b, hq, 1, dk), rows)  # (2, B, Hq, 1, Dv [+ 1]): both states' reads
         if state.index is not None:
             s.index_copy_(1, state.index, rows)
-    weights = weights.view(2, 1, 1, 1, 1)
-    if normalize:  # each state's read over its normaliser, 0 where that is empty (as safe_divide)
-        den = o[..., dv : dv + 1]
-        weights = torch.where(den > EMPTY_DENOMINATOR, weights / den, 0.0)  # (2, B, Hq, 1, 1)
-    o = o[..., :dv]
-    out = torch.addcmul(o[1] * weights[1], o[0], weights[0])  # (B, Hq, 1, Dv)
+    out = _mix_reads(o, weights.view(2, 1, 1, 1, 1), dv, normalize)  # (B, Hq, 1, Dv)
     return out if out.dtype == v.dtype else out.to(v.dtype)
+
+
+def _mix_reads(o: Tensor, weights: Tensor, dv: int, normalize: bool) -> Tensor:
+    """weights[0] * o[0] + weights[1] * o[1] over the value columns of the two states' reads ``o``
+    (2, ..., Dv [+ 1]), history first; with ``normalize`` each read is divided by its last column
+    first, 0 where that is empty (as ``safe_divide``). ``weights`` (2, ...) broadcasts against o's
+    reads; the result is in the wider of their dtypes."""
+    if normalize:
+        den = o[..., dv : dv + 1]
+        weights = torch.where(den > EMPTY_DENOMINATOR, weights / den, 0.0)
+    o = o[..., :dv]
+    return torch.addcmul(o[1] * weights[1], o[0], weights[0])
 
 
 def _with_ones(v: Tensor) -> Tensor:

@@ -399,8 +399,8 @@ def step_stats(timeline: Sequence[dict[str, Any]]) -> dict[str, Any]:
     requests, and where the time went: ``decode_s`` (the decode forwards of the steps that decoded:
     mean, p50, ...; ``mean_decode_rows`` their rows), ``prefill_s_per_token`` (all prefill and
     recompute time over the tokens it fed) and ``prefill_share`` (prefill time over decode and
-    prefill time together); ``decode_fit``: the decode forward's seconds as a fixed cost plus a
-    cost per row (``decode_fit``); None where the timeline does not say."""
+    prefill time together) and ``decode_fit`` (the decode forwards' seconds as a fixed cost plus a
+    cost per row); None where the timeline does not say."""
     times = [p["t"] for p in timeline]
     decodes = [p for p in timeline if p.get("decode_rows")]
     prefill_s = sum(p.get("prefill_s", 0.0) for p in timeline)
