@@ -307,7 +307,8 @@ def _mix_reads(o: Tensor, weights: Tensor, dv: int, normalize: bool) -> Tensor:
     """weights[0] * o[0] + weights[1] * o[1] over the value columns of the two states' reads ``o``
     (2, ..., Dv [+ 1]), history first; with ``normalize`` each read is divided by its last column
     first, 0 where that is empty (as ``safe_divide``). ``weights`` (2, ...) broadcasts against o's
-    reads; the result is in the wider of their dtypes."""
+    reads; the result is in the wider of their dtypes. For inference: an empty normaliser's
+    quotient is masked, not kept out of the graph as ``safe_divide`` keeps it for gradients."""
     if normalize:
         den = o[..., dv : dv + 1]
         weights = torch.where(den > EMPTY_DENOMINATOR, weights / den, 0.0)
