@@ -18,7 +18,7 @@
 #   engine steps of each policy under torch.profiler, to replay/SETTING-N-profile; its timings are not the result:
 #   in a profiled replay on an H200 the repeated softmax ran 0.61x its first run)  PROFILE_FROM (300: the first
 #   profiled step of each policy)
-#   SETTINGS ("smollm2 7b")  RUNNER (pooled)
+#   SETTINGS ("smollm2 7b")  RUNNER (pooled)  GRAPHS (graphs; no-graphs: decode steps launched op by op)
 set -u
 if [ "${1:-}" = --pack ]; then
   WORK=${2:?usage: serving_study.sh --pack WORK_DIR OUT_DIR [WAIT_SECONDS]}
@@ -41,7 +41,7 @@ SETTINGS=(${SETTINGS:-smollm2 7b})
 mkdir -p "$WORK/logs" "$WORK/replay"
 echo "${#SETTINGS[@]}" > "$WORK/expected"
 common="--device ${DEVICE:-cuda} --trace azure-conv --rate-scale $RATE --policies $POLICIES --max-prompt 4096"
-common+=" --slo ttft=2s,tpot=100ms --timeout $TIMEOUT --runner $RUNNER"
+common+=" --slo ttft=2s,tpot=100ms --timeout $TIMEOUT --runner $RUNNER --${GRAPHS:-graphs}"
 declare -A chain  # GPU -> the commands of the settings it runs, one after another (one GPU: all in turn)
 for i in "${!SETTINGS[@]}"; do
   setting=${SETTINGS[$i]}; gpu=${GPUS[$(( i % ${#GPUS[@]} ))]}

@@ -3,6 +3,7 @@ generated from ``linearize.serve.settings.ServeSettings`` (the attribute docstri
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import typing
 
@@ -22,8 +23,11 @@ def dataclass_flags(p, cls, names: tuple[str, ...] | None = None, helps: dict[st
         kind = next((t for t in typing.get_args(hint) if t is not type(None)), hint) if typing.get_origin(hint) else hint
         default = f.default if f.default is not dataclasses.MISSING else None
         shown = "" if f.name == "api_key" or default is None else f" (default: {default})"
-        p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=None,
-                       help=(docs.get(f.name, "") + shown).replace("%", "%%"))  # fmt: skip
+        helped = (docs.get(f.name, "") + shown).replace("%", "%%")
+        if kind is bool:  # --flag / --no-flag
+            p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=helped)
+            continue
+        p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=None, help=helped)
 
 
 def from_args(cls, args):
@@ -31,7 +35,8 @@ def from_args(cls, args):
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if getattr(args, f.name, None) is not None})
 
 
-ENGINE_FIELDS = ("model", "kv_budget", "max_level", "high_water", "low_water", "max_step_tokens", "max_running", "runner", "device")
+ENGINE_FIELDS = ("model", "kv_budget", "max_level", "high_water", "low_water", "max_step_tokens", "max_running", "runner", "graphs",
+                 "device")
 """The ServeSettings fields a replay uses (its engine)."""
 
 

@@ -81,6 +81,7 @@ class _Kernels(NamedTuple):
     hybrid: Any
     dsla: Any
     window: Any
+    slots: Any
 
 
 @functools.cache
@@ -214,7 +215,49 @@ def _kernels() -> _Kernels:
             o = tl.where(den > EPS, x / den, 0.0)
         tl.store(out + r * (V - 1) + ov, o, mask=ov < V - 1)
 
-    return _Kernels(hybrid=hybrid_kernel, dsla=dsla_kernel, window=window_kernel)
+    @triton.jit
+    def slot_kernel(
+        q, keys, values, slots, lengths, out_o, out_m, out_l,
+        s_qb, s_qh, s_ks, s_kh, s_kt, s_vs, s_vh, s_vt, scale,
+        SPLIT: tl.constexpr, N_REP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+        BD: tl.constexpr, BDV: tl.constexpr, NS: tl.constexpr, HKV: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(0).to(tl.int64)  # one (batch row, KV head, split of the keys)
+        hk = tl.program_id(1).to(tl.int64)
+        sp = tl.program_id(2)
+        slot = tl.load(slots + b).to(tl.int64)
+        n = tl.load(lengths + b).to(tl.int32)
+        start = sp * SPLIT
+        end = tl.minimum(start + SPLIT, n)
+        om, od, ov = tl.arange(0, BM), tl.arange(0, BD), tl.arange(0, BDV)
+        mm, md, mv = om < N_REP, od < D, ov < DV
+        heads = hk * N_REP + om  # the KV head's query heads, one per row
+        qv = tl.load(q + b * s_qb + heads[:, None] * s_qh + od[None, :], mask=mm[:, None] & md[None, :], other=0.0)
+        kbase = keys + slot * s_ks + hk * s_kh
+        vbase = values + slot * s_vs + hk * s_vh
+        m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BM], dtype=tl.float32)
+        acc = tl.zeros([BM, BDV], dtype=tl.float32)
+        for t0 in range(0, SPLIT, BN):  # a constant trip count (Triton's interpreter takes no run-time bounds)
+            if start + t0 < end:  # blocks past the row's length are skipped, not read
+                ot = start + t0 + tl.arange(0, BN)
+                mt = ot < end
+                k = tl.load(kbase + ot[:, None] * s_kt + od[None, :], mask=mt[:, None] & md[None, :], other=0.0)
+                s = tl.dot(qv, tl.trans(k), input_precision="ieee") * scale  # (BM, BN)
+                s = tl.where(mt[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: the block holds a key
+                p = tl.exp(s - m_new[:, None])
+                alpha = tl.exp(m_i - m_new)
+                v = tl.load(vbase + ot[:, None] * s_vt + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                m_i = m_new
+        row = (b * HKV * N_REP + heads) * NS + sp  # (B, Hq, NS) partials
+        tl.store(out_m + row, m_i, mask=mm)
+        tl.store(out_l + row, l_i, mask=mm)
+        tl.store(out_o + row[:, None] * DV + ov[None, :], acc, mask=mm[:, None] & mv[None, :])
+
+    return _Kernels(hybrid=hybrid_kernel, dsla=dsla_kernel, window=window_kernel, slots=slot_kernel)
 
 
 BLOCK_K = 32
@@ -353,3 +396,59 @@ def hybrid_window_read(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, l
 @hybrid_window_read.register_fake
 def _(q, keys, values, valid, lin, factor, scale, gate):
     return lin.new_empty(lin.shape[0], lin.shape[1] - 1)
+
+
+SLOT_BLOCK = 64
+"""Keys per block of the slot attention kernel's loop."""
+
+
+def slot_splits(batch: int, kv_heads: int, capacity: int) -> int:
+    """How many programs share one (row, KV head)'s keys in ``slot_attention``: enough programs to
+    fill the GPU at small batches (about 1,024 in all), and no program with more than 2,048 keys; a
+    function of the shapes only, so a captured graph keeps its grid."""
+    blocks = max(1, -(-capacity // SLOT_BLOCK))
+    return max(1, min(blocks, max(-(-capacity // 2048), -(-1024 // (batch * kv_heads)))))
+
+
+@torch.library.custom_op("linearize::slot_attention", mutates_args=())
+def slot_attention_partials(q: Tensor, keys: Tensor, values: Tensor, slots: Tensor, lengths: Tensor,
+                            scale: float) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """Flash-decoding partials of one query token per row over keys held in slot pools: row b reads
+    the first lengths[b] positions of slot slots[b] of ``keys`` (S, Hkv, C, D) and ``values`` (S, Hkv,
+    C, Dv), for ``q`` (B, Hq, D) (Hq a multiple of Hkv: the query heads of a KV head read its keys
+    once). The keys are cut into ``slot_splits`` parts; returns each part's (output numerator (B, Hq,
+    NS, Dv), row max (B, Hq, NS), sum of weights (B, Hq, NS)), float32 (an empty part: -inf, 0, 0).
+    ``slot_attention`` combines them."""
+    from triton import next_power_of_2 as pow2
+
+    b, hq, d = q.shape
+    _, hkv, cap, dv = values.shape
+    if keys.shape[:3] != values.shape[:3] or keys.shape[-1] != d or hq % hkv:
+        raise ValueError(f"q {tuple(q.shape)}, keys {tuple(keys.shape)} and values {tuple(values.shape)} do not fit "
+                         "(S, Hkv, C, D) pools with Hq a multiple of Hkv")  # fmt: skip
+    _check("slots", slots, (b,), torch.int64)
+    _check("lengths", lengths, (b,), torch.int64)
+    if q.stride(-1) != 1 or keys.stride(-1) != 1 or values.stride(-1) != 1:
+        raise ValueError("q, keys and values must be contiguous in their last axis")
+    n_rep = hq // hkv
+    ns = slot_splits(b, hkv, cap)
+    per_split = -(-cap // ns)
+    split = -(-per_split // SLOT_BLOCK) * SLOT_BLOCK  # keys per program, whole blocks
+    out_o = torch.empty(b, hq, ns, dv, device=q.device, dtype=torch.float32)
+    out_m = torch.empty(b, hq, ns, device=q.device, dtype=torch.float32)
+    out_l = torch.empty(b, hq, ns, device=q.device, dtype=torch.float32)
+    _kernels().slots[(b, hkv, ns)](
+        q, keys, values, slots, lengths, out_o, out_m, out_l,
+        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
+        values.stride(0), values.stride(1), values.stride(2), scale,
+        SPLIT=split, N_REP=n_rep, D=d, DV=dv, BM=max(16, pow2(n_rep)), BN=SLOT_BLOCK, BD=max(16, pow2(d)), BDV=max(16, pow2(dv)), NS=ns, HKV=hkv,
+    )  # fmt: skip
+    return out_o, out_m, out_l
+
+
+@slot_attention_partials.register_fake
+def _(q, keys, values, slots, lengths, scale):
+    b, hq, _ = q.shape
+    ns = slot_splits(b, values.shape[1], values.shape[2])
+    return q.new_empty(b, hq, ns, values.shape[-1], dtype=torch.float32), q.new_empty(b, hq, ns, dtype=torch.float32), \
+        q.new_empty(b, hq, ns, dtype=torch.float32)  # fmt: skip

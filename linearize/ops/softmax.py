@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import fused_decode
 from .common import default_valid, gqa_groups, repeat_kv
 from .naive import sinks_attention_reference, softmax_attention_reference  # noqa: F401 (the specification)
 from .states import KVState
@@ -61,6 +62,40 @@ def softmax_attention(
     allowed = causal[None] & new_state.valid[:, None, :] & valid[:, :, None]  # (B, T, S)
     out = _masked_softmax_attention(q, repeat_kv(new_state.keys, n_rep), repeat_kv(new_state.values, n_rep), allowed, scale)
     return out, new_state
+
+
+def slot_attention(q: Tensor, keys: Tensor, values: Tensor, slots: Tensor, lengths: Tensor, scale: float) -> Tensor:
+    """One query token per row over keys kept in slot pools (the serving runner's layout): row b
+    attends to the first lengths[b] positions of slot slots[b] of ``keys`` (S, Hkv, C, D) and
+    ``values`` (S, Hkv, C, Dv) (a row of length 0 gives 0). q (B, Hq, D), the query heads of a KV
+    head consecutive; returns (B, Hq, Dv) in q's dtype. Every index is a device tensor and the work
+    depends only on the shapes, so a CUDA graph can capture it: on CUDA it is a flash-decoding
+    kernel (``fused_decode.slot_attention_partials``, each row reading its own length, the parts
+    combined here), elsewhere ``slot_attention_reference`` (float32 over the whole capacity)."""
+    if fused_decode.enabled(q):
+        return combine_parts(*fused_decode.slot_attention_partials(q, keys, values, slots, lengths, scale)).to(q.dtype)
+    return slot_attention_reference(q, keys, values, slots, lengths, scale)
+
+
+def combine_parts(o: Tensor, m: Tensor, l: Tensor) -> Tensor:
+    """Softmax attention from its parts over disjoint key ranges: o (..., P, Dv) each part's sum of
+    exp(score - m) v, m (..., P) its max score, l (..., P) its sum of exp(score - m) (an empty part:
+    m = -inf, l = 0) -> (..., Dv) float32, 0 where every part is empty."""
+    top = m.amax(dim=-1, keepdim=True)
+    w = torch.where(l > 0, torch.exp(m - top), 0.0)  # each part rescaled to the common max
+    den = (l * w).sum(dim=-1, keepdim=True)
+    return torch.where(den > 0, (o * w[..., None]).sum(dim=-2) / den, 0.0)
+
+
+def slot_attention_reference(q: Tensor, keys: Tensor, values: Tensor, slots: Tensor, lengths: Tensor, scale: float) -> Tensor:
+    """``slot_attention`` in float32 over each row's gathered slot, positions from lengths[b] on masked."""
+    b, hq, d = q.shape
+    k, v = keys[slots].float(), values[slots].float()  # (B, Hkv, C, D)
+    hkv, cap = k.shape[1], k.shape[2]
+    scores = torch.matmul(q.float().reshape(b, hkv, hq // hkv, d), k.transpose(-1, -2)) * scale  # (B, Hkv, n_rep, C)
+    allowed = (torch.arange(cap, device=q.device) < lengths[:, None])[:, None, None]  # (B, 1, 1, C)
+    weights = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1).nan_to_num(0.0)  # empty rows: 0
+    return torch.matmul(weights, v).reshape(b, hq, v.shape[-1]).to(q.dtype)
 
 
 def sinks_attention(

@@ -133,6 +133,9 @@ class EngineConfig:
     """pooled: every request's memory in per-layer slot pools (one gather and one attention call per
     layer and group); reference: per-request states merged for every layer (the plain form it is
     tested against)."""
+    graphs: bool = True
+    """Pooled runner on CUDA: decode steps on static buffers, captured as CUDA graphs per padded batch
+    size and highest level (``serve.graphs``); False: launched op by op."""
 
     def __post_init__(self) -> None:
         for name in ("kv_budget", "max_step_tokens", "max_running"):
@@ -147,12 +150,15 @@ class Engine:
 
     def __init__(self, model, levels: LevelMemory, config: EngineConfig, *, policy: Policy | None = None, tokenizer=None,
                  eos_token_ids: Iterable[int] | None = None):
-        self.runner = PooledRunner(model, levels, config.max_running) if config.runner == "pooled" else Runner(model, levels)
+        self.device = next(model.parameters()).device
+        if config.runner == "pooled":
+            self.runner = PooledRunner(model, levels, config.max_running, graphs=config.graphs and self.device.type == "cuda")
+        else:
+            self.runner = Runner(model, levels)
         self.levels, self.config = levels, config
         self.policy = policy or SoftmaxPolicy()
         self.tokenizer = tokenizer
         self.eos = default_eos_token_ids(model) if eos_token_ids is None else frozenset(eos_token_ids)
-        self.device = next(model.parameters()).device
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: dict[str, Request] = {}

@@ -26,6 +26,9 @@ with the work done once per layer and group of rows:
 
 The arena grows (slots or capacity doubled, one copy) when a request needs more; freed slots are
 reused without clearing (a slot's stale positions are masked; a first chunk starts from no state).
+Every pool has one more row than the requests' slots, the scratch slot, which rows that pad a
+static decode batch write (``graphs.StaticDecode``: with ``graphs``, decode steps run on static
+buffers, captured as CUDA graphs on CUDA).
 What a request holds is counted by the level formula (``LevelMemory``: the bytes its states would
 hold alone); ``arena_bytes`` is what the pools have allocated.
 """
@@ -45,6 +48,7 @@ from ..layers.base import ConvertedAttention, project_qkv
 from ..modeling import decoder_layers
 from ..ops.dsla import DslaDecodeState, padded_columns
 from ..ops.states import DslaState
+from .graphs import StaticDecode
 from .levels import LevelMemory
 from .runner import check_rows, decoder_forward, next_positions, split_rows
 
@@ -82,6 +86,12 @@ class PooledRunner:
     levels: LevelMemory
     max_slots: int | None = None
     """Requests the pools may hold at once (None: no limit); the arena never grows past it."""
+    graphs: bool = False
+    """Decode steps (one token per row, every row holding tokens, converted layers DSLA in their hybrid
+    mode) on static buffers (``graphs.StaticDecode``): captured as CUDA graphs on CUDA; elsewhere the
+    same static step runs eagerly."""
+    generation: int = field(init=False, default=0)
+    """Counts pool creations and growths (what captured graphs hold the addresses of)."""
     _layers: list = field(init=False, repr=False)
     _keys: list = field(init=False, repr=False)
     _values: list = field(init=False, repr=False)
@@ -91,6 +101,7 @@ class PooledRunner:
     _free: list = field(init=False, repr=False)
     _slots: int = field(init=False, default=0)
     _capacity: int = field(init=False, default=0)
+    _static: StaticDecode | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         self._layers = list(decoder_layers(self.model))
@@ -102,10 +113,21 @@ class PooledRunner:
         self._states = {}
         self._dsla = {}
         self._free = []
+        if self.graphs:
+            self._static = StaticDecode(self, capture=next(self.model.parameters()).is_cuda)
 
     @property
     def num_layers(self) -> int:
         return len(self._layers)
+
+    @property
+    def scratch_slot(self) -> int:
+        """The pools' row past the requests' slots: where rows that pad a static batch write."""
+        return self._slots
+
+    @property
+    def static_decode(self) -> StaticDecode | None:
+        return self._static
 
     # --- slots ---------------------------------------------------------------------------------
     def new_sequence(self, level: int = 0) -> PooledSequence:
@@ -138,17 +160,18 @@ class PooledRunner:
         for pool in (self._keys, self._values):
             for i, t in enumerate(pool):
                 if t is not None:
-                    grown = t.new_zeros(new_slots, t.shape[1], new_capacity, t.shape[3])
-                    grown[: t.shape[0], :, : t.shape[2]] = t
+                    grown = t.new_zeros(new_slots + 1, t.shape[1], new_capacity, t.shape[3])  # + the scratch slot
+                    grown[: self._slots, :, : t.shape[2]] = t[: self._slots]
                     pool[i] = grown
         for i, state in self._states.items():
             if i in self._dsla:
                 self._states[i] = self._dsla_pool(i, new_slots)
             else:
-                self._states[i] = state._map(lambda t: torch.cat([t, t.new_zeros(new_slots - t.shape[0], *t.shape[1:])]))
+                self._states[i] = state._map(lambda t: torch.cat([t, t.new_zeros(new_slots + 1 - t.shape[0], *t.shape[1:])]))
         for slot in range(self._slots, new_slots):
             heapq.heappush(self._free, slot)
         self._slots, self._capacity = new_slots, new_capacity
+        self.generation += 1
 
     # --- forward -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -164,6 +187,10 @@ class PooledRunner:
         if need > self._capacity:
             limit = getattr(self.model.config, "max_position_embeddings", None) or need
             self._grow(capacity=max(need, min(2 * self._capacity, limit)))
+        if t == 1 and self._static is not None:
+            hi = max(s.level for s in seqs)
+            if self._static.supports(seqs, hi):
+                return self._static.forward(seqs, ids, hi)
         positions = next_positions(seqs, ids)  # (B, T)
         converted_rows = [self.levels.converted_layers(s.level) for s in seqs]
         groups: dict[tuple[int, ...], _Group] = {}
@@ -224,32 +251,34 @@ class PooledRunner:
             if isinstance(new, DslaState):
                 pool = self._states[i] = self._dsla_pool(i, self._slots, new)
             else:
-                pool = self._states[i] = new._map(lambda x: x.new_zeros(self._slots, *x.shape[1:]))
+                pool = self._states[i] = new._map(lambda x: x.new_zeros(self._slots + 1, *x.shape[1:]))  # + the scratch slot
+            self.generation += 1
         for dst, src in zip(pool.tensors(), new.tensors()):
             dst.index_copy_(0, group.slots, src.to(dst.dtype))
         return o
 
     def _dsla_pool(self, i: int, slots: int, like: DslaState | None = None) -> DslaState:
-        """Layer i's DSLA pool for ``slots`` rows: one zeroed (2, slots, Hq, F, C) tensor, its rows
+        """Layer i's DSLA pool for ``slots`` rows and the scratch slot: one zeroed (2, slots + 1, Hq, F, C) tensor, its rows
         padded as the decode step wants them (``padded_columns``), shaped like the state ``like`` for a
         new pool, holding the layer's earlier pool otherwise; returns the DslaState of views into it
         that the generic code reads and writes."""
         old = self._dsla.get(i)
         if old is None:
             width = like.history.shape[-1]
-            storage = like.history.new_zeros(2, slots, *like.history.shape[1:-1], padded_columns(width, like.history))
-        else:
+            storage = like.history.new_zeros(2, slots + 1, *like.history.shape[1:-1], padded_columns(width, like.history))
+        else:  # + the scratch slot
             width = self._states[i].history.shape[-1]
-            storage = old.new_zeros(2, slots, *old.shape[2:])
-            storage[:, : old.shape[1]] = old
+            storage = old.new_zeros(2, slots + 1, *old.shape[2:])
+            storage[:, : old.shape[1] - 1] = old[:, :-1]
         self._dsla[i] = storage
         return DslaState(history=storage[0, ..., :width], recent=storage[1, ..., :width])
 
     def _softmax(self, attn, h: Tensor, pe: tuple[Tensor, Tensor], group: "_Group", i: int) -> Tensor:
         q, k, v, _, _ = project_qkv(attn, h, pe)  # q (B, Hq, T, D), k/v (B, Hkv, T, D)
-        if self._keys[i] is None:
-            self._keys[i] = k.new_zeros(self._slots, k.shape[1], self._capacity, k.shape[3])
-            self._values[i] = v.new_zeros(self._slots, v.shape[1], self._capacity, v.shape[3])
+        if self._keys[i] is None:  # the requests' slots and the scratch slot
+            self._keys[i] = k.new_zeros(self._slots + 1, k.shape[1], self._capacity, k.shape[3])
+            self._values[i] = v.new_zeros(self._slots + 1, v.shape[1], self._capacity, v.shape[3])
+            self.generation += 1
         keys, values = self._keys[i], self._values[i]
         b, hkv, t, d = k.shape
         # write the new tokens at their positions: keys[slot_b, :, start_b + j] = k[b, :, j]

@@ -65,7 +65,8 @@ def make_engine(model, tokenizer, levels, device, settings: ServeSettings, polic
 
     policy = parse_policy(policy or settings.policy, levels, max_level=settings.max_level, high=settings.high_water, low=settings.low_water)
     config = EngineConfig(kv_budget=budget_bytes(settings.kv_budget, device), max_step_tokens=settings.max_step_tokens,
-                          max_running=settings.max_running, runner=settings.runner)  # fmt: skip
+                          max_running=settings.max_running, runner=settings.runner,
+                          graphs=settings.graphs)  # fmt: skip
     return Engine(model, levels, config, policy=policy, tokenizer=tokenizer)
 
 

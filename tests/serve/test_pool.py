@@ -62,7 +62,7 @@ def test_pooled_equals_reference_across_levels_chunks_and_growth(fused, monkeypa
         worst, rs, ps, pool = run_both(model, levels, prompts, level_of, 6, gen)
     assert worst < 1e-5
     assert len(calls) == 6 * 3  # every decode step, in each of the three DSLA layers
-    assert sorted(pool._dsla) == sorted(ORDER) and all(t.shape[1] == pool._slots for t in pool._dsla.values())
+    assert sorted(pool._dsla) == sorted(ORDER) and all(t.shape[1] == pool._slots + 1 for t in pool._dsla.values())  # + the scratch slot
     assert [p.position for p in ps] == [r.position for r in rs] == [n + 6 for n in lengths]
     assert [p.nbytes() for p in ps] == [r.nbytes() for r in rs]
     assert [p.nbytes_by_kind() for p in ps] == [r.nbytes_by_kind() for r in rs]

@@ -1,0 +1,110 @@
+"""The pooled runner's static decode step (``serve.graphs``): the same logits as the reference runner
+for batches of mixed levels, padded buckets, slots out of order, reuse and growth (on the CPU the
+static step runs eagerly; on CUDA it is captured and replayed as CUDA graphs)."""
+
+import contextlib
+
+import pytest
+import torch
+
+from linearize.ops import fused_decode
+from linearize.serve.engine import Engine, EngineConfig
+from linearize.serve.graphs import StaticDecode, bucket_rows
+from linearize.serve.policy import parse_policy
+from linearize.serve.pool import MIN_CAPACITY, PooledRunner
+from linearize.serve.runner import Runner
+from linearize.serve.sampling import SamplingParams
+
+from .test_pool import family
+
+
+def test_bucket_rows():
+    assert [bucket_rows(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 40, 41)] == [1, 2, 4, 4, 8, 8, 16, 16, 24, 40, 48]
+    with pytest.raises(ValueError, match="rows must be >= 1, got 0"):
+        bucket_rows(0)
+
+
+def _decode_both(model, levels, prompts, level_of, steps, gen, device="cpu", release=(), fused=None):
+    """Prefill every prompt on the reference runner and on a pooled runner with static decoding, then
+    decode ``steps`` forced tokens for all rows (row indices in ``release`` leave after the first
+    step; ``fused``: the decode steps in ``use_fused(fused)``); returns the max |difference| of
+    logits and the pooled runner."""
+    ref, pool = Runner(model, levels), PooledRunner(model, levels, graphs=True)
+    calls = []
+    forward = StaticDecode.forward
+    pool._static.forward = lambda *a, **k: calls.append(1) or forward(pool._static, *a, **k)
+    rs = [ref.new_sequence(level) for level in level_of]
+    ps = [pool.new_sequence(level) for level in level_of]
+    worst = 0.0
+    for r, p, prompt in zip(rs, ps, prompts):
+        for chunk in prompt.to(device).split(8):
+            worst = max(worst, (ref.forward([r], chunk[None]) - pool.forward([p], chunk[None])).abs().max().item())
+    calls.clear()  # a one-token last chunk of a prompt is a decode step too
+    for step in range(steps):
+        ids = torch.randint(3, 128, (len(rs), 1), generator=gen).to(device)
+        want = ref.forward(rs, ids)
+        with fused_decode.use_fused(fused) if fused is not None else contextlib.nullcontext():
+            got = pool.forward(ps, ids)
+        worst = max(worst, (want - got).abs().max().item())
+        if step == 0 and release:
+            for j in sorted(release, reverse=True):
+                pool.release(ps.pop(j))
+                rs.pop(j)
+    assert len(calls) == steps  # every decode step took the static path
+    assert [p.position for p in ps] == [r.position for r in rs]
+    return worst, pool
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused"])
+def test_static_decode_equals_the_reference_runner(fused):
+    """Six rows at levels 0-3 (a bucket of 8: two padding rows on the scratch slot; layers with
+    converted and softmax rows side by side), one prompt past the first capacity (the arena grows),
+    then three rows leave (a bucket of 4, slots with gaps). fused: the static steps through the slot
+    attention and DSLA state kernels (Triton's interpreter on the CPU)."""
+    if fused and not fused_decode.triton_available():
+        pytest.skip("needs Triton (the test extra installs it)")
+    model, levels = family()
+    gen = torch.Generator().manual_seed(0)
+    lengths = [9, 4, 13, MIN_CAPACITY + 40, 2, 7]
+    prompts = [torch.randint(3, 128, (n,), generator=gen) for n in lengths]
+    worst, pool = _decode_both(model, levels, prompts, [0, 2, 3, 1, 0, 3], 3 if fused else 5, gen, release=(1, 2, 4), fused=fused)
+    assert worst < 1e-5
+    assert {4, 8} <= set(pool._static._buckets)  # (and 1: one-token last chunks of prompts)
+    assert pool._static.captured == 0  # on the CPU nothing is captured
+
+
+def test_static_decode_steps_aside_for_what_it_does_not_run():
+    """A row that holds nothing yet (its first token is a decode-sized prefill) takes the eager path."""
+    model, levels = family()
+    pool = PooledRunner(model, levels, graphs=True)
+    s = pool.new_sequence(2)
+    assert not pool._static.supports([s], 2)
+    pool.forward([s], torch.tensor([[5]]))
+    assert pool._static.supports([s], 2) and not pool._static._buckets
+
+
+@pytest.mark.parametrize("policy", ["softmax", "length-caps", "memory"])
+def test_engine_gives_the_same_tokens_with_static_decoding(policy):
+    model, levels = family()
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (5, 40, 17, 3, 29)]
+    outputs = {}
+    for graphs in (False, True):
+        engine = Engine(model, levels, EngineConfig(kv_budget=10**9, max_step_tokens=24, graphs=graphs), policy=parse_policy(policy, levels))
+        engine.runner._static = StaticDecode(engine.runner, capture=False) if graphs else None  # eager static steps on the CPU
+        ids = [engine.add_request(p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)) for p in prompts]
+        done = engine.run()
+        outputs[graphs] = [done[i].output for i in ids]
+        assert bool(graphs) == bool(engine.runner._static and engine.runner._static._buckets)  # static steps ran
+    assert outputs[True] == outputs[False]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_decode_equals_the_reference_runner_on_cuda():
+    model, levels = family()
+    model.cuda()
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 128, (n,), generator=gen) for n in (9, 300, 4, 13, 2)]
+    worst, pool = _decode_both(model, levels, prompts, [0, 3, 2, 1, 0], 6, gen, device="cuda", release=(2,))
+    assert worst < 2e-3
+    assert pool._static.captured >= 2  # buckets 8 and 4, each captured on its second step
