@@ -130,8 +130,8 @@ class StaticDecode:
         graph = bucket.graphs.get(hi)
         if graph is not None:
             graph.replay()
-        elif self.capture and hi in bucket.warm:
-            graph = bucket.graphs[hi] = self._record(bucket, hi)
+        elif self.capture and hi in bucket.warm and (graph := self._record(bucket, hi)) is not None:
+            bucket.graphs[hi] = graph
             graph.replay()
         else:
             self._step(bucket, hi)
@@ -150,12 +150,19 @@ class StaticDecode:
             )  # fmt: skip
         return bucket
 
-    def _record(self, bucket: _Bucket, hi: int) -> torch.cuda.CUDAGraph:
+    def _record(self, bucket: _Bucket, hi: int) -> torch.cuda.CUDAGraph | None:
+        """The step's graph; None (and no more captures: the steps run eagerly) where capture fails."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):  # records on a side stream; nothing runs
-            self._step(bucket, hi)
+        try:
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):  # records on a side stream; nothing runs
+                self._step(bucket, hi)
+        except RuntimeError as err:
+            logger.warning("capturing the decode step failed (batch %d, highest level %d): %s; decode steps run without graphs",
+                           bucket.rows, hi, str(err).splitlines()[0][:300])  # fmt: skip
+            self.capture = False
+            return None
         self.captured += 1
         logger.info("decode step captured as a CUDA graph (batch %d, highest level %d)", bucket.rows, hi)
         return graph
