@@ -9,11 +9,14 @@ Each ``step()``:
 3. makes room for this step's decode tokens: if the softmax layers' growth would pass the budget,
    the newest running request is preempted (its memory freed, the request put back at the head of
    the queue with the tokens it has; it resumes by recompute), as vLLM does;
-4. decodes one token for every running request whose prompt is in (one batched forward);
-5. spends the rest of the step's token budget on prefill chunks: first requests already running,
-   then new ones in arrival order, each admitted only when the bytes of its prompt fit the budget
-   at the level the policy gives it. A request that cannot fit even alone at the highest level
-   allowed is rejected (finish_reason 'rejected'), never dropped silently.
+4. launches the decode of one token for every running request whose prompt is in (one batched
+   forward; its tokens start back to the host without waiting);
+5. spends the rest of the step's token budget on prefill chunks (launched while the device still
+   runs the decode): first requests already running, then new ones in arrival order, each admitted
+   only when the bytes of its prompt fit the budget at the level the policy gives it. A request
+   that cannot fit even alone at the highest level allowed is rejected (finish_reason 'rejected'),
+   never dropped silently;
+6. takes the decode's tokens (requests that finish with them free their memory for the next step).
 Bytes are counted by the level formula (``LevelMemory.bytes``: exactly what the states hold).
 """
 
@@ -109,8 +112,10 @@ class StepOutput:
 class StepWork:
     """One engine step's work: the decode forward (one token for each of ``decode_rows`` requests)
     and the prefill chunks after it (``prefill_tokens`` in ``prefill_chunks`` forwards, recomputes
-    included), each with its wall time (the decode forward ends by reading its tokens on the host and
-    the prefill chunks by waiting for the device, so on a GPU the times include the device's work)."""
+    included), each with its wall time. The prefill chunks are launched while the decode runs on the
+    device: ``decode_s`` is the decode's launch plus the wait for its tokens after the chunks'
+    launches, ``prefill_s`` the chunks' launches plus the final wait for the device; together the
+    step's work, and on a GPU the device's work is in one or the other."""
 
     decode_rows: int = 0
     decode_s: float = 0.0
@@ -198,6 +203,12 @@ class Engine:
     def get(self, request_id: str) -> Request | None:
         return next((r for r in itertools.chain(self.waiting, self.running) if r.id == request_id), None) or self.finished.get(request_id)
 
+    def close(self) -> None:
+        """Free the runner's memory now (its pools and graphs): the engine cannot step after."""
+        for request in list(self.running):
+            self._drop_memory(request)
+        self.runner.close()
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -224,16 +235,20 @@ class Engine:
         self._apply_raises(self._view())
         decoding = self._make_room(outputs)
         start = time.perf_counter()
-        if decoding:
-            self._decode(decoding, outputs)
-        decoded = time.perf_counter()
+        pending = self._decode(decoding) if decoding else None  # launched; its tokens come back while the prefill launches
+        launched = time.perf_counter()
         chunks, tokens = self.counters["prefill_chunks"], self.counters["prefill_tokens"]  # before this step's prefill
-        self._prefill(self.config.max_step_tokens - len(decoding), outputs)
+        self._prefill(self.config.max_step_tokens - len(decoding), outputs, busy=decoding)
+        prefilled = time.perf_counter()
+        if pending is not None:
+            for r, token in zip(decoding, pending.tokens()):
+                self._append(r, token, outputs)
+        decoded = time.perf_counter()
         if self.counters["prefill_chunks"] > chunks and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # chunks are not read back one by one: the step's prefill time includes the device's work
-        self.last_step = StepWork(decode_rows=len(decoding), decode_s=decoded - start if decoding else 0.0,
-                                  prefill_chunks=self.counters["prefill_chunks"] - chunks,
-                                  prefill_tokens=self.counters["prefill_tokens"] - tokens, prefill_s=time.perf_counter() - decoded)  # fmt: skip
+        self.last_step = StepWork(decode_rows=len(decoding), decode_s=(launched - start) + (decoded - prefilled) if decoding else 0.0,
+                                  prefill_chunks=self.counters["prefill_chunks"] - chunks, prefill_tokens=self.counters["prefill_tokens"] - tokens,
+                                  prefill_s=(prefilled - launched) + (time.perf_counter() - decoded))  # fmt: skip
         by_kind = [r.seq.nbytes_by_kind() for r in self.running if r.seq is not None]
         self.held_after_step = (sum(kv for kv, _ in by_kind), sum(state for _, state in by_kind))
         held = sum(self.held_after_step)
@@ -287,14 +302,18 @@ class Engine:
         self.counters["preemptions"] += 1
         self.waiting.appendleft(request)
 
-    def _decode(self, decoding: list[Request], outputs: dict[str, StepOutput]) -> None:
+    def _decode(self, decoding: list[Request]) -> "_NextTokens":
+        """Launch the decode forward of ``decoding`` (one token each); its next tokens on their way."""
         ids = torch.tensor([[r.output[-1]] for r in decoding], device=self.device)  # (B, 1)
         logits = self.runner.forward([r.seq for r in decoding], ids)  # (B, vocab) on the device
-        for r, token in zip(decoding, self._next_tokens(decoding, logits)):
-            self._append(r, token, outputs)
+        return _NextTokens.start(decoding, logits)
 
-    def _prefill(self, budget: int, outputs: dict[str, StepOutput]) -> None:
-        candidates = [r for r in self.running if not r.prefilled]
+    def _prefill(self, budget: int, outputs: dict[str, StepOutput], busy: list[Request] = ()) -> None:
+        """Prefill and recompute chunks within ``budget`` tokens (the running requests' first, then
+        admitted ones); ``busy``: requests whose decode forward this step launched (their token is
+        not in yet)."""
+        skip = {id(r) for r in busy}
+        candidates = [r for r in self.running if not r.prefilled and id(r) not in skip]
         while budget > 0:
             if not candidates:
                 admitted = self._admit(outputs)
@@ -311,7 +330,7 @@ class Engine:
             self.counters["prefill_tokens"] += len(chunk)
             self.counters["prefill_chunks"] += 1
             if request.prefilled and not request.output:  # the first token comes with the prompt's last chunk
-                self._append(request, self._next_tokens([request], logits)[0], outputs)
+                self._append(request, _NextTokens.start([request], logits).tokens()[0], outputs)
 
     def _admit(self, outputs: dict[str, StepOutput]) -> Request | None:
         """The next waiting request, running, if its memory fits now; None if it must wait."""
@@ -339,24 +358,6 @@ class Engine:
             self.counters["admitted"] += 1
             return request
         return None
-
-    @staticmethod
-    def _next_tokens(requests: list[Request], logits: torch.Tensor) -> list[int]:
-        """Each request's next token from its row of ``logits`` (B, vocab), where the forward left
-        them: the greedy rows' argmax taken there, so only their token ids reach the host, and the
-        sampled rows' logits copied to the host for their own generators (as ``sample``)."""
-        greedy = [r.params.greedy for r in requests]
-        tokens = [0] * len(requests)
-        picked = [i for i, g in enumerate(greedy) if g]
-        if picked:
-            rows = logits if len(picked) == len(requests) else logits[picked]
-            for i, token in zip(picked, rows.argmax(dim=-1).tolist()):
-                tokens[i] = token
-        drawn = [i for i, g in enumerate(greedy) if not g]
-        if drawn:
-            for i, row in zip(drawn, logits[drawn].cpu()):
-                tokens[i] = sample(row, requests[i].params, requests[i].generator)
-        return tokens
 
     def _append(self, request: Request, token: int, outputs: dict[str, StepOutput]) -> None:
         if request.first_token_time is None:
@@ -424,3 +425,54 @@ class Engine:
                 break
             self.step()
         return self.finished
+
+
+@dataclass
+class _NextTokens:
+    """Requests' next tokens on their way from the device: the greedy rows' argmax taken there and
+    their ids, with the sampled rows' logits (for their own generators, as ``sample``), copied to the
+    host without waiting (pinned buffers and an event on CUDA), so the host can launch more work
+    before it reads them."""
+
+    requests: list[Request]
+    picked: list[int]  # rows decided by argmax
+    ids: torch.Tensor | None  # their token ids, host
+    drawn: list[int]  # rows sampled on the host
+    logits: torch.Tensor | None  # their logits, host
+    ready: torch.cuda.Event | None = None
+
+    @classmethod
+    def start(cls, requests: list[Request], logits: torch.Tensor) -> "_NextTokens":
+        greedy = [r.params.greedy for r in requests]
+        picked = [i for i, g in enumerate(greedy) if g]
+        drawn = [i for i, g in enumerate(greedy) if not g]
+        ids = None
+        if picked:
+            ids = _to_host((logits if len(picked) == len(requests) else logits[picked]).argmax(dim=-1))
+        rows = _to_host(logits[drawn]) if drawn else None
+        ready = None
+        if logits.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        return cls(requests, picked, ids, drawn, rows, ready)
+
+    def tokens(self) -> list[int]:
+        """Each request's next token (waits for the copies)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        tokens = [0] * len(self.requests)
+        if self.ids is not None:
+            for i, token in zip(self.picked, self.ids.tolist()):
+                tokens[i] = token
+        if self.logits is not None:
+            for i, row in zip(self.drawn, self.logits):
+                tokens[i] = sample(row, self.requests[i].params, self.requests[i].generator)
+        return tokens
+
+
+def _to_host(x: torch.Tensor) -> torch.Tensor:
+    """A host copy of ``x``: from CUDA into pinned memory without waiting (read it after the event)."""
+    if not x.is_cuda:
+        return x.cpu()
+    out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    return out.copy_(x, non_blocking=True)

@@ -18,15 +18,17 @@ pool. Rows of different levels share the call: at a layer that some rows run con
 run on every row (a converted row attends over 0 keys; a softmax row's state update lands in its
 slot's unused state row) and each row keeps its own. Graphs are keyed by (bucket, highest level in
 the batch); the first step of a key runs eagerly (kernels pick their configurations, caches fill),
-the second captures it; every graph shares one memory pool, and all of them are dropped when a pool
-is created or grows (their addresses change).
+the second captures it; the graphs share one memory pool, and all of them (with their pool) are
+dropped when a runner's pool is created or grows (their addresses change).
 
 Decoding through graphs gives the same logits as the eager pooled runner (tested on the CPU, where
 the static step runs eagerly, and on CUDA)."""
 
 from __future__ import annotations
 
+import gc
 import logging
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -80,7 +82,7 @@ class StaticDecode:
     """Decode steps of a ``PooledRunner`` on static buffers; on CUDA (``capture``) replayed as CUDA graphs."""
 
     def __init__(self, runner, capture: bool) -> None:
-        self.runner = runner
+        self._runner = weakref.ref(runner)  # the runner holds this: no cycle, so its pools and graphs go when it goes
         self.capture = capture
         self.rank = {layer: r for r, layer in enumerate(runner.levels.order)}
         self._buckets: dict[int, _Bucket] = {}
@@ -88,6 +90,15 @@ class StaticDecode:
         self._pool = None
         self.captured = 0
         """Graphs captured so far (a key's graph is captured again after the pools change)."""
+
+    @property
+    def runner(self):
+        return self._runner()
+
+    def close(self) -> None:
+        """Drop every graph, its memory pool and the static buffers."""
+        self._buckets.clear()
+        self._pool = None
 
     # --- eligibility -------------------------------------------------------------------------
     def supports(self, seqs, hi: int) -> bool:
@@ -115,6 +126,7 @@ class StaticDecode:
             for bucket in self._buckets.values():  # and each key warms up again (new shapes may compile kernels)
                 bucket.graphs.clear()
                 bucket.warm.clear()
+            self._pool = None  # the allocator drops a pool with its last graph: new graphs take a new one
             self._generation = runner.generation
         n = len(seqs)
         bucket = self._bucket(bucket_rows(n), ids.device)
@@ -155,6 +167,8 @@ class StaticDecode:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
+        collecting = gc.isenabled()
+        gc.disable()  # a graph freed by the collector during a capture would invalidate it
         try:
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):  # records on a side stream; nothing runs
                 self._step(bucket, hi)
@@ -163,6 +177,9 @@ class StaticDecode:
                            bucket.rows, hi, str(err).splitlines()[0][:300])  # fmt: skip
             self.capture = False
             return None
+        finally:
+            if collecting:
+                gc.enable()
         self.captured += 1
         logger.info("decode step captured as a CUDA graph (batch %d, highest level %d)", bucket.rows, hi)
         return graph

@@ -145,6 +145,18 @@ class PooledRunner:
             heapq.heappush(self._free, seq.slot)
             seq.slot = -1
 
+    def close(self) -> None:
+        """Free every pool and captured graph now (not when the last reference goes); the runner cannot
+        run after."""
+        if self._static is not None:
+            self._static.close()
+            self._static = None
+        self._keys = [None] * len(self._layers)
+        self._values = [None] * len(self._layers)
+        self._states, self._dsla, self._free = {}, {}, []
+        self._slots, self._capacity, self.max_slots = 0, 0, 0
+        self.generation += 1
+
     def arena_bytes(self) -> int:
         """Bytes the pools have allocated (every slot at full capacity)."""
         tensors = [t for t in self._keys + self._values if t is not None] + list(self._dsla.values())

@@ -238,6 +238,7 @@ def warm_up_levels(model, levels, max_level: int | None = None, lengths: Sequenc
     vocab = model.config.vocab_size
     engine = Engine(model, levels, EngineConfig(kv_budget=1 << 62, max_step_tokens=512), policy=StaticPolicy(cap))
     done = warm_up(engine, [3 + i % max(vocab - 3, 1) for i in range(max(lengths))], lengths)
+    engine.close()
     logger.info("warmed up levels %s", done)
     return done
 
@@ -456,6 +457,7 @@ def run_replay(engine_factory, requests: Sequence[ReplayRequest], policies: Sequ
                                            "alloc_retries": None if retries is None else _alloc_retries(device) - retries,
                                            "engine_steps": step_stats(timeline)}  # fmt: skip
             finally:
+                engine.close()
                 del engine
                 _release_memory(device)
         return replay

@@ -88,6 +88,9 @@ class Runner:
     def release(self, seq: Sequence | None) -> None:
         """Nothing to give back: a sequence's states are its own tensors, freed with it."""
 
+    def close(self) -> None:
+        """Nothing held beyond the sequences."""
+
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence], ids: Tensor) -> Tensor:
         """Feed ``ids`` (B, T) to the B sequences (row b continues ``seqs[b]``); returns the logits of

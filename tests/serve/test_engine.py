@@ -250,3 +250,24 @@ def test_streamed_text_joins_to_the_whole_decode(family, tokenizer_and_text):
     assert sum(1 for p in pieces if p) > len(ids) // 3  # streamed as it goes, not at the end
     if "🚀" in text:  # the byte-level BPE splits some of these characters across tokens
         assert any("\ufffd" in tokenizer.decode([t]) for t in ids)
+
+
+def test_prefill_chunks_launch_before_the_decode_tokens_are_read(family, monkeypatch):
+    """Within a step the decode forward is launched, then the prefill chunks, and only then are the
+    decode's tokens read (on a GPU the chunks' host work overlaps the decode's device work); a
+    decoding request is never taken for a prefill chunk while its token is out."""
+    from linearize.serve import engine as engine_module
+
+    model, levels = family
+    engine = Engine(model, levels, EngineConfig(kv_budget=10**9, max_step_tokens=16), policy=parse_policy("softmax", levels))
+    engine.add_request(list(range(3, 10)), SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()  # the first prompt in, its first token out
+    engine.add_request(list(range(3, 30)), SamplingParams(max_tokens=3, ignore_eos=True))
+    events = []
+    forward, tokens = engine.runner.forward, engine_module._NextTokens.tokens
+    monkeypatch.setattr(engine.runner, "forward", lambda seqs, ids: events.append(("forward", tuple(ids.shape))) or forward(seqs, ids))
+    monkeypatch.setattr(engine_module._NextTokens, "tokens", lambda self: events.append(("tokens", len(self.requests))) or tokens(self))
+    engine.step()
+    assert events == [("forward", (1, 1)), ("forward", (1, 15)), ("tokens", 1)]
+    assert engine.last_step.decode_rows == 1 and engine.last_step.prefill_tokens == 15
+    assert len(engine.get(engine.running[0].id).output) == 2

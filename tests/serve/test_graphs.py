@@ -24,11 +24,11 @@ def test_bucket_rows():
         bucket_rows(0)
 
 
-def _decode_both(model, levels, prompts, level_of, steps, gen, device="cpu", release=(), fused=None):
+def _decode_both(model, levels, prompts, level_of, steps, gen, device="cpu", release=(), release_at=0, fused=None):
     """Prefill every prompt on the reference runner and on a pooled runner with static decoding, then
-    decode ``steps`` forced tokens for all rows (row indices in ``release`` leave after the first
-    step; ``fused``: the decode steps in ``use_fused(fused)``); returns the max |difference| of
-    logits and the pooled runner."""
+    decode ``steps`` forced tokens for all rows (row indices in ``release`` leave after step
+    ``release_at``; ``fused``: the decode steps in ``use_fused(fused)``); returns the max |difference|
+    of logits and the pooled runner."""
     ref, pool = Runner(model, levels), PooledRunner(model, levels, graphs=True)
     calls = []
     forward = StaticDecode.forward
@@ -46,7 +46,7 @@ def _decode_both(model, levels, prompts, level_of, steps, gen, device="cpu", rel
         with fused_decode.use_fused(fused) if fused is not None else contextlib.nullcontext():
             got = pool.forward(ps, ids)
         worst = max(worst, (want - got).abs().max().item())
-        if step == 0 and release:
+        if step == release_at and release:
             for j in sorted(release, reverse=True):
                 pool.release(ps.pop(j))
                 rs.pop(j)
@@ -105,6 +105,32 @@ def test_captured_decode_equals_the_reference_runner_on_cuda():
     model.cuda()
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 128, (n,), generator=gen) for n in (9, 300, 4, 13, 2)]
-    worst, pool = _decode_both(model, levels, prompts, [0, 3, 2, 1, 0], 6, gen, device="cuda", release=(2,))
+    worst, pool = _decode_both(model, levels, prompts, [0, 3, 2, 1, 0], 6, gen, device="cuda", release=(2,), release_at=2)
     assert worst < 2e-3
-    assert pool._static.captured >= 2  # buckets 8 and 4, each captured on its second step
+    assert pool._static.captured == 2  # buckets 8 (steps 0-2) and 4 (steps 3-5), each run once, captured, then replayed
+
+
+def test_closing_frees_the_pools_and_graphs_at_once():
+    """The static decoder holds its runner weakly (no reference cycle keeps pools alive until a
+    collection), and ``Engine.close`` frees the pools and graphs while references remain."""
+    import gc
+    import weakref
+
+    model, levels = family()
+    engine = Engine(model, levels, EngineConfig(kv_budget=10**9, max_step_tokens=24), policy=parse_policy("length-caps", levels))
+    engine.runner._static = StaticDecode(engine.runner, capture=False)
+    for n in (5, 30):
+        engine.add_request(list(range(3, 3 + n)), SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.run()
+    runner, static = engine.runner, engine.runner._static
+    assert runner.arena_bytes() > 0 and static._buckets
+    gc.disable()
+    try:
+        alive = weakref.ref(runner)
+        del runner
+        engine.close()
+        assert engine.runner.arena_bytes() == 0 and not static._buckets
+        del engine
+        assert alive() is None  # freed by reference counting alone
+    finally:
+        gc.enable()
