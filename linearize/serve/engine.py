@@ -12,7 +12,8 @@ Each ``step()``:
 4. launches the decode of one token for every running request whose prompt is in (one batched
    forward; its tokens start back to the host without waiting);
 5. spends the rest of the step's token budget on prefill chunks (launched while the device still
-   runs the decode): first requests already running, then new ones in arrival order, each admitted
+   runs the decode; cut to multiples of the runner's ``prefill_align``, all but a prompt's last,
+   where its static path wants them): first requests already running, then new ones in arrival order, each admitted
    only when the bytes of its prompt fit the budget at the level the policy gives it. A request
    that cannot fit even alone at the highest level allowed is rejected (finish_reason 'rejected'),
    never dropped silently;
@@ -139,8 +140,8 @@ class EngineConfig:
     layer and group); reference: per-request states merged for every layer (the plain form it is
     tested against)."""
     graphs: bool = True
-    """Pooled runner on CUDA: decode steps on static buffers, captured as CUDA graphs per padded batch
-    size and highest level (``serve.graphs``); False: launched op by op."""
+    """Pooled runner on CUDA: decode steps and prefill chunks of multiples of 64 tokens on static
+    buffers, captured as CUDA graphs (``serve.graphs``); False: launched op by op."""
 
     def __post_init__(self) -> None:
         for name in ("kv_budget", "max_step_tokens", "max_running"):
@@ -314,6 +315,7 @@ class Engine:
         not in yet)."""
         skip = {id(r) for r in busy}
         candidates = [r for r in self.running if not r.prefilled and id(r) not in skip]
+        align = getattr(self.runner, "prefill_align", 1)  # chunks of its multiples run on static buffers
         while budget > 0:
             if not candidates:
                 admitted = self._admit(outputs)
@@ -324,13 +326,19 @@ class Engine:
             if request.seq is None:
                 request.seq = self.runner.new_sequence(request.level)
             start = request.seq.position
-            chunk = request.tokens[start : min(request.target, start + budget)]
+            take = min(request.target - start, budget)
+            cut = align > 1 and align <= take < request.target - start  # not the last chunk: a multiple of align
+            if cut:
+                take -= take % align
+            chunk = request.tokens[start : start + take]
             logits = self.runner.forward([request.seq], torch.tensor([chunk], device=self.device))
             budget -= len(chunk)
             self.counters["prefill_tokens"] += len(chunk)
             self.counters["prefill_chunks"] += 1
             if request.prefilled and not request.output:  # the first token comes with the prompt's last chunk
                 self._append(request, _NextTokens.start([request], logits).tokens()[0], outputs)
+            if cut and budget < align:  # what is left would be a small chunk of another request: next step
+                return
 
     def _admit(self, outputs: dict[str, StepOutput]) -> Request | None:
         """The next waiting request, running, if its memory fits now; None if it must wait."""

@@ -1,5 +1,7 @@
-"""The pooled runner's decode forward on static buffers, captured as CUDA graphs (the gpt-fast pattern
-for a continuous batch).
+"""The pooled runner's decode forward and prefill chunks on static buffers, captured as CUDA graphs
+(the gpt-fast pattern for a continuous batch). ``StaticDecode`` below; ``StaticPrefill``: one-row
+prefill chunks of a multiple of ``PREFILL_ALIGN`` tokens, graphs keyed by (length, level, first chunk
+or not), each layer's memory read and written at the row's slot as described there.
 
 An engine step that decodes runs every layer for one token per running request. Launched op by op,
 that forward costs the same tens of milliseconds of host time whatever its batch (a Llama-2-7B
@@ -32,14 +34,20 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import sdpa_kernel
 
 from ..cache import StateCacheLayer
 from ..layers.base import project_qkv
 from ..layers.dsla import DslaAttention
 from ..ops.dsla import DslaDecodeState
 from ..ops.softmax import slot_attention
-from .runner import decoder_forward
+from .runner import SDPA_BACKENDS, decoder_forward
+
+PREFILL_ALIGN = 64
+"""Prefill chunks of a multiple of this many tokens run on static buffers (``StaticPrefill``); the
+engine cuts a prompt's chunks to it, all but the last."""
 
 logger = logging.getLogger(__name__)
 
@@ -221,3 +229,155 @@ class StaticDecode:
                                   attn.scaling)  # fmt: skip
             out = soft if out is None else torch.where(conv[:, None, None], out.to(soft.dtype), soft)
         return out.reshape(b, 1, -1).to(h.dtype)
+
+
+@dataclass(eq=False)
+class _Chunk:
+    """Static inputs and outputs of one-row prefill chunks of one length."""
+
+    tokens: int
+    ids: Tensor  # (1, T)
+    meta: Tensor  # (2,): the row's first position and its slot
+    offsets: Tensor  # (T,) 0..T-1
+    logits: Tensor  # (1, vocab) float32
+    graphs: dict = field(default_factory=dict)  # (level, fresh) -> CUDA graph
+    warm: set = field(default_factory=set)
+
+
+class StaticPrefill:
+    """One-row prefill chunks of ``PREFILL_ALIGN`` multiples of a ``PooledRunner`` on static buffers;
+    on CUDA (``capture``) replayed as CUDA graphs keyed by (length, level, first chunk or not).
+
+    Softmax layers write the chunk's keys and values at the row's slot and positions and attend over
+    a copy of the slot's whole capacity with an additive causal mask built on the device (one copy
+    and one read of the slot per layer: the shapes stay the same whatever the row holds); converted
+    layers gather the row's DSLA states from the pool (none on a first chunk), run the layer's
+    prefill and write them back. Each key's first chunk runs eagerly, the next is captured, as in
+    ``StaticDecode``; the graphs are dropped when the runner's pools are created or grow."""
+
+    def __init__(self, runner, capture: bool) -> None:
+        self._runner = weakref.ref(runner)
+        self.capture = capture
+        self._chunks: dict[int, _Chunk] = {}
+        self._generation = -1
+        self._pool = None
+        self.captured = 0
+
+    @property
+    def runner(self):
+        return self._runner()
+
+    def close(self) -> None:
+        self._chunks.clear()
+        self._pool = None
+
+    def supports(self, seq, tokens: int) -> bool:
+        """Whether a chunk of ``tokens`` for ``seq`` can run here: a multiple of PREFILL_ALIGN, and
+        every layer's memory in place (its softmax pool, or for a converted layer a DSLA layer in its
+        hybrid mode with its state pool)."""
+        runner = self.runner
+        if tokens % PREFILL_ALIGN or seq.position + tokens > runner._capacity:
+            return False
+        converted = runner.levels.converted_layers(seq.level)
+        for i, layer in enumerate(runner._layers):
+            if i in converted:
+                if i not in runner._dsla or not isinstance(layer.self_attn, DslaAttention) or layer.self_attn.mode != "hybrid":
+                    return False
+            elif runner._keys[i] is None:
+                return False
+        return True
+
+    @torch.inference_mode()
+    def forward(self, seq, ids: Tensor) -> Tensor:
+        """The logits (1, vocab) float32 of the chunk's last token; the row's position advances."""
+        runner = self.runner
+        if runner.generation != self._generation:
+            for chunk in self._chunks.values():
+                chunk.graphs.clear()
+                chunk.warm.clear()
+            self._pool = None
+            self._generation = runner.generation
+        t = ids.shape[1]
+        chunk = self._chunks.get(t)
+        if chunk is None:
+            device = ids.device
+            chunk = self._chunks[t] = _Chunk(t, torch.zeros(1, t, dtype=torch.long, device=device),
+                                             torch.zeros(2, dtype=torch.long, device=device), torch.arange(t, device=device),
+                                             torch.zeros(1, runner.model.config.vocab_size, device=device))  # fmt: skip
+        chunk.meta.copy_(torch.tensor([seq.position, seq.slot], dtype=torch.long))
+        chunk.ids.copy_(ids)
+        key = (seq.level, seq.position == 0)
+        graph = chunk.graphs.get(key)
+        if graph is not None:
+            graph.replay()
+        elif self.capture and key in chunk.warm and (graph := self._record(chunk, key)) is not None:
+            chunk.graphs[key] = graph
+            graph.replay()
+        else:
+            self._step(chunk, *key)
+            chunk.warm.add(key)
+        seq.position += t
+        return chunk.logits.clone()
+
+    def _record(self, chunk: _Chunk, key) -> torch.cuda.CUDAGraph | None:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                self._step(chunk, *key)
+        except RuntimeError as err:
+            logger.warning("capturing a prefill chunk failed (%d tokens, level %d): %s; prefill chunks run without graphs",
+                           chunk.tokens, key[0], str(err).splitlines()[0][:300])  # fmt: skip
+            self.capture = False
+            return None
+        finally:
+            if collecting:
+                gc.enable()
+        self.captured += 1
+        logger.info("prefill chunk captured as a CUDA graph (%d tokens, level %d%s)", chunk.tokens, key[0], ", first" if key[1] else "")
+        return graph
+
+    def _step(self, chunk: _Chunk, level: int, fresh: bool) -> None:
+        runner = self.runner
+        converted = runner.levels.converted_layers(level)
+        start, slot = chunk.meta[0], chunk.meta[1:2]
+        positions = (start + chunk.offsets)[None]  # (1, T)
+        masks: dict = {}
+
+        def mask(n_rep: int, dtype, capacity: int) -> Tensor:
+            """(1, 1, n_rep T, capacity) additive: query t sees keys at positions <= start + t."""
+            m = masks.get((n_rep, dtype))
+            if m is None:
+                allowed = (torch.arange(capacity, device=start.device)[None, :] <= positions[0][:, None]).repeat(n_rep, 1)
+                m = torch.zeros(allowed.shape, dtype=dtype, device=start.device).masked_fill_(~allowed, float("-inf"))
+                m = masks[(n_rep, dtype)] = m[None, None]  # (1, 1, n_rep T, capacity)
+            return m
+
+        def attention(i: int, attn, h: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+            t = h.shape[1]
+            if i in converted:
+                pool = runner._states[i]
+                p = attn.project(h, (cos, sin))
+                o, new = attn.attend(p, h, None, None if fresh else pool.select(slot), mode="hybrid")
+                for dst, src in zip(pool.tensors(), new.tensors()):
+                    dst.index_copy_(0, slot, src.to(dst.dtype))
+            else:
+                q, k, v, _, _ = project_qkv(attn, h, (cos, sin))  # (1, Hq, T, D), (1, Hkv, T, D)
+                keys, values = runner._keys[i], runner._values[i]
+                keys[slot, :, positions[0]] = k[0].transpose(0, 1).to(keys.dtype)  # (T, Hkv, D) at the row's positions
+                values[slot, :, positions[0]] = v[0].transpose(0, 1).to(values.dtype)
+                hkv, d = k.shape[1], k.shape[3]
+                n_rep = q.shape[1] // hkv
+                row_k, row_v = keys.index_select(0, slot), values.index_select(0, slot)  # (1, Hkv, capacity, D) copies
+                qf = q.reshape(1, hkv, n_rep * t, d)  # query heads of a KV head folded into the query axis
+                with sdpa_kernel(SDPA_BACKENDS):
+                    o = F.scaled_dot_product_attention(qf, row_k, row_v, attn_mask=mask(n_rep, qf.dtype, keys.shape[2]),
+                                                       scale=attn.scaling)  # fmt: skip
+                o = o.reshape(1, hkv * n_rep, t, row_v.shape[-1])
+            return attn.o_proj(o.transpose(1, 2).reshape(1, t, -1).to(h.dtype))
+
+        logits = decoder_forward(runner.model, runner._layers, [], chunk.ids, positions, attention)
+        chunk.logits.copy_(logits)

@@ -41,19 +41,17 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
 
 from ..cache import StateCacheLayer
 from ..layers.base import ConvertedAttention, project_qkv
 from ..modeling import decoder_layers
 from ..ops.dsla import DslaDecodeState, padded_columns
 from ..ops.states import DslaState
-from .graphs import StaticDecode
+from .graphs import PREFILL_ALIGN, StaticDecode, StaticPrefill
 from .levels import LevelMemory
-from .runner import check_rows, decoder_forward, next_positions, split_rows
+from .runner import SDPA_BACKENDS, check_rows, decoder_forward, next_positions, split_rows
 
-SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-"""The attention backends the pooled runner lets SDPA choose from (not cuDNN: a graph per key length)."""
 MASK_ALIGN = 16
 """Attention masks are laid out with rows of a multiple of this many elements (what SDPA's
 memory-efficient kernel wants; it copies and pads other masks on every call)."""
@@ -88,8 +86,9 @@ class PooledRunner:
     """Requests the pools may hold at once (None: no limit); the arena never grows past it."""
     graphs: bool = False
     """Decode steps (one token per row, every row holding tokens, converted layers DSLA in their hybrid
-    mode) on static buffers (``graphs.StaticDecode``): captured as CUDA graphs on CUDA; elsewhere the
-    same static step runs eagerly."""
+    mode) and one-row prefill chunks of multiples of ``PREFILL_ALIGN`` tokens on static buffers
+    (``graphs.StaticDecode``, ``graphs.StaticPrefill``): captured as CUDA graphs on CUDA; elsewhere the
+    same static steps run eagerly."""
     generation: int = field(init=False, default=0)
     """Counts pool creations and growths (what captured graphs hold the addresses of)."""
     _layers: list = field(init=False, repr=False)
@@ -102,6 +101,7 @@ class PooledRunner:
     _slots: int = field(init=False, default=0)
     _capacity: int = field(init=False, default=0)
     _static: StaticDecode | None = field(init=False, default=None, repr=False)
+    _static_prefill: StaticPrefill | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         self._layers = list(decoder_layers(self.model))
@@ -114,7 +114,8 @@ class PooledRunner:
         self._dsla = {}
         self._free = []
         if self.graphs:
-            self._static = StaticDecode(self, capture=next(self.model.parameters()).is_cuda)
+            cuda = next(self.model.parameters()).is_cuda
+            self._static, self._static_prefill = StaticDecode(self, capture=cuda), StaticPrefill(self, capture=cuda)
 
     @property
     def num_layers(self) -> int:
@@ -126,8 +127,10 @@ class PooledRunner:
         return self._slots
 
     @property
-    def static_decode(self) -> StaticDecode | None:
-        return self._static
+    def prefill_align(self) -> int:
+        """Prefill chunks of a multiple of this many tokens take the static path (1: no such path);
+        the engine cuts a prompt's chunks to it, all but the last."""
+        return PREFILL_ALIGN if self._static_prefill is not None else 1
 
     # --- slots ---------------------------------------------------------------------------------
     def new_sequence(self, level: int = 0) -> PooledSequence:
@@ -148,9 +151,10 @@ class PooledRunner:
     def close(self) -> None:
         """Free every pool and captured graph now (not when the last reference goes); the runner cannot
         run after."""
-        if self._static is not None:
-            self._static.close()
-            self._static = None
+        for static in (self._static, self._static_prefill):
+            if static is not None:
+                static.close()
+        self._static = self._static_prefill = None
         self._keys = [None] * len(self._layers)
         self._values = [None] * len(self._layers)
         self._states, self._dsla, self._free = {}, {}, []
@@ -203,6 +207,8 @@ class PooledRunner:
             hi = max(s.level for s in seqs)
             if self._static.supports(seqs, hi):
                 return self._static.forward(seqs, ids, hi)
+        if b == 1 and t > 1 and self._static_prefill is not None and self._static_prefill.supports(seqs[0], t):
+            return self._static_prefill.forward(seqs[0], ids)
         positions = next_positions(seqs, ids)  # (B, T)
         converted_rows = [self.levels.converted_layers(s.level) for s in seqs]
         groups: dict[tuple[int, ...], _Group] = {}

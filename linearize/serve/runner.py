@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from ..layers.base import ConvertedAttention, project_qkv
@@ -25,6 +26,10 @@ from ..modeling import decoder_layers
 from ..ops.softmax import softmax_attention
 from ..ops.states import BatchState, KVState
 from .levels import LevelMemory
+
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""The attention backends the serving runners let SDPA choose from (not cuDNN: it builds a graph for
+every new key length)."""
 
 
 @dataclass

@@ -42,8 +42,8 @@ class ServeSettings:
     runner: str = "pooled"
     """pooled: requests' memory in per-layer slot pools; reference: per-request states merged every layer (slow, plain)."""
     graphs: bool = True
-    """Pooled runner on CUDA: decode steps replayed as CUDA graphs, one per padded batch size and highest level
-    (--no-graphs: launched op by op)."""
+    """Pooled runner on CUDA: decode steps replayed as CUDA graphs, one per padded batch size and highest level, and
+    prefill chunks of multiples of 64 tokens, one per length, level and first chunk or not (--no-graphs: launched op by op)."""
     max_prompt_tokens: int = 8192
     """Longer prompts get 400."""
     max_waiting: int = 256

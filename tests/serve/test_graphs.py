@@ -134,3 +134,84 @@ def test_closing_frees_the_pools_and_graphs_at_once():
         assert alive() is None  # freed by reference counting alone
     finally:
         gc.enable()
+
+
+def _prefill_both(plans, device="cpu"):
+    """Feed each plan's prompt (level, chunk lengths) to the reference runner and to a pooled runner
+    with static steps, then decode 3 tokens for all; returns (max |difference| of logits, the chunk
+    lengths that took the static prefill, the pooled runner)."""
+    from linearize.serve.graphs import StaticPrefill
+
+    model, levels = family()
+    model.to(device)
+    gen = torch.Generator().manual_seed(3)
+    ref, pool = Runner(model, levels), PooledRunner(model, levels, graphs=True)
+    calls = []
+    forward = StaticPrefill.forward
+    pool._static_prefill.forward = lambda *a, **k: calls.append(a[1].shape[1]) or forward(pool._static_prefill, *a, **k)
+    rs, ps, worst = [], [], 0.0
+    for level, sizes in plans:
+        r, p = ref.new_sequence(level), pool.new_sequence(level)
+        for n in sizes:
+            chunk = torch.randint(3, 128, (1, n), generator=gen).to(device)
+            worst = max(worst, (ref.forward([r], chunk) - pool.forward([p], chunk)).abs().max().item())
+        rs.append(r), ps.append(p)
+    for _ in range(3):
+        ids = torch.randint(3, 128, (len(rs), 1), generator=gen).to(device)
+        worst = max(worst, (ref.forward(rs, ids) - pool.forward(ps, ids)).abs().max().item())
+    assert [p.position for p in ps] == [r.position for r in rs]
+    return worst, calls, pool
+
+
+def test_static_prefill_equals_the_reference_runner():
+    """Prompts fed in chunks of 64 to 192 tokens (first chunks and continuations, every level, a
+    prompt that grows the arena's capacity), their last chunks ragged (the eager path): every chunk's
+    logits and the decode after equal the reference runner's, and the aligned chunks whose pools
+    exist took the static path."""
+    from linearize.serve.graphs import PREFILL_ALIGN
+
+    worst, calls, pool = _prefill_both([(0, [64, 64, 5]), (3, [128, 64, 30]), (2, [64, 192, 64, 3]), (1, [64, 7])])
+    assert worst < 1e-5
+    # aligned chunks run static once their layers' pools exist: the first (level 0) and the first at level 3 make them
+    assert calls == [64, 64, 64, 192, 64, 64] and all(n % PREFILL_ALIGN == 0 for n in calls)
+    assert pool._capacity > 256  # the 323-token prompt grew it
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_prefill_equals_the_reference_runner_on_cuda():
+    """Chunks of one length, level and kind (first or not) run eagerly once, are captured the next
+    time and replayed after: the logits still equal the reference runner's."""
+    worst, calls, pool = _prefill_both([(0, [64, 64, 64, 64, 9]), (2, [64, 64, 64, 64, 3]), (2, [64, 128, 128, 128, 5])], "cuda")
+    assert worst < 2e-3
+    assert pool._static_prefill.captured >= 3  # (64, level 0), (64, level 2), (128, level 2), continuations
+
+
+@pytest.mark.parametrize("policy", ["softmax", "length-caps"])
+def test_engine_cuts_chunks_for_static_prefill_and_gives_the_same_tokens(policy):
+    """With static steps the engine cuts a prompt's chunks to multiples of 64 (all but the last); the
+    tokens equal those of the reference runner cut the same way."""
+    from linearize.serve.graphs import StaticPrefill
+
+    model, levels = family()
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (150, 40, 203)]
+    outputs, chunks = {}, {}
+    for runner in ("reference", "pooled"):
+        engine = Engine(model, levels, EngineConfig(kv_budget=10**9, max_step_tokens=100, runner=runner), policy=parse_policy(policy, levels))
+        if runner == "pooled":
+            engine.runner._static = StaticDecode(engine.runner, capture=False)
+            engine.runner._static_prefill = StaticPrefill(engine.runner, capture=False)
+        else:
+            engine.runner.prefill_align = 64
+        ids = [engine.add_request(p, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)) for p in prompts]
+        sizes = []
+        forward = engine.runner.forward
+        engine.runner.forward = lambda seqs, x, forward=forward, sizes=sizes: sizes.append(x.shape[1]) or forward(seqs, x)
+        done = engine.run()
+        outputs[runner], chunks[runner] = [done[i].output for i in ids], sizes
+        if runner == "pooled":
+            assert engine.runner._static_prefill._chunks  # chunks took the static path
+    assert outputs["pooled"] == outputs["reference"] and chunks["pooled"] == chunks["reference"]
+    prefill = [n for n in chunks["pooled"] if n > 1]
+    # a 100-token budget: 64 of the first prompt (the 36 left would make a small chunk: the step stops), then its last 86
+    assert prefill[:2] == [64, 86]
