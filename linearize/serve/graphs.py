@@ -62,7 +62,106 @@ def bucket_rows(rows: int) -> int:
 
 
 @dataclass(eq=False)
-class _Bucket:
+class _Entry:
+    """Static buffers of one shape, with the graphs captured on them and the keys run once eagerly."""
+
+    graphs: dict = field(default_factory=dict, kw_only=True)
+    warm: set = field(default_factory=set, kw_only=True)
+
+
+class _StaticSteps:
+    """What static decode steps and prefill chunks share: the runner (held weakly: the runner holds
+    this, so no cycle keeps its pools and graphs alive), entries of static buffers by shape, and
+    running a step on an entry under a key: replayed where its graph is captured, captured on the
+    key's second step, eagerly otherwise (the first step of a key lets kernels pick their
+    configurations and caches fill). Every graph shares one memory pool; when the runner's pools are
+    created or grow, every graph and its pool are dropped and each key warms up again."""
+
+    what = "step"
+
+    def __init__(self, runner, capture: bool) -> None:
+        self._runner = weakref.ref(runner)
+        self.capture = capture
+        self._entries: dict = {}
+        self._generation = -1
+        self._pool = None
+        self.captured = 0
+        """Graphs captured so far (a key's graph is captured again after the pools change)."""
+
+    @property
+    def runner(self):
+        return self._runner()
+
+    def close(self) -> None:
+        """Drop every graph, its memory pool and the static buffers."""
+        self._entries.clear()
+        self._pool = None
+
+    def _layers_ready(self, converted) -> bool:
+        """Every layer's memory is in place: its softmax pool, or for a layer in ``converted`` a DSLA
+        layer in its hybrid mode with its state pool."""
+        runner = self.runner
+        for i, layer in enumerate(runner._layers):
+            if i in converted:
+                if i not in runner._dsla or not isinstance(layer.self_attn, DslaAttention) or layer.self_attn.mode != "hybrid":
+                    return False
+            elif runner._keys[i] is None:
+                return False
+        return True
+
+    def _entry(self, size: int, make):
+        """The entry for ``size`` (``make()`` builds it the first time), after dropping stale graphs."""
+        runner = self.runner
+        if runner.generation != self._generation:  # pools created or grown: the graphs' addresses are stale
+            for entry in self._entries.values():  # and each key warms up again (new shapes may compile kernels)
+                entry.graphs.clear()
+                entry.warm.clear()
+            self._pool = None  # the allocator drops a pool with its last graph: new graphs take a new one
+            self._generation = runner.generation
+        entry = self._entries.get(size)
+        if entry is None:
+            entry = self._entries[size] = make()
+        return entry
+
+    def _run(self, entry: _Entry, key) -> None:
+        graph = entry.graphs.get(key)
+        if graph is not None:
+            graph.replay()
+        elif self.capture and key in entry.warm and (graph := self._record(entry, key)) is not None:
+            entry.graphs[key] = graph
+            graph.replay()
+        else:
+            self._step(entry, key)
+            entry.warm.add(key)
+
+    def _record(self, entry: _Entry, key) -> torch.cuda.CUDAGraph | None:
+        """The step's graph; None (and no more captures: the steps run eagerly) where capture fails."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        collecting = gc.isenabled()
+        gc.disable()  # a graph freed by the collector during a capture would invalidate it
+        try:
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):  # records on a side stream; nothing runs
+                self._step(entry, key)
+        except RuntimeError as err:
+            logger.warning("capturing a %s failed (%s, key %s): %s; they run without graphs", self.what, entry, key,
+                           str(err).splitlines()[0][:300])  # fmt: skip
+            self.capture = False
+            return None
+        finally:
+            if collecting:
+                gc.enable()
+        self.captured += 1
+        logger.info("%s captured as a CUDA graph (%s, key %s)", self.what, entry, key)
+        return graph
+
+    def _step(self, entry: _Entry, key) -> None:
+        raise NotImplementedError
+
+
+@dataclass(eq=False, repr=False)
+class _Bucket(_Entry):
     """Static inputs and outputs of decode steps at one padded batch size."""
 
     rows: int
@@ -70,8 +169,9 @@ class _Bucket:
     meta: Tensor  # (3, B): positions, slots, levels
     logits: Tensor  # (B, vocab) float32
     values: dict = field(default_factory=dict)  # DSLA value-row buffers by (kv heads, columns, width, normaliser)
-    graphs: dict = field(default_factory=dict)  # highest level -> CUDA graph
-    warm: set = field(default_factory=set)  # highest levels run once eagerly
+
+    def __repr__(self) -> str:
+        return f"batch {self.rows}"
 
     @property
     def positions(self) -> Tensor:
@@ -86,111 +186,42 @@ class _Bucket:
         return self.meta[2]
 
 
-class StaticDecode:
-    """Decode steps of a ``PooledRunner`` on static buffers; on CUDA (``capture``) replayed as CUDA graphs."""
+class StaticDecode(_StaticSteps):
+    """Decode steps of a ``PooledRunner`` on static buffers; on CUDA (``capture``) replayed as CUDA
+    graphs keyed by (padded batch size, highest level in the batch)."""
+
+    what = "decode step"
 
     def __init__(self, runner, capture: bool) -> None:
-        self._runner = weakref.ref(runner)  # the runner holds this: no cycle, so its pools and graphs go when it goes
-        self.capture = capture
+        super().__init__(runner, capture)
         self.rank = {layer: r for r, layer in enumerate(runner.levels.order)}
-        self._buckets: dict[int, _Bucket] = {}
-        self._generation = -1
-        self._pool = None
-        self.captured = 0
-        """Graphs captured so far (a key's graph is captured again after the pools change)."""
 
-    @property
-    def runner(self):
-        return self._runner()
-
-    def close(self) -> None:
-        """Drop every graph, its memory pool and the static buffers."""
-        self._buckets.clear()
-        self._pool = None
-
-    # --- eligibility -------------------------------------------------------------------------
     def supports(self, seqs, hi: int) -> bool:
         """Whether a decode step of ``seqs`` (highest level ``hi``) can run here: every row holds tokens
-        and every layer that some row runs converted is a DSLA layer in its hybrid mode with its pool."""
-        runner = self.runner
-        if any(s.position == 0 for s in seqs):
-            return False
-        converted = set(runner.levels.order[:hi])
-        for i, layer in enumerate(runner._layers):
-            if i in converted:
-                if i not in runner._dsla or not isinstance(layer.self_attn, DslaAttention) or layer.self_attn.mode != "hybrid":
-                    return False
-            elif runner._keys[i] is None:
-                return False
-        return True
+        and every layer's memory is in place (``_layers_ready``, converted: the first ``hi`` of the order)."""
+        return not any(s.position == 0 for s in seqs) and self._layers_ready(set(self.runner.levels.order[:hi]))
 
-    # --- the step ----------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, seqs, ids: Tensor, hi: int) -> Tensor:
         """The logits (n, vocab) float32 of one decode step for the n ``seqs`` (``ids`` (n, 1)); every
         row's position advances by 1."""
         runner = self.runner
-        if runner.generation != self._generation:  # pools created or grown: the graphs' addresses are stale
-            for bucket in self._buckets.values():  # and each key warms up again (new shapes may compile kernels)
-                bucket.graphs.clear()
-                bucket.warm.clear()
-            self._pool = None  # the allocator drops a pool with its last graph: new graphs take a new one
-            self._generation = runner.generation
-        n = len(seqs)
-        bucket = self._bucket(bucket_rows(n), ids.device)
+        n, rows, device = len(seqs), bucket_rows(len(seqs)), ids.device
+        vocab = runner.model.config.vocab_size
+        bucket = self._entry(rows, lambda: _Bucket(rows, torch.zeros(rows, 1, dtype=torch.long, device=device),
+                                                   torch.zeros(3, rows, dtype=torch.long, device=device), torch.zeros(rows, vocab, device=device)))  # fmt: skip
         meta = torch.tensor([[s.position for s in seqs], [s.slot for s in seqs], [s.level for s in seqs]], dtype=torch.long)
-        pad = bucket.rows - n
-        if pad:
-            filler = torch.tensor([[0], [runner.scratch_slot], [0]], dtype=torch.long).expand(3, pad)
-            meta = torch.cat([meta, filler], dim=1)
+        pad = rows - n
+        if pad:  # padding rows: position 0 of the scratch slot, level 0
+            meta = torch.cat([meta, torch.tensor([[0], [runner.scratch_slot], [0]], dtype=torch.long).expand(3, pad)], dim=1)
         bucket.meta.copy_(meta)
         bucket.ids[:n].copy_(ids)
         if pad:
             bucket.ids[n:].zero_()
-        graph = bucket.graphs.get(hi)
-        if graph is not None:
-            graph.replay()
-        elif self.capture and hi in bucket.warm and (graph := self._record(bucket, hi)) is not None:
-            bucket.graphs[hi] = graph
-            graph.replay()
-        else:
-            self._step(bucket, hi)
-            bucket.warm.add(hi)
+        self._run(bucket, hi)
         for s in seqs:
             s.position += 1
         return bucket.logits[:n].clone()
-
-    def _bucket(self, rows: int, device) -> _Bucket:
-        bucket = self._buckets.get(rows)
-        if bucket is None:
-            vocab = self.runner.model.config.vocab_size
-            bucket = self._buckets[rows] = _Bucket(
-                rows, torch.zeros(rows, 1, dtype=torch.long, device=device), torch.zeros(3, rows, dtype=torch.long, device=device),
-                torch.zeros(rows, vocab, device=device),
-            )  # fmt: skip
-        return bucket
-
-    def _record(self, bucket: _Bucket, hi: int) -> torch.cuda.CUDAGraph | None:
-        """The step's graph; None (and no more captures: the steps run eagerly) where capture fails."""
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        collecting = gc.isenabled()
-        gc.disable()  # a graph freed by the collector during a capture would invalidate it
-        try:
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):  # records on a side stream; nothing runs
-                self._step(bucket, hi)
-        except RuntimeError as err:
-            logger.warning("capturing the decode step failed (batch %d, highest level %d): %s; decode steps run without graphs",
-                           bucket.rows, hi, str(err).splitlines()[0][:300])  # fmt: skip
-            self.capture = False
-            return None
-        finally:
-            if collecting:
-                gc.enable()
-        self.captured += 1
-        logger.info("decode step captured as a CUDA graph (batch %d, highest level %d)", bucket.rows, hi)
-        return graph
 
     def _step(self, bucket: _Bucket, hi: int) -> None:
         """One decode step on the bucket's buffers: its logits written in place."""
@@ -231,8 +262,8 @@ class StaticDecode:
         return out.reshape(b, 1, -1).to(h.dtype)
 
 
-@dataclass(eq=False)
-class _Chunk:
+@dataclass(eq=False, repr=False)
+class _Chunk(_Entry):
     """Static inputs and outputs of one-row prefill chunks of one length."""
 
     tokens: int
@@ -240,11 +271,12 @@ class _Chunk:
     meta: Tensor  # (2,): the row's first position and its slot
     offsets: Tensor  # (T,) 0..T-1
     logits: Tensor  # (1, vocab) float32
-    graphs: dict = field(default_factory=dict)  # (level, fresh) -> CUDA graph
-    warm: set = field(default_factory=set)
+
+    def __repr__(self) -> str:
+        return f"{self.tokens} tokens"
 
 
-class StaticPrefill:
+class StaticPrefill(_StaticSteps):
     """One-row prefill chunks of ``PREFILL_ALIGN`` multiples of a ``PooledRunner`` on static buffers;
     on CUDA (``capture``) replayed as CUDA graphs keyed by (length, level, first chunk or not).
 
@@ -252,96 +284,34 @@ class StaticPrefill:
     a copy of the slot's whole capacity with an additive causal mask built on the device (one copy
     and one read of the slot per layer: the shapes stay the same whatever the row holds); converted
     layers gather the row's DSLA states from the pool (none on a first chunk), run the layer's
-    prefill and write them back. Each key's first chunk runs eagerly, the next is captured, as in
-    ``StaticDecode``; the graphs are dropped when the runner's pools are created or grow."""
+    prefill and write them back."""
 
-    def __init__(self, runner, capture: bool) -> None:
-        self._runner = weakref.ref(runner)
-        self.capture = capture
-        self._chunks: dict[int, _Chunk] = {}
-        self._generation = -1
-        self._pool = None
-        self.captured = 0
-
-    @property
-    def runner(self):
-        return self._runner()
-
-    def close(self) -> None:
-        self._chunks.clear()
-        self._pool = None
+    what = "prefill chunk"
 
     def supports(self, seq, tokens: int) -> bool:
-        """Whether a chunk of ``tokens`` for ``seq`` can run here: a multiple of PREFILL_ALIGN, and
-        every layer's memory in place (its softmax pool, or for a converted layer a DSLA layer in its
-        hybrid mode with its state pool)."""
+        """Whether a chunk of ``tokens`` for ``seq`` can run here: a multiple of PREFILL_ALIGN within
+        the pools' capacity, and every layer's memory in place (``_layers_ready``)."""
         runner = self.runner
         if tokens % PREFILL_ALIGN or seq.position + tokens > runner._capacity:
             return False
-        converted = runner.levels.converted_layers(seq.level)
-        for i, layer in enumerate(runner._layers):
-            if i in converted:
-                if i not in runner._dsla or not isinstance(layer.self_attn, DslaAttention) or layer.self_attn.mode != "hybrid":
-                    return False
-            elif runner._keys[i] is None:
-                return False
-        return True
+        return self._layers_ready(runner.levels.converted_layers(seq.level))
 
     @torch.inference_mode()
     def forward(self, seq, ids: Tensor) -> Tensor:
         """The logits (1, vocab) float32 of the chunk's last token; the row's position advances."""
-        runner = self.runner
-        if runner.generation != self._generation:
-            for chunk in self._chunks.values():
-                chunk.graphs.clear()
-                chunk.warm.clear()
-            self._pool = None
-            self._generation = runner.generation
-        t = ids.shape[1]
-        chunk = self._chunks.get(t)
-        if chunk is None:
-            device = ids.device
-            chunk = self._chunks[t] = _Chunk(t, torch.zeros(1, t, dtype=torch.long, device=device),
-                                             torch.zeros(2, dtype=torch.long, device=device), torch.arange(t, device=device),
-                                             torch.zeros(1, runner.model.config.vocab_size, device=device))  # fmt: skip
+        t, device = ids.shape[1], ids.device
+        vocab = self.runner.model.config.vocab_size
+        chunk = self._entry(t, lambda: _Chunk(t, torch.zeros(1, t, dtype=torch.long, device=device), torch.zeros(2, dtype=torch.long, device=device),
+                                              torch.arange(t, device=device), torch.zeros(1, vocab, device=device)))  # fmt: skip
         chunk.meta.copy_(torch.tensor([seq.position, seq.slot], dtype=torch.long))
         chunk.ids.copy_(ids)
-        key = (seq.level, seq.position == 0)
-        graph = chunk.graphs.get(key)
-        if graph is not None:
-            graph.replay()
-        elif self.capture and key in chunk.warm and (graph := self._record(chunk, key)) is not None:
-            chunk.graphs[key] = graph
-            graph.replay()
-        else:
-            self._step(chunk, *key)
-            chunk.warm.add(key)
+        self._run(chunk, (seq.level, seq.position == 0))
         seq.position += t
         return chunk.logits.clone()
 
-    def _record(self, chunk: _Chunk, key) -> torch.cuda.CUDAGraph | None:
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                self._step(chunk, *key)
-        except RuntimeError as err:
-            logger.warning("capturing a prefill chunk failed (%d tokens, level %d): %s; prefill chunks run without graphs",
-                           chunk.tokens, key[0], str(err).splitlines()[0][:300])  # fmt: skip
-            self.capture = False
-            return None
-        finally:
-            if collecting:
-                gc.enable()
-        self.captured += 1
-        logger.info("prefill chunk captured as a CUDA graph (%d tokens, level %d%s)", chunk.tokens, key[0], ", first" if key[1] else "")
-        return graph
-
-    def _step(self, chunk: _Chunk, level: int, fresh: bool) -> None:
+    def _step(self, chunk: _Chunk, key: tuple[int, bool]) -> None:
         runner = self.runner
+        level, fresh = key
         converted = runner.levels.converted_layers(level)
         start, slot = chunk.meta[0], chunk.meta[1:2]
         positions = (start + chunk.offsets)[None]  # (1, T)

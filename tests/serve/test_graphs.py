@@ -69,7 +69,7 @@ def test_static_decode_equals_the_reference_runner(fused):
     prompts = [torch.randint(3, 128, (n,), generator=gen) for n in lengths]
     worst, pool = _decode_both(model, levels, prompts, [0, 2, 3, 1, 0, 3], 3 if fused else 5, gen, release=(1, 2, 4), fused=fused)
     assert worst < 1e-5
-    assert {4, 8} <= set(pool._static._buckets)  # (and 1: one-token last chunks of prompts)
+    assert {4, 8} <= set(pool._static._entries)  # (and 1: one-token last chunks of prompts)
     assert pool._static.captured == 0  # on the CPU nothing is captured
 
 
@@ -80,7 +80,7 @@ def test_static_decode_steps_aside_for_what_it_does_not_run():
     s = pool.new_sequence(2)
     assert not pool._static.supports([s], 2)
     pool.forward([s], torch.tensor([[5]]))
-    assert pool._static.supports([s], 2) and not pool._static._buckets
+    assert pool._static.supports([s], 2) and not pool._static._entries
 
 
 @pytest.mark.parametrize("policy", ["softmax", "length-caps", "memory"])
@@ -95,7 +95,7 @@ def test_engine_gives_the_same_tokens_with_static_decoding(policy):
         ids = [engine.add_request(p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)) for p in prompts]
         done = engine.run()
         outputs[graphs] = [done[i].output for i in ids]
-        assert bool(graphs) == bool(engine.runner._static and engine.runner._static._buckets)  # static steps ran
+        assert bool(graphs) == bool(engine.runner._static and engine.runner._static._entries)  # static steps ran
     assert outputs[True] == outputs[False]
 
 
@@ -123,13 +123,13 @@ def test_closing_frees_the_pools_and_graphs_at_once():
         engine.add_request(list(range(3, 3 + n)), SamplingParams(max_tokens=4, ignore_eos=True))
     engine.run()
     runner, static = engine.runner, engine.runner._static
-    assert runner.arena_bytes() > 0 and static._buckets
+    assert runner.arena_bytes() > 0 and static._entries
     gc.disable()
     try:
         alive = weakref.ref(runner)
         del runner
         engine.close()
-        assert engine.runner.arena_bytes() == 0 and not static._buckets
+        assert engine.runner.arena_bytes() == 0 and not static._entries
         del engine
         assert alive() is None  # freed by reference counting alone
     finally:
@@ -210,7 +210,7 @@ def test_engine_cuts_chunks_for_static_prefill_and_gives_the_same_tokens(policy)
         done = engine.run()
         outputs[runner], chunks[runner] = [done[i].output for i in ids], sizes
         if runner == "pooled":
-            assert engine.runner._static_prefill._chunks  # chunks took the static path
+            assert engine.runner._static_prefill._entries  # chunks took the static path
     assert outputs["pooled"] == outputs["reference"] and chunks["pooled"] == chunks["reference"]
     prefill = [n for n in chunks["pooled"] if n > 1]
     # a 100-token budget: 64 of the first prompt (the 36 left would make a small chunk: the step stops), then its last 86
