@@ -36,7 +36,7 @@ from ..generate import eos_token_ids as default_eos_token_ids
 from .levels import LevelMemory
 from .policy import MemoryView, Policy, RequestView, SoftmaxPolicy
 from .pool import PooledRunner, PooledSequence
-from .runner import Runner, Sequence
+from .runner import Runner, Sequence, on_device
 from .sampling import SamplingParams, StopChecker, make_generator, sample
 from .settings import check_runner
 
@@ -305,7 +305,7 @@ class Engine:
 
     def _decode(self, decoding: list[Request]) -> "_NextTokens":
         """Launch the decode forward of ``decoding`` (one token each); its next tokens on their way."""
-        ids = torch.tensor([[r.output[-1]] for r in decoding], device=self.device)  # (B, 1)
+        ids = on_device([[r.output[-1]] for r in decoding], self.device)  # (B, 1)
         logits = self.runner.forward([r.seq for r in decoding], ids)  # (B, vocab) on the device
         return _NextTokens.start(decoding, logits)
 
@@ -331,7 +331,7 @@ class Engine:
             if cut:
                 take -= take % align
             chunk = request.tokens[start : start + take]
-            logits = self.runner.forward([request.seq], torch.tensor([chunk], device=self.device))
+            logits = self.runner.forward([request.seq], on_device([chunk], self.device))
             budget -= len(chunk)
             self.counters["prefill_tokens"] += len(chunk)
             self.counters["prefill_chunks"] += 1
@@ -454,15 +454,16 @@ class _NextTokens:
         greedy = [r.params.greedy for r in requests]
         picked = [i for i, g in enumerate(greedy) if g]
         drawn = [i for i, g in enumerate(greedy) if not g]
-        ids = None
-        if picked:
-            ids = _to_host((logits if len(picked) == len(requests) else logits[picked]).argmax(dim=-1))
-        rows = _to_host(logits[drawn]) if drawn else None
+        def rows(index: list[int]) -> torch.Tensor:
+            return logits if len(index) == len(requests) else logits.index_select(0, on_device(index, logits.device))
+
+        ids = _to_host(rows(picked).argmax(dim=-1)) if picked else None
+        drawn_logits = _to_host(rows(drawn)) if drawn else None
         ready = None
         if logits.is_cuda:
             ready = torch.cuda.Event()
             ready.record()
-        return cls(requests, picked, ids, drawn, rows, ready)
+        return cls(requests, picked, ids, drawn, drawn_logits, ready)
 
     def tokens(self) -> list[int]:
         """Each request's next token (waits for the copies)."""

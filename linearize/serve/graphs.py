@@ -43,7 +43,7 @@ from ..layers.base import project_qkv
 from ..layers.dsla import DslaAttention
 from ..ops.dsla import DslaDecodeState
 from ..ops.softmax import slot_attention
-from .runner import SDPA_BACKENDS, decoder_forward
+from .runner import SDPA_BACKENDS, decoder_forward, on_device
 
 PREFILL_ALIGN = 64
 """Prefill chunks of a multiple of this many tokens run on static buffers (``StaticPrefill``); the
@@ -210,11 +210,10 @@ class StaticDecode(_StaticSteps):
         vocab = runner.model.config.vocab_size
         bucket = self._entry(rows, lambda: _Bucket(rows, torch.zeros(rows, 1, dtype=torch.long, device=device),
                                                    torch.zeros(3, rows, dtype=torch.long, device=device), torch.zeros(rows, vocab, device=device)))  # fmt: skip
-        meta = torch.tensor([[s.position for s in seqs], [s.slot for s in seqs], [s.level for s in seqs]], dtype=torch.long)
-        pad = rows - n
-        if pad:  # padding rows: position 0 of the scratch slot, level 0
-            meta = torch.cat([meta, torch.tensor([[0], [runner.scratch_slot], [0]], dtype=torch.long).expand(3, pad)], dim=1)
-        bucket.meta.copy_(meta)
+        pad = rows - n  # padding rows: position 0 of the scratch slot, level 0
+        meta = [[s.position for s in seqs] + [0] * pad, [s.slot for s in seqs] + [runner.scratch_slot] * pad,
+                [s.level for s in seqs] + [0] * pad]  # fmt: skip
+        bucket.meta.copy_(on_device(meta, device))
         bucket.ids[:n].copy_(ids)
         if pad:
             bucket.ids[n:].zero_()
@@ -303,7 +302,7 @@ class StaticPrefill(_StaticSteps):
         vocab = self.runner.model.config.vocab_size
         chunk = self._entry(t, lambda: _Chunk(t, torch.zeros(1, t, dtype=torch.long, device=device), torch.zeros(2, dtype=torch.long, device=device),
                                               torch.arange(t, device=device), torch.zeros(1, vocab, device=device)))  # fmt: skip
-        chunk.meta.copy_(torch.tensor([seq.position, seq.slot], dtype=torch.long))
+        chunk.meta.copy_(on_device([seq.position, seq.slot], device))
         chunk.ids.copy_(ids)
         self._run(chunk, (seq.level, seq.position == 0))
         seq.position += t

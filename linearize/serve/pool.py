@@ -50,7 +50,7 @@ from ..ops.dsla import DslaDecodeState, padded_columns
 from ..ops.states import DslaState
 from .graphs import PREFILL_ALIGN, StaticDecode, StaticPrefill
 from .levels import LevelMemory
-from .runner import SDPA_BACKENDS, check_rows, decoder_forward, next_positions, split_rows
+from .runner import SDPA_BACKENDS, check_rows, decoder_forward, next_positions, on_device, split_rows
 
 MASK_ALIGN = 16
 """Attention masks are laid out with rows of a multiple of this many elements (what SDPA's
@@ -341,11 +341,11 @@ class _Group:
         starts = [seqs[r].position for r in rows]
         slots = [seqs[r].slot for r in rows]
         length = max(starts) + t
-        idx = torch.tensor(rows, device=device)
+        idx = on_device(rows, device)
         pos = positions.index_select(0, idx)  # (G, T)
         allowed = torch.arange(length, device=device)[None, None, :] <= pos[:, :, None]  # (G, T, length)
         fresh = [g for g, n in enumerate(starts) if n == 0]
-        slot_t = torch.tensor(slots, device=device)
+        slot_t = on_device(slots, device)
         lo, span = min(slots), max(slots) - min(slots) + 1
         gather = span > 3 * len(rows)
         in_order = slots == list(range(lo, lo + len(rows)))
@@ -358,7 +358,7 @@ class _Group:
             rows=idx, slots=slot_t, lo=lo, span=span, gather=gather, span_index=span_index,
             write_slots=slot_t.repeat_interleave(t), write_positions=pos.reshape(-1),
             length=length, allowed=allowed,
-            fresh=torch.tensor(fresh, device=device) if fresh and len(fresh) < len(rows) else None,
+            fresh=on_device(fresh, device) if fresh and len(fresh) < len(rows) else None,
             all_fresh=len(fresh) == len(rows),
         )  # fmt: skip
 

@@ -107,7 +107,7 @@ class Runner:
             out = torch.empty_like(h)
             for converted, rows in zip((True, False), split_rows(converted_rows, i)):
                 for part in _by_state(rows, seqs, i):
-                    idx = torch.tensor(part, device=ids.device)
+                    idx = on_device(part, ids.device)
                     o = self._attention(attn, h[idx], (cos[idx], sin[idx]), [seqs[r] for r in part], i, converted)
                     out.index_copy_(0, idx, o)
             return out
@@ -130,6 +130,16 @@ class Runner:
         return attn.o_proj(o.transpose(1, 2).reshape(b, t, -1).to(h.dtype))
 
 
+def on_device(values, device, dtype=torch.long) -> Tensor:
+    """``torch.tensor(values)`` on ``device`` without making the host wait: on CUDA copied from pinned
+    memory without blocking (a copy from pageable memory waits for all the device's queued work, which
+    would undo the overlap of a step's decode and prefill launches)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def check_rows(seqs, ids: Tensor) -> None:
     """ValueError unless ``ids`` is (rows, tokens) with one row per sequence."""
     if ids.dim() != 2 or ids.shape[0] != len(seqs):
@@ -143,7 +153,7 @@ def split_rows(converted_rows: list[set[int] | frozenset[int]], i: int) -> tuple
 
 def next_positions(seqs, ids: Tensor) -> Tensor:
     """(B, T) positions of ``ids`` (B, T): row b continues ``seqs[b]`` from ``seqs[b].position``."""
-    start = torch.tensor([s.position for s in seqs], device=ids.device)  # (B,)
+    start = on_device([s.position for s in seqs], ids.device)  # (B,)
     return start[:, None] + torch.arange(ids.shape[1], device=ids.device)
 
 

@@ -66,3 +66,12 @@ def test_runner_rejects_bad_rows_and_levels():
         runner.new_sequence(4)
     with pytest.raises(ValueError, match="one row per sequence"):
         runner.forward([runner.new_sequence()], torch.zeros(2, 1, dtype=torch.long))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_on_device_gives_the_values(device):
+    """The runners' host-to-device index copies (pinned and not blocking on CUDA) hold the values."""
+    from linearize.serve.runner import on_device
+
+    x = on_device([[3, 1], [4, 1]], device)
+    assert x.device.type == device and x.dtype == torch.long and x.tolist() == [[3, 1], [4, 1]]
