@@ -454,6 +454,7 @@ class _NextTokens:
         greedy = [r.params.greedy for r in requests]
         picked = [i for i, g in enumerate(greedy) if g]
         drawn = [i for i, g in enumerate(greedy) if not g]
+
         def rows(index: list[int]) -> torch.Tensor:
             return logits if len(index) == len(requests) else logits.index_select(0, on_device(index, logits.device))
 

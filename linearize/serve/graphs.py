@@ -43,7 +43,7 @@ from ..layers.base import project_qkv
 from ..layers.dsla import DslaAttention
 from ..ops.dsla import DslaDecodeState
 from ..ops.softmax import slot_attention
-from .runner import SDPA_BACKENDS, decoder_forward, on_device
+from .runner import SDPA_BACKENDS, additive_mask, decoder_forward, on_device
 
 PREFILL_ALIGN = 64
 """Prefill chunks of a multiple of this many tokens run on static buffers (``StaticPrefill``); the
@@ -240,7 +240,7 @@ class StaticDecode(_StaticSteps):
         converted = rank is not None and rank < hi
         softmax = runner._keys[i] is not None
         b = bucket.rows
-        out = soft = None
+        out = None
         if converted:
             conv = bucket.levels > rank  # (B,) the rows that run layer i converted
             pool, width = runner._dsla[i], runner._states[i].history.shape[-1]
@@ -321,8 +321,7 @@ class StaticPrefill(_StaticSteps):
             m = masks.get((n_rep, dtype))
             if m is None:
                 allowed = (torch.arange(capacity, device=start.device)[None, :] <= positions[0][:, None]).repeat(n_rep, 1)
-                m = torch.zeros(allowed.shape, dtype=dtype, device=start.device).masked_fill_(~allowed, float("-inf"))
-                m = masks[(n_rep, dtype)] = m[None, None]  # (1, 1, n_rep T, capacity)
+                m = masks[(n_rep, dtype)] = additive_mask(allowed[None, None], dtype)  # (1, 1, n_rep T, capacity)
             return m
 
         def attention(i: int, attn, h: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -50,11 +50,8 @@ from ..ops.dsla import DslaDecodeState, padded_columns
 from ..ops.states import DslaState
 from .graphs import PREFILL_ALIGN, StaticDecode, StaticPrefill
 from .levels import LevelMemory
-from .runner import SDPA_BACKENDS, check_rows, decoder_forward, next_positions, on_device, split_rows
+from .runner import SDPA_BACKENDS, additive_mask, check_rows, decoder_forward, next_positions, on_device, split_rows
 
-MASK_ALIGN = 16
-"""Attention masks are laid out with rows of a multiple of this many elements (what SDPA's
-memory-efficient kernel wants; it copies and pads other masks on every call)."""
 MIN_SLOTS = 4
 MIN_CAPACITY = 256
 
@@ -370,8 +367,5 @@ class _Group:
         padded again by every layer's call."""
         m = self._masks.get((n_rep, dtype))
         if m is None:
-            allowed = self.allowed.repeat(1, n_rep, 1)[:, None]  # (G or span, 1, n_rep * T, length)
-            aligned = -(-self.length // MASK_ALIGN) * MASK_ALIGN
-            m = allowed.new_full((*allowed.shape[:-1], aligned), float("-inf"), dtype=dtype)[..., : self.length]
-            m = self._masks[(n_rep, dtype)] = m.masked_fill_(allowed, 0.0)
+            m = self._masks[(n_rep, dtype)] = additive_mask(self.allowed.repeat(1, n_rep, 1)[:, None], dtype)  # (G or span, 1, n_rep * T, length)
         return m

@@ -130,6 +130,21 @@ class Runner:
         return attn.o_proj(o.transpose(1, 2).reshape(b, t, -1).to(h.dtype))
 
 
+MASK_ALIGN = 16
+"""Attention masks are laid out with rows of a multiple of this many elements (what SDPA's
+memory-efficient kernel wants; it copies and pads other masks on every call)."""
+
+
+def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
+    """0 where ``allowed`` (..., L) bool, -inf elsewhere, in ``dtype``, its rows padded in memory to a
+    multiple of MASK_ALIGN: SDPA's memory-efficient kernel takes it as it is (a boolean mask, or an
+    unaligned one, is converted and padded again by every layer's call)."""
+    length = allowed.shape[-1]
+    aligned = -(-length // MASK_ALIGN) * MASK_ALIGN
+    m = allowed.new_full((*allowed.shape[:-1], aligned), float("-inf"), dtype=dtype)[..., :length]
+    return m.masked_fill_(allowed, 0.0)
+
+
 def on_device(values, device, dtype=torch.long) -> Tensor:
     """``torch.tensor(values)`` on ``device`` without making the host wait: on CUDA copied from pinned
     memory without blocking (a copy from pageable memory waits for all the device's queued work, which

@@ -11,8 +11,8 @@ from linearize.ops.dsla import DslaDecodeState
 from linearize.serve.engine import Engine, EngineConfig
 from linearize.serve.levels import LevelMemory
 from linearize.serve.policy import parse_policy
-from linearize.serve.pool import MASK_ALIGN, MIN_CAPACITY, MIN_SLOTS, PooledRunner, _Group
-from linearize.serve.runner import next_positions
+from linearize.serve.pool import MIN_CAPACITY, MIN_SLOTS, PooledRunner, _Group
+from linearize.serve.runner import MASK_ALIGN, next_positions
 from linearize.serve.runner import Runner
 from linearize.serve.sampling import SamplingParams
 from linearize.spec import ConversionSpec
