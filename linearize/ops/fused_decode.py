@@ -14,6 +14,9 @@ back and reads it for the query from registers.
   joint or the gate mix (in the torch form: two matmuls and about eight elementwise kernels).
 - ``dsla_state_step``: DSLA's two gated states together (their query, key and value loaded once),
   S = diag(alpha) S + phi(k) [v, (1)]^T, then phi(q) S for both.
+- ``slot_attention_partials`` and ``slot_prefill_attention``: softmax attention over keys kept in
+  the serving runner's slot pools (a decode step's rows, each its own slot and length; one row's
+  prefill chunk, causal), reading each slot and length on the device (``ops.softmax`` wraps them).
 
 The state kernels return the raw reads (numerator and, with a normaliser, the denominator column)
 in float32; the ops combine them exactly as their torch forms do. The torch forms stay the
@@ -82,6 +85,7 @@ class _Kernels(NamedTuple):
     dsla: Any
     window: Any
     slots: Any
+    prefill: Any
 
 
 @functools.cache
@@ -257,7 +261,46 @@ def _kernels() -> _Kernels:
         tl.store(out_l + row, l_i, mask=mm)
         tl.store(out_o + row[:, None] * DV + ov[None, :], acc, mask=mm[:, None] & mv[None, :])
 
-    return _Kernels(hybrid=hybrid_kernel, dsla=dsla_kernel, window=window_kernel, slots=slot_kernel)
+    @triton.jit
+    def slot_prefill_kernel(
+        q, keys, values, meta, out,
+        T, s_qh, s_qt, s_ks, s_kh, s_kt, s_vs, s_vh, s_vt, s_oh, s_ot, scale,
+        CAP: tl.constexpr, N_REP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+        BD: tl.constexpr, BDV: tl.constexpr,
+    ):  # fmt: skip
+        qb = tl.program_id(0)  # one (block of the chunk's queries, query head)
+        h = tl.program_id(1).to(tl.int64)
+        hk = h // N_REP
+        start = tl.load(meta).to(tl.int32)  # the chunk's first position
+        slot = tl.load(meta + 1).to(tl.int64)
+        oi, od, ov = qb * BM + tl.arange(0, BM), tl.arange(0, BD), tl.arange(0, BDV)
+        mi, md, mv = oi < T, od < D, ov < DV
+        pos = start + oi  # each query's position: it sees the slot's keys 0..pos
+        last = start + tl.minimum(qb * BM + BM, T)  # keys the block reads: 0..last - 1
+        qv = tl.load(q + h * s_qh + oi[:, None] * s_qt + od[None, :], mask=mi[:, None] & md[None, :], other=0.0)
+        kbase = keys + slot * s_ks + hk * s_kh
+        vbase = values + slot * s_vs + hk * s_vh
+        m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BM], dtype=tl.float32)
+        acc = tl.zeros([BM, BDV], dtype=tl.float32)
+        for t0 in range(0, CAP, BN):  # a constant trip count (Triton's interpreter takes no run-time bounds)
+            if t0 < last:  # blocks past the chunk's last position are skipped, not read
+                ot = t0 + tl.arange(0, BN)
+                mt = ot < last
+                k = tl.load(kbase + ot[:, None] * s_kt + od[None, :], mask=mt[:, None] & md[None, :], other=0.0)
+                s = tl.dot(qv, tl.trans(k), input_precision="ieee") * scale  # (BM, BN)
+                s = tl.where(mt[None, :] & (ot[None, :] <= pos[:, None]), s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: key 0 is in every query's first block
+                p = tl.exp(s - m_new[:, None])
+                alpha = tl.exp(m_i - m_new)
+                v = tl.load(vbase + ot[:, None] * s_vt + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                m_i = m_new
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out + h * s_oh + oi[:, None] * s_ot + ov[None, :], o, mask=mi[:, None] & mv[None, :])
+
+    return _Kernels(hybrid=hybrid_kernel, dsla=dsla_kernel, window=window_kernel, slots=slot_kernel, prefill=slot_prefill_kernel)
 
 
 BLOCK_K = 32
@@ -452,3 +495,41 @@ def _(q, keys, values, slots, lengths, scale):
     ns = slot_splits(b, values.shape[1], values.shape[2])
     return q.new_empty(b, hq, ns, values.shape[-1], dtype=torch.float32), q.new_empty(b, hq, ns, dtype=torch.float32), \
         q.new_empty(b, hq, ns, dtype=torch.float32)  # fmt: skip
+
+
+SLOT_PREFILL_BLOCK = 64
+"""Queries and keys per block of the slot prefill kernel."""
+
+
+@torch.library.custom_op("linearize::slot_prefill_attention", mutates_args=())
+def slot_prefill_attention(q: Tensor, keys: Tensor, values: Tensor, meta: Tensor, scale: float) -> Tensor:
+    """Causal flash attention of one row's prefill chunk over its keys held in a slot pool: query t
+    of ``q`` (Hq, T, D) sits at position meta[0] + t and reads positions 0..meta[0] + t of slot meta[1]
+    of ``keys`` (S, Hkv, C, D) and ``values`` (S, Hkv, C, Dv) (the chunk's own keys already written
+    there); Hq a multiple of Hkv. Returns (Hq, T, Dv) in q's dtype. The chunk's start and slot are
+    read on the device and key blocks past the chunk's last position are skipped, so the launch
+    depends only on the shapes (a CUDA graph replays it for any start and slot)."""
+    from triton import next_power_of_2 as pow2
+
+    hq, t, d = q.shape
+    _, hkv, cap, dv = values.shape
+    if keys.shape[:3] != values.shape[:3] or keys.shape[-1] != d or hq % hkv:
+        raise ValueError(f"q {tuple(q.shape)}, keys {tuple(keys.shape)} and values {tuple(values.shape)} do not fit "
+                         "(S, Hkv, C, D) pools with Hq a multiple of Hkv")  # fmt: skip
+    _check("meta", meta, (2,), torch.int64)
+    if q.stride(-1) != 1 or keys.stride(-1) != 1 or values.stride(-1) != 1:
+        raise ValueError("q, keys and values must be contiguous in their last axis")
+    out = torch.empty(hq, t, dv, device=q.device, dtype=q.dtype)
+    block = SLOT_PREFILL_BLOCK
+    _kernels().prefill[(-(-t // block), hq)](
+        q, keys, values, meta, out,
+        t, q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
+        values.stride(0), values.stride(1), values.stride(2), out.stride(0), out.stride(1), scale,
+        CAP=cap, N_REP=hq // hkv, D=d, DV=dv, BM=block, BN=block, BD=max(16, pow2(d)), BDV=max(16, pow2(dv)),
+    )  # fmt: skip
+    return out
+
+
+@slot_prefill_attention.register_fake
+def _(q, keys, values, meta, scale):
+    return q.new_empty(q.shape[0], q.shape[1], values.shape[-1])

@@ -77,6 +77,32 @@ def slot_attention(q: Tensor, keys: Tensor, values: Tensor, slots: Tensor, lengt
     return slot_attention_reference(q, keys, values, slots, lengths, scale)
 
 
+def slot_prefill_attention(q: Tensor, keys: Tensor, values: Tensor, meta: Tensor, scale: float) -> Tensor:
+    """One row's prefill chunk over its keys kept in a slot pool: query t of ``q`` (Hq, T, D) sits at
+    position meta[0] + t and attends causally to positions 0..meta[0] + t of slot meta[1] of ``keys``
+    (S, Hkv, C, D) and ``values`` (S, Hkv, C, Dv), the chunk's own keys written there first; the
+    query heads of a KV head consecutive. Returns (Hq, T, Dv) in q's dtype. Start and slot are device
+    values, so a CUDA graph can capture it: on CUDA a flash-attention kernel that reads the slot only
+    up to the chunk's last position (``fused_decode.slot_prefill_attention``), elsewhere
+    ``slot_prefill_attention_reference`` (float32 over the whole capacity)."""
+    if fused_decode.enabled(q):
+        return fused_decode.slot_prefill_attention(q, keys, values, meta, scale)
+    return slot_prefill_attention_reference(q, keys, values, meta, scale)
+
+
+def slot_prefill_attention_reference(q: Tensor, keys: Tensor, values: Tensor, meta: Tensor, scale: float) -> Tensor:
+    """``slot_prefill_attention`` in float32 over the slot's whole capacity, later positions masked."""
+    hq, t, d = q.shape
+    k = keys.index_select(0, meta[1:]).squeeze(0).float()  # (Hkv, C, D)
+    v = values.index_select(0, meta[1:]).squeeze(0).float()
+    hkv, cap = k.shape[0], k.shape[1]
+    scores = torch.matmul(q.float().reshape(hkv, hq // hkv * t, d), k.transpose(-1, -2)) * scale  # (Hkv, n_rep T, C)
+    positions = (meta[0] + torch.arange(t, device=q.device)).repeat(hq // hkv)  # each folded query's position
+    allowed = torch.arange(cap, device=q.device)[None, :] <= positions[:, None]  # (n_rep T, C)
+    weights = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+    return torch.matmul(weights, v).reshape(hq, t, v.shape[-1]).to(q.dtype)
+
+
 def combine_parts(o: Tensor, m: Tensor, l: Tensor) -> Tensor:
     """Softmax attention from its parts over disjoint key ranges: o (..., P, Dv) each part's sum of
     exp(score - m) v, m (..., P) its max score, l (..., P) its sum of exp(score - m) (an empty part:

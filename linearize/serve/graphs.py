@@ -34,16 +34,14 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention import sdpa_kernel
 
 from ..cache import StateCacheLayer
 from ..layers.base import project_qkv
 from ..layers.dsla import DslaAttention
 from ..ops.dsla import DslaDecodeState
-from ..ops.softmax import slot_attention
-from .runner import SDPA_BACKENDS, additive_mask, decoder_forward, on_device
+from ..ops.softmax import slot_attention, slot_prefill_attention
+from .runner import decoder_forward, on_device
 
 PREFILL_ALIGN = 64
 """Prefill chunks of a multiple of this many tokens run on static buffers (``StaticPrefill``); the
@@ -279,9 +277,9 @@ class StaticPrefill(_StaticSteps):
     """One-row prefill chunks of ``PREFILL_ALIGN`` multiples of a ``PooledRunner`` on static buffers;
     on CUDA (``capture``) replayed as CUDA graphs keyed by (length, level, first chunk or not).
 
-    Softmax layers write the chunk's keys and values at the row's slot and positions and attend over
-    a copy of the slot's whole capacity with an additive causal mask built on the device (one copy
-    and one read of the slot per layer: the shapes stay the same whatever the row holds); converted
+    Softmax layers write the chunk's keys and values at the row's slot and positions and attend
+    through ``slot_prefill_attention``, which reads the slot in place, only up to the chunk's last
+    position (start and slot are device values: the launch is the same whatever the row holds); converted
     layers gather the row's DSLA states from the pool (none on a first chunk), run the layer's
     prefill and write them back."""
 
@@ -314,15 +312,6 @@ class StaticPrefill(_StaticSteps):
         converted = runner.levels.converted_layers(level)
         start, slot = chunk.meta[0], chunk.meta[1:2]
         positions = (start + chunk.offsets)[None]  # (1, T)
-        masks: dict = {}
-
-        def mask(n_rep: int, dtype, capacity: int) -> Tensor:
-            """(1, 1, n_rep T, capacity) additive: query t sees keys at positions <= start + t."""
-            m = masks.get((n_rep, dtype))
-            if m is None:
-                allowed = (torch.arange(capacity, device=start.device)[None, :] <= positions[0][:, None]).repeat(n_rep, 1)
-                m = masks[(n_rep, dtype)] = additive_mask(allowed[None, None], dtype)  # (1, 1, n_rep T, capacity)
-            return m
 
         def attention(i: int, attn, h: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
             t = h.shape[1]
@@ -337,14 +326,7 @@ class StaticPrefill(_StaticSteps):
                 keys, values = runner._keys[i], runner._values[i]
                 keys[slot, :, positions[0]] = k[0].transpose(0, 1).to(keys.dtype)  # (T, Hkv, D) at the row's positions
                 values[slot, :, positions[0]] = v[0].transpose(0, 1).to(values.dtype)
-                hkv, d = k.shape[1], k.shape[3]
-                n_rep = q.shape[1] // hkv
-                row_k, row_v = keys.index_select(0, slot), values.index_select(0, slot)  # (1, Hkv, capacity, D) copies
-                qf = q.reshape(1, hkv, n_rep * t, d)  # query heads of a KV head folded into the query axis
-                with sdpa_kernel(SDPA_BACKENDS):
-                    o = F.scaled_dot_product_attention(qf, row_k, row_v, attn_mask=mask(n_rep, qf.dtype, keys.shape[2]),
-                                                       scale=attn.scaling)  # fmt: skip
-                o = o.reshape(1, hkv * n_rep, t, row_v.shape[-1])
+                o = slot_prefill_attention(q[0], keys, values, chunk.meta, attn.scaling)[None]  # (1, Hq, T, Dv)
             return attn.o_proj(o.transpose(1, 2).reshape(1, t, -1).to(h.dtype))
 
         logits = decoder_forward(runner.model, runner._layers, [], chunk.ids, positions, attention)

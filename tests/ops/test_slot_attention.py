@@ -1,6 +1,7 @@
-"""Slot attention (one query token per row over keys kept in slot pools, each row its own length):
-the flash-decoding kernel (on the GPU when there is one, else in Triton's interpreter on the CPU)
-against the float32 reference, and the reference against softmax attention on the row's tokens."""
+"""Slot attention over keys kept in slot pools: one query token per row, each row its own length
+(decode), and one row's causal prefill chunk. The kernels (on the GPU when there is one, else in
+Triton's interpreter on the CPU) against the float32 references, and the references against softmax
+attention on the row's tokens."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ import pytest
 import torch
 
 from linearize.ops import fused_decode
-from linearize.ops.softmax import combine_parts, slot_attention, slot_attention_reference, softmax_attention
+from linearize.ops.softmax import (
+    combine_parts,
+    slot_attention,
+    slot_attention_reference,
+    slot_prefill_attention,
+    slot_prefill_attention_reference,
+    softmax_attention,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -88,3 +96,49 @@ def test_kernel_in_bfloat16_on_cuda():
     q = torch.randn(8, 32, 128, device="cuda", dtype=torch.bfloat16)
     want = slot_attention_reference(q, keys, values, slots, lengths, 128**-0.5)
     torch.testing.assert_close(slot_attention(q, keys, values, slots, lengths, 128**-0.5), want, atol=2e-2, rtol=2e-2)
+
+
+@torch.no_grad()
+def test_prefill_reference_is_causal_softmax_attention_over_the_rows_tokens():
+    """Query t of a chunk at start s equals causal softmax attention of the row's tokens 0..s + t
+    (grouped heads): the chunk's queries as the last T of s + T tokens."""
+    keys, values = _pools(4, 2, 50, 8, 6)
+    q = torch.randn(6, 9, 8)  # (Hq, T, D): 3 query heads per KV head
+    for start, slot in ((0, 2), (13, 1), (41, 3)):
+        got = slot_prefill_attention_reference(q, keys, values, torch.tensor([start, slot]), 0.3)
+        n = start + 9
+        k, v = keys[slot, :, :n][None], values[slot, :, :n][None]
+        qs = torch.cat([torch.zeros(1, 6, start, 8), q[None]], dim=2)
+        want, _ = softmax_attention(qs, k, v, scale=0.3)
+        torch.testing.assert_close(got, want[0, :, start:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not fused_decode.triton_available(), reason="needs Triton (the test extra installs it)")
+@pytest.mark.parametrize("shape", [(1, 1, 16, 16), (3, 2, 8, 24), (2, 1, 37, 70)], ids=["mha", "gqa3", "D37-Dv70"])
+@pytest.mark.parametrize("t", [64, 70])
+@torch.no_grad()
+def test_prefill_kernel_equals_the_reference(shape, t):
+    """Chunks from position 0, across block edges, and ending at the capacity; a chunk that is not a
+    whole number of blocks: the kernel equals the float32 reference."""
+    n_rep, hkv, d, dv = shape
+    cap = 200
+    keys, values = _pools(3, hkv, cap, d, dv, device=DEVICE)
+    q = torch.randn(hkv * n_rep, t, d, device=DEVICE)
+    for start, slot in ((0, 0), (37, 2), (64, 1), (cap - t, 2)):
+        meta = torch.tensor([start, slot], device=DEVICE)
+        want = slot_prefill_attention_reference(q, keys, values, meta, d**-0.5)
+        with fused_decode.use_fused(True):
+            assert fused_decode.enabled(q)
+            got = slot_prefill_attention(q, keys, values, meta, d**-0.5)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@torch.no_grad()
+def test_prefill_kernel_in_bfloat16_on_cuda():
+    keys, values = _pools(3, 8, 4096, 128, 128, torch.bfloat16, "cuda")
+    q = torch.randn(32, 448, 128, device="cuda", dtype=torch.bfloat16)
+    for start, slot in ((0, 0), (1000, 1), (4096 - 448, 2)):
+        meta = torch.tensor([start, slot], device="cuda")
+        want = slot_prefill_attention_reference(q, keys, values, meta, 128**-0.5)
+        torch.testing.assert_close(slot_prefill_attention(q, keys, values, meta, 128**-0.5), want, atol=2e-2, rtol=2e-2)

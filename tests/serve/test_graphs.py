@@ -163,14 +163,19 @@ def _prefill_both(plans, device="cpu"):
     return worst, calls, pool
 
 
-def test_static_prefill_equals_the_reference_runner():
+@pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused"])
+def test_static_prefill_equals_the_reference_runner(fused):
     """Prompts fed in chunks of 64 to 192 tokens (first chunks and continuations, every level, a
     prompt that grows the arena's capacity), their last chunks ragged (the eager path): every chunk's
     logits and the decode after equal the reference runner's, and the aligned chunks whose pools
-    exist took the static path."""
+    exist took the static path. fused: the static steps through the slot kernels (Triton's
+    interpreter on the CPU)."""
     from linearize.serve.graphs import PREFILL_ALIGN
 
-    worst, calls, pool = _prefill_both([(0, [64, 64, 5]), (3, [128, 64, 30]), (2, [64, 192, 64, 3]), (1, [64, 7])])
+    if fused and not fused_decode.triton_available():
+        pytest.skip("needs Triton (the test extra installs it)")
+    with fused_decode.use_fused(fused):
+        worst, calls, pool = _prefill_both([(0, [64, 64, 5]), (3, [128, 64, 30]), (2, [64, 192, 64, 3]), (1, [64, 7])])
     assert worst < 1e-5
     # aligned chunks run static once their layers' pools exist: the first (level 0) and the first at level 3 make them
     assert calls == [64, 64, 64, 192, 64, 64] and all(n % PREFILL_ALIGN == 0 for n in calls)
