@@ -135,16 +135,17 @@ def _kernels() -> _Kernels:
             acc += tl.sum(q[:, None] * s, axis=0)
         tl.store(out + r * V + ov, acc, mask=mv)
 
-    @tuned(["K", "V"], "states")
-    @triton.jit(do_not_specialize=["rows", "state_rows"])
+    @tuned(["K", "V", "tune_rows"], "states")
+    @triton.jit(do_not_specialize=["rows", "state_rows", "tune_rows"])
     def dsla_kernel(
         states, qf, kf, v, decay, out, index,
-        rows, state_rows, n_rep, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_db, s_ds, s_dh,
+        rows, state_rows, tune_rows, n_rep, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_db, s_ds, s_dh,
         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DV: tl.constexpr,
         BK: tl.constexpr, BV: tl.constexpr, NORMALIZE: tl.constexpr, INDEXED: tl.constexpr,
     ):  # fmt: skip
         # rows = B * H (the batch) and state_rows (the states' rows: B * H, or a pool's slots * H) are
-        # run-time values, not constexprs: a new batch size compiles nothing
+        # run-time values, not constexprs: a new batch size compiles nothing; tune_rows (the batch
+        # rounded up to a power of 2) only keys the tuning: the best tile at batch 1 is not at 40
         r = tl.program_id(0).to(tl.int64)  # one (batch row, query head)
         iv = tl.program_id(1)
         b = r // H
@@ -391,7 +392,7 @@ def dsla_state_step(states: Tensor, qf: Tensor, kf: Tensor, v: Tensor, decay: Te
 
     kernel[grid](
         states, qf, kf, v, decay, out, index if index is not None else out,
-        b * hq, n * hq, hq // hkv, qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), v.stride(0), v.stride(1),
+        b * hq, n * hq, 1 << (b - 1).bit_length(), hq // hkv, qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), v.stride(0), v.stride(1),
         decay.stride(0), decay.stride(1), decay.stride(2),
         H=hq, K=dk, V=width, DV=dv, NORMALIZE=normalize, INDEXED=index is not None,
     )  # fmt: skip

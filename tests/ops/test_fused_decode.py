@@ -226,3 +226,21 @@ def test_custom_ops_pass_torch_library_checks():
     args = (torch.randn(2, 4, 8, device=DEVICE), torch.randn(4, 5, 8, device=DEVICE), torch.randn(4, 5, 9, device=DEVICE),
             torch.ones(2, 5, dtype=torch.bool, device=DEVICE), torch.rand(8, 9, device=DEVICE), torch.rand(4, device=DEVICE), 0.3, False)  # fmt: skip
     torch.library.opcheck(fused_decode.hybrid_window_read, args, test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_dsla_state_tiles_are_tuned_per_batch_size():
+    """The state kernel's tile is tuned again for a batch in another power-of-2 bucket (the tile best
+    at batch 1 is not at 40), and not for one in the same bucket."""
+    kernel = fused_decode._kernels().dsla
+
+    def step(b):
+        h, dk, dv = 4, 64, 64
+        states = torch.zeros(2, b, h, dk, dv + 4, device="cuda")
+        x = [torch.randn(b, h, dk, device="cuda") for _ in range(2)]
+        fused_decode.dsla_state_step(states, *x, torch.randn(b, h, dv, device="cuda"), torch.rand(b, 2, h, dk, device="cuda"), True)
+        return len(kernel.cache)
+
+    tuned = step(1)
+    assert step(40) == tuned + 1
+    assert step(33) == tuned + 1  # 33 and 40: both in the bucket of 64
