@@ -11,7 +11,8 @@
 #   7b       random:llama2-7b (random weights, every layer DSLA), 34GiB, up to 16 of 32 layers,
 #            --max-running 40 (its pools: 40 slots x 4,096 tokens x 512 KiB = 80 GiB)
 #   tiny     random:tiny on DEVICE=cpu: checks the script in seconds
-# Environment: DEVICE (cuda)  REQUESTS ("40 100": one replay per count, in turn)  RATE (8)  TIMEOUT (150 s per policy)
+# Environment: DEVICE (cuda)  REQUESTS ("40 100": one replay per count, in turn)  RATE (8)  RATES (a sweep instead of RATE:
+#   comma-separated rate scales, e.g. 2,3,4,6; each replay's report per rate and sweep.md beside)  TIMEOUT (150 s per policy)
 #   POLICIES (softmax,length-caps,memory,softmax)  REPEATS (1; N: the policy list replayed N times in turn, the report's
 #   "Across runs" table gives each policy's mean and range over its runs)
 #   PROFILE (0; N > 0: after the timed replays, one more replay of the same requests, in its own process, with N
@@ -31,7 +32,7 @@ if [ "${1:-}" = --pack ]; then
   done
   mkdir -p "$out"
   (cd "$WORK" && tar czf "$out/serving.tgz" replay logs 2>/dev/null)
-  for f in "$WORK"/replay/*/report.md; do echo "== $f"; cat "$f"; done
+  for f in "$WORK"/replay/*/report.md "$WORK"/replay/*/sweep.md; do [ -f "$f" ] && { echo "== $f"; cat "$f"; }; done
   exit 0
 fi
 WORK=${1:?usage: GPUS="0 1" serving_study.sh WORK_DIR}
@@ -40,7 +41,8 @@ POLICIES=${POLICIES:-softmax,length-caps,memory,softmax}; PROFILE=${PROFILE:-0};
 SETTINGS=(${SETTINGS:-smollm2 7b})
 mkdir -p "$WORK/logs" "$WORK/replay"
 echo "${#SETTINGS[@]}" > "$WORK/expected"
-common="--device ${DEVICE:-cuda} --trace azure-conv --rate-scale $RATE --policies $POLICIES --max-prompt 4096"
+rate="--rate-scale $RATE"; [ -n "${RATES:-}" ] && rate="--rate-scales $RATES"
+common="--device ${DEVICE:-cuda} --trace azure-conv $rate --policies $POLICIES --max-prompt 4096"
 common+=" --slo ttft=2s,tpot=100ms --timeout $TIMEOUT --runner $RUNNER --${GRAPHS:-graphs}"
 declare -A chain  # GPU -> the commands of the settings it runs, one after another (one GPU: all in turn)
 for i in "${!SETTINGS[@]}"; do

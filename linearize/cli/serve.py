@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
+from pathlib import Path
 
 from ..serve.settings import ServeSettings
 from .spec_flags import _field_docs
@@ -93,31 +94,52 @@ def replay_requests(trace, replay, tokenizer, model_name: str, max_positions: in
 
 
 def cmd_replay(args) -> int:
-    from ..serve.replay import ReplaySettings, load_trace, parse_slo, replay_markdown, run_replay
-    from ..serve.server import load_family, make_engine
+    from ..serve.replay import ReplaySettings, load_trace, replay_markdown, sweep_markdown, sweep_report, write_sweep
 
     replay = from_args(ReplaySettings, args)
     serve = from_args(ServeSettings, args)
     trace = load_trace(replay.trace_path())[replay.start : replay.start + replay.requests]
     if not trace:
         raise ValueError(f"start {replay.start} is past the trace's end")
-    if replay.url is not None:
-        result = replay_server(replay, serve, trace)
-        print(replay_markdown(result))
-        return 0
+    rates = replay.rate_list()
+    family = None if replay.url is not None else _load_replay_family(replay, serve)
+    results = {}
+    for rate in rates:  # one rate: into --out itself; a sweep: OUT/rate-X/ each
+        out = replay.out if len(rates) == 1 or replay.out is None else str(Path(replay.out) / f"rate-{rate:g}")
+        at_rate = dataclasses.replace(replay, rate_scale=rate, rate_scales=None, out=out)
+        results[rate] = replay_server(at_rate, serve, trace) if family is None else replay_in_process(at_rate, serve, trace, *family)
+        print(replay_markdown(results[rate]))
+    if len(rates) > 1:
+        sweep = sweep_report(results)
+        if replay.out is not None:
+            write_sweep(sweep, replay.out)
+        print(sweep_markdown(sweep))
+    return 0
+
+
+def _load_replay_family(replay, serve: ServeSettings):
+    """(model, tokenizer, levels, device) for an in-process replay, every policy's name checked first."""
+    from ..serve.server import load_family, make_engine
+
     model, tokenizer, levels, device = load_family(serve)
-    policies = replay.run_list()
     for policy in replay.policy_list():  # fail on a bad name before replaying anything
         make_engine(model, tokenizer, levels, device, serve, policy)
+    return model, tokenizer, levels, device
+
+
+def replay_in_process(replay, serve: ServeSettings, trace, model, tokenizer, levels, device) -> dict:
+    """``linearize replay`` without --url: the augmented requests against an engine in this process,
+    once per policy in ``replay.run_list()``, at ``replay.rate_scale``."""
+    from ..serve.replay import parse_slo, run_replay
+    from ..serve.server import make_engine
+
     max_positions = getattr(model.config, "max_position_embeddings", replay.max_prompt)
     requests, max_prompt = replay_requests(trace, replay, tokenizer, serve.model, max_positions)
     settings = {"model": serve.model, "trace": replay.trace, "start": replay.start, "kv_budget": serve.kv_budget, "device": str(device),
                 "max_prompt": max_prompt, "turns_mean": replay.turns_mean, "seed": replay.seed}  # fmt: skip
-    result = run_replay(lambda policy: make_engine(model, tokenizer, levels, device, serve, policy), requests, policies,
-                        rate_scale=replay.rate_scale, slo=parse_slo(replay.slo), timeout=replay.timeout, out_dir=replay.out,
-                        settings=settings, profile_steps=replay.profile_steps, profile_from=replay.profile_from)  # fmt: skip
-    print(replay_markdown(result))
-    return 0
+    return run_replay(lambda policy: make_engine(model, tokenizer, levels, device, serve, policy), requests, replay.run_list(),
+                      rate_scale=replay.rate_scale, slo=parse_slo(replay.slo), timeout=replay.timeout, out_dir=replay.out,
+                      settings=settings, profile_steps=replay.profile_steps, profile_from=replay.profile_from)  # fmt: skip
 
 
 def replay_server(replay, serve: ServeSettings, trace) -> dict:

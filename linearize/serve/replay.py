@@ -562,6 +562,103 @@ def across_runs(policies: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]
     return out
 
 
+def policy_means(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each policy of a replay report with its runs together: the report's ``across_runs`` where some
+    policy ran more than once, else every run alone in the same keys (one run: its range is its mean)."""
+    if result.get("across_runs"):
+        return result["across_runs"]
+    out = {}
+    for policy, m in result["policies"].items():
+        mean = m["normalized_latency_s"]["mean"]
+        out[policy] = {"runs": 1, "normalized_latency_mean_s": mean, "normalized_latency_min_s": mean, "normalized_latency_max_s": mean,
+                       "p99_mean_s": m["normalized_latency_s"]["p99"], "ttft_mean_s": m["ttft_s"]["mean"], "lost": m["lost"],
+                       "speedup_vs_softmax": m.get("speedup_vs_softmax"), "apart_from_softmax": None}  # fmt: skip
+    return out
+
+
+def sweep_report(results: dict[float, dict[str, Any]]) -> dict[str, Any]:
+    """Replays of the same requests at several rate scales (rate scale -> its report) as each
+    policy's numbers against the rate: {"settings", "rate_scales", "policies": {policy: [one entry
+    per rate it ran at: "rate_scale" and ``policy_means``' keys]}}."""
+    if not results:
+        raise ValueError("a sweep needs at least one replay")
+    first = next(iter(results.values()))
+    policies: dict[str, list[dict[str, Any]]] = {}
+    for rate, result in results.items():
+        for policy, entry in policy_means(result).items():
+            policies.setdefault(policy, []).append({"rate_scale": rate, **entry})
+    return {"settings": {k: v for k, v in first["settings"].items() if k != "rate_scale"}, "rate_scales": list(results),
+            "policies": policies}  # fmt: skip
+
+
+def sweep_markdown(sweep: dict[str, Any]) -> str:
+    s = sweep["settings"]
+    policies = list(sweep["policies"])
+    by_rate = {p: {e["rate_scale"]: e for e in entries} for p, entries in sweep["policies"].items()}
+    others = [p for p in policies if p != "softmax"] if "softmax" in policies else []
+
+    def f(x, scale=1.0, digits=1):
+        return "" if x is None else f"{x * scale:.{digits}f}"
+
+    lines = [f"# Trace replay at several rates\n\n{s['requests']} requests at each rate scale (arrival times / the rate scale); "
+             + ", ".join(f"{k} {v}" for k, v in s.items() if k != "requests") + "\n",
+             "Mean normalised latency (ms per output token; with repeats: the mean of the runs' means), each converting "
+             "policy's ratio to softmax (above 1: faster), p99 (mean of runs) and requests lost in all runs.\n",
+             "| rate scale | " + " | ".join(f"{p}" for p in policies) + "".join(f" | {p} vs softmax" for p in others)
+             + " | " + " | ".join(f"p99 {p}" for p in policies) + " | lost |",
+             "|---:|" + "---:|" * (2 * len(policies) + len(others) + 1)]  # fmt: skip
+    for rate in sweep["rate_scales"]:
+        cells = [by_rate[p].get(rate) for p in policies]
+        ratios = [by_rate[p].get(rate, {}).get("speedup_vs_softmax") for p in others]
+        lost = sum(c["lost"] for c in cells if c is not None)
+        lines.append(f"| {rate:g} | " + " | ".join(f(c and c["normalized_latency_mean_s"], 1e3) for c in cells)
+                     + "".join(f" | {f(r, 1, 2)}x" if r is not None else " | " for r in ratios)
+                     + " | " + " | ".join(f(c and c["p99_mean_s"], 1e3, 0) for c in cells) + f" | {lost} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def write_sweep(sweep: dict[str, Any], out: str | Path) -> None:
+    """sweep.json, sweep.md and latency_vs_rate.png in ``out``, each written atomically."""
+    from ..io import write_results
+
+    out = Path(out)
+    write_results(out, "sweep", sweep, sweep_markdown(sweep), indent=1)
+    plot_sweep(sweep, out)
+
+
+def plot_sweep(sweep: dict[str, Any], out: Path) -> None:
+    """latency_vs_rate.png: each policy's mean normalised latency against the rate scale (bars: the
+    fastest and slowest run) and, beside it, each converting policy's ratio to softmax."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..io import save_png
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for policy, entries in sweep["policies"].items():
+        done = [e for e in entries if e["normalized_latency_mean_s"] is not None]
+        rates = [e["rate_scale"] for e in done]
+        mean = [e["normalized_latency_mean_s"] * 1e3 for e in done]
+        spread = [[m - e["normalized_latency_min_s"] * 1e3 for m, e in zip(mean, done)],
+                  [e["normalized_latency_max_s"] * 1e3 - m for m, e in zip(mean, done)]]  # fmt: skip
+        left.errorbar(rates, mean, yerr=spread, marker="o", capsize=3, label=policy)
+        if policy != "softmax":
+            ratio = [(e["rate_scale"], e["speedup_vs_softmax"]) for e in done if e.get("speedup_vs_softmax") is not None]
+            if ratio:
+                right.plot(*zip(*ratio), marker="o", label=policy)
+    left.set(xlabel="rate scale (x the trace's arrival rate)", ylabel="mean normalised latency (ms per output token)", yscale="log")
+    right.axhline(1.0, color="grey", lw=1)
+    right.set(xlabel="rate scale (x the trace's arrival rate)", ylabel="softmax's latency / the policy's (above 1: faster)")
+    for ax in (left, right):
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_png(fig, out / "latency_vs_rate.png")
+
+
 def _write(result: dict[str, Any], raw: dict[str, Any], out: Path, *, plots: bool) -> None:
     from ..io import write_results
 

@@ -133,6 +133,9 @@ class ReplaySettings:
     runs of the same policy)."""
     rate_scale: float = 1.0
     """Arrival times are divided by this (2 = twice the trace's rate)."""
+    rate_scales: str | None = None
+    """A sweep instead of one rate: comma-separated rate scales (e.g. 2,3,4,6), each replayed in turn into OUT/rate-X/,
+    then sweep.md, sweep.json and latency_vs_rate.png in OUT: each policy's latency against the rate (replaces --rate-scale)."""
     start: int = 0
     """First trace request to replay."""
     requests: int = 200
@@ -164,6 +167,10 @@ class ReplaySettings:
     def __post_init__(self) -> None:
         if not self.rate_scale > 0:
             raise ValueError(f"rate-scale must be > 0, got {self.rate_scale}")
+        if self.rate_scales is not None:
+            if self.rate_scale != 1.0:
+                raise ValueError(f"rate-scale {self.rate_scale} and rate-scales {self.rate_scales!r}: give one (a sweep replaces the single rate)")
+            self.rate_list()
         for name in ("requests", "max_prompt"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -192,6 +199,22 @@ class ReplaySettings:
     def policy_list(self) -> list[str]:
         """The policies to replay (in process: the default four unless given)."""
         return [p.strip() for p in (self.policies or DEFAULT_POLICIES).split(",") if p.strip()]
+
+    def rate_list(self) -> list[float]:
+        """The rate scales to replay at, in order: the sweep's, else the one rate scale."""
+        if self.rate_scales is None:
+            return [self.rate_scale]
+        rates = []
+        for part in self.rate_scales.split(","):
+            try:
+                rate = float(part)
+            except ValueError:
+                rate = 0.0
+            if not rate > 0 or rate in rates:
+                raise ValueError(f"rate-scales {self.rate_scales!r}: {part.strip()!r} is not a new number > 0 (expected distinct "
+                                 "rate scales, e.g. 2,3,4,6)")  # fmt: skip
+            rates.append(rate)
+        return rates
 
     def run_list(self) -> list[str]:
         """The policies in the order they run: the list, ``repeats`` times."""

@@ -8,7 +8,7 @@ import torch
 
 from linearize.data import TRACES
 from linearize.serve.replay import (RequestRecord, TraceRequest, across_runs, augment, base_policy, decode_fit, load_trace, parse_slo,
-                                    run_replay, step_stats, summarize)
+                                    run_replay, step_stats, summarize, sweep_markdown, sweep_report)
 from linearize.serve.settings import ReplaySettings
 
 from .test_api import tiny_engine
@@ -227,3 +227,59 @@ def test_repeats_replay_the_policy_list_in_turn(tmp_path):
         ReplaySettings(repeats=0)
     with pytest.raises(ValueError, match="repeated runs are in process only"):
         ReplaySettings(url="http://localhost:8000", repeats=2)
+
+
+def _report(rate: float, means: dict[str, float], **across) -> dict:
+    policies = {p: {**_summary(m), "speedup_vs_softmax": means["softmax"] / m} for p, m in means.items()}
+    result = {"settings": {"model": "m", "rate_scale": rate, "requests": 7}, "policies": policies}
+    if across:
+        result["across_runs"] = across
+    return result
+
+
+def test_a_sweep_reports_each_policy_against_the_rate():
+    """Rates in order; per policy one entry per rate with its mean, range and ratio to softmax (the
+    runs together where a rate's replay repeated the policies); the table has a row per rate."""
+    two_runs = across_runs({"softmax": _summary(0.4), "memory": _summary(0.1), "softmax#2": _summary(0.6), "memory#2": _summary(0.3)})
+    sweep = sweep_report({2.0: _report(2.0, {"softmax": 0.2, "memory": 0.1}), 6.0: _report(6.0, {"softmax": 0.5, "memory": 0.2}, **two_runs)})
+    assert sweep["rate_scales"] == [2.0, 6.0] and sweep["settings"] == {"model": "m", "requests": 7}
+    memory = sweep["policies"]["memory"]
+    assert [e["rate_scale"] for e in memory] == [2.0, 6.0]
+    assert memory[0]["normalized_latency_mean_s"] == 0.1 and memory[0]["speedup_vs_softmax"] == pytest.approx(2.0)
+    assert memory[0]["runs"] == 1 and memory[0]["normalized_latency_min_s"] == memory[0]["normalized_latency_max_s"] == 0.1
+    assert memory[1]["runs"] == 2 and memory[1]["normalized_latency_mean_s"] == pytest.approx(0.2)  # the runs' mean, not the report's
+    assert (memory[1]["normalized_latency_min_s"], memory[1]["normalized_latency_max_s"]) == (0.1, 0.3)
+    assert memory[1]["speedup_vs_softmax"] == pytest.approx(0.5 / 0.2)
+    table = sweep_markdown(sweep)
+    assert "| 2 | 200.0 | 100.0 | 2.00x | 400 | 200 | 0 |" in table
+    assert "| 6 | 500.0 | 200.0 | 2.50x |" in table
+    with pytest.raises(ValueError, match="at least one replay"):
+        sweep_report({})
+
+
+def test_rate_scales_parse_and_bad_ones_are_named():
+    assert ReplaySettings(rate_scales="2,3,4.5").rate_list() == [2.0, 3.0, 4.5]
+    assert ReplaySettings(rate_scale=8).rate_list() == [8.0]
+    for bad, part in (("2,x", "'x'"), ("2,2", "'2'"), ("0", "'0'"), ("3,-1", "'-1'")):
+        with pytest.raises(ValueError, match=f"rate-scales '{bad}': {part} is not a new number > 0"):
+            ReplaySettings(rate_scales=bad)
+    with pytest.raises(ValueError, match="rate-scale 8 and rate-scales '2,3': give one"):
+        ReplaySettings(rate_scale=8, rate_scales="2,3")
+
+
+def test_replay_command_sweeps_the_rate(tmp_path):
+    """`linearize replay --rate-scales A,B`: a report per rate in OUT/rate-X/, and the sweep's report
+    and plot in OUT, every request accounted for at every rate."""
+    from linearize.cli import main
+
+    assert main(["replay", "--model", "random:tiny", "--device", "cpu", "--kv-budget", "64MiB", "--trace", "azure-code", "--start", "588",
+                 "--requests", "3", "--max-prompt", "64", "--rate-scales", "10,40", "--policies", "static:2",
+                 "--out", str(tmp_path)]) == 0  # fmt: skip
+    for rate in ("10", "40"):
+        report = json.loads((tmp_path / f"rate-{rate}" / "report.json").read_text())
+        assert report["settings"]["rate_scale"] == float(rate)
+        assert all((m["completed"], m["lost"]) == (3, 0) for m in report["policies"].values())
+    sweep = json.loads((tmp_path / "sweep.json").read_text())
+    assert sweep["rate_scales"] == [10.0, 40.0] and list(sweep["policies"]) == ["static:2"]
+    assert [e["rate_scale"] for e in sweep["policies"]["static:2"]] == [10.0, 40.0]
+    assert (tmp_path / "latency_vs_rate.png").stat().st_size > 0 and "| 40 |" in (tmp_path / "sweep.md").read_text()
