@@ -11,7 +11,11 @@ levels; the engine applies them (levels of a live request only rise), logs and c
   else at the lowest level that keeps memory under the high-water mark (never above ``max_level``);
   when memory in use passes the high-water mark, the longest live requests rise one layer at a time,
   the one that frees the most bytes first, until use falls to the middle of the two marks: converting
-  before preempting.
+  before preempting. A rise rebuilds the request's memory from its tokens (a recompute), so marks
+  matter: ``memory:high=1.0`` raises live requests only where their next tokens would not fit
+  otherwise (and admits new ones at levels that keep under the whole budget). The marks and the
+  level cap default to the server's ``--high-water``, ``--low-water`` and ``--max-level``; a policy
+  string may set its own (``memory:high=1.0:low=0.5:max-level=8``), so one replay can compare them.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Sequence
 
 from .levels import LevelMemory
 
-POLICIES = ("softmax", "static:K", "static:P%", "length-caps", "memory")
+POLICIES = ("softmax", "static:K", "static:P%", "length-caps", "memory", "memory:high=H:low=L:max-level=K")
 """The ``--policy`` forms."""
 LENGTH_CAPS = ((2048, 0.125), (4096, 0.25), (8192, 0.375), (math.inf, 0.5))
 """(prompt tokens below, fraction of layers converted): DSLA-Serve's caps."""
@@ -146,8 +150,21 @@ def parse_policy(text: str, levels: LevelMemory, *, max_level: int | None = None
         return SoftmaxPolicy()
     if text == "length-caps":
         return LengthCapsPolicy()
-    if text == "memory":
-        return MemoryPolicy(high=high, low=low, max_level=max_level)
+    if text == "memory" or text.startswith("memory:"):
+        options = {"high": high, "low": low, "max_level": max_level}
+        for part in text.split(":")[1:]:
+            key, _, value = part.partition("=")
+            name = key.replace("-", "_")
+            try:
+                if name not in options or not value:
+                    raise ValueError
+                options[name] = int(value) if name == "max_level" else float(value)
+                if name == "max_level" and not 0 <= options[name] <= levels.max_level:
+                    raise ValueError
+            except ValueError:
+                raise ValueError(f"policy {text!r}: {part!r} is not one of high=H, low=L (fractions of the budget) or "
+                                 f"max-level=K (0..{levels.max_level})") from None  # fmt: skip
+        return MemoryPolicy(**options)
     if text.startswith("static:"):
         arg = text.removeprefix("static:")
         try:

@@ -390,8 +390,8 @@ def summarize(records: Sequence[RequestRecord], *, slo: dict[str, float] | None 
 
 
 def _file_name(policy: str) -> str:
-    """A policy's name as a file name part ('static:25%' -> 'static-25pct')."""
-    return policy.replace(":", "-").replace("%", "pct").replace("#", "-run")
+    """A policy's name as a file name part ('static:25%' -> 'static-25pct', 'memory:high=1.0' -> 'memory-high1.0')."""
+    return policy.replace(":", "-").replace("%", "pct").replace("#", "-run").replace("=", "")
 
 
 def step_stats(timeline: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -76,6 +76,24 @@ def test_parse_policy_forms_and_errors():
         parse_policy("memory", levels, high=0.5, low=0.8)
 
 
+def test_a_memory_policy_string_sets_its_own_marks_and_cap():
+    """memory:high=..:low=..:max-level=.. overrides the server's marks and cap for that policy alone;
+    the rest keep the server's."""
+    levels = _levels(32)
+    policy = parse_policy("memory:high=1.0:max-level=8", levels, max_level=16, high=0.9, low=0.6)
+    assert (policy.high, policy.low, policy.max_level) == (1.0, 0.6, 8)
+    assert (parse_policy("memory:low=0.3", levels).low, parse_policy("memory:low=0.3", levels).high) == (0.3, 0.9)
+    view = MemoryView(budget=100 * 2**20, used=95 * 2**20, levels=levels)  # 95%: over 0.9, under 1.0
+    running = [RequestView("a", 4000, 0), RequestView("b", 2000, 0)]
+    assert parse_policy("memory", levels).raises(running, view)  # the default marks raise at 95%
+    assert parse_policy("memory:high=1.0", levels).raises(running, view) == {}  # only past the whole budget
+    for bad in ("memory:fast=1", "memory:high", "memory:high=x", "memory:max-level=40", "memory:max-level=1.5", "memory:"):
+        with pytest.raises(ValueError, match=r"is not one of high=H, low=L .* or max-level=K \(0\.\.32\)"):
+            parse_policy(bad, levels)
+    with pytest.raises(ValueError, match="water marks"):
+        parse_policy("memory:low=0.95", levels)
+
+
 def test_memory_policy_admits_low_when_memory_is_free_and_high_when_it_binds():
     levels = _levels(8)
     budget = 20 * levels.bytes(0, 1000)

@@ -269,17 +269,17 @@ def test_rate_scales_parse_and_bad_ones_are_named():
 
 def test_replay_command_sweeps_the_rate(tmp_path):
     """`linearize replay --rate-scales A,B`: a report per rate in OUT/rate-X/, and the sweep's report
-    and plot in OUT, every request accounted for at every rate."""
+    and plot in OUT, every request accounted for at every rate (a memory policy with its own marks)."""
     from linearize.cli import main
 
     assert main(["replay", "--model", "random:tiny", "--device", "cpu", "--kv-budget", "64MiB", "--trace", "azure-code", "--start", "588",
-                 "--requests", "3", "--max-prompt", "64", "--rate-scales", "10,40", "--policies", "static:2",
+                 "--requests", "3", "--max-prompt", "64", "--rate-scales", "10,40", "--policies", "memory:high=1.0:max-level=2",
                  "--out", str(tmp_path)]) == 0  # fmt: skip
     for rate in ("10", "40"):
         report = json.loads((tmp_path / f"rate-{rate}" / "report.json").read_text())
         assert report["settings"]["rate_scale"] == float(rate)
         assert all((m["completed"], m["lost"]) == (3, 0) for m in report["policies"].values())
     sweep = json.loads((tmp_path / "sweep.json").read_text())
-    assert sweep["rate_scales"] == [10.0, 40.0] and list(sweep["policies"]) == ["static:2"]
-    assert [e["rate_scale"] for e in sweep["policies"]["static:2"]] == [10.0, 40.0]
+    assert sweep["rate_scales"] == [10.0, 40.0] and list(sweep["policies"]) == ["memory:high=1.0:max-level=2"]
+    assert [e["rate_scale"] for e in sweep["policies"]["memory:high=1.0:max-level=2"]] == [10.0, 40.0]
     assert (tmp_path / "latency_vs_rate.png").stat().st_size > 0 and "| 40 |" in (tmp_path / "sweep.md").read_text()
