@@ -204,6 +204,13 @@ class Engine:
     def get(self, request_id: str) -> Request | None:
         return next((r for r in itertools.chain(self.waiting, self.running) if r.id == request_id), None) or self.finished.get(request_id)
 
+    def reserve(self, tokens: int) -> None:
+        """Allocate now what ``max_running`` requests of up to ``tokens`` tokens each need (the pooled
+        runner's arena; nothing for the reference runner), so that no step grows it later."""
+        reserve = getattr(self.runner, "reserve", None)
+        if reserve is not None:
+            reserve(self.config.max_running, tokens)
+
     def close(self) -> None:
         """Free the runner's memory now (its pools and graphs): the engine cannot step after."""
         for request in list(self.running):

@@ -158,6 +158,15 @@ class PooledRunner:
         self._slots, self._capacity, self.max_slots = 0, 0, 0
         self.generation += 1
 
+    def reserve(self, slots: int, capacity: int) -> None:
+        """Grow the arena now to ``slots`` requests (at most ``max_slots``) of ``capacity`` tokens each,
+        so that serving up to that needs no growth: every growth copies the arena and drops every
+        captured graph (a replay's first minutes would otherwise grow it several times, each followed
+        by new captures). Pools of layers not yet run are created at that size when first needed."""
+        if slots < 1 or capacity < 1:
+            raise ValueError(f"reserve needs slots >= 1 and capacity >= 1, got {slots} and {capacity}")
+        self._grow(slots=slots if self.max_slots is None else min(slots, self.max_slots), capacity=capacity)
+
     def arena_bytes(self) -> int:
         """Bytes the pools have allocated (every slot at full capacity)."""
         tensors = [t for t in self._keys + self._values if t is not None] + list(self._dsla.values())

@@ -446,6 +446,7 @@ def run_replay(engine_factory, requests: Sequence[ReplayRequest], policies: Sequ
             device = engine.device
             try:
                 warm_up(engine, requests[0].prompt if requests else [1])
+                engine.reserve(max((len(r.prompt) + r.output_tokens for r in requests), default=1))  # no growth while timed
                 retries = _alloc_retries(device)
                 profile_out = Path(out_dir) / f"profile_{_file_name(name)}.txt" if profile_steps and out_dir is not None else None
                 records, timeline = replay_engine(engine, requests, rate_scale=rate_scale, timeout=timeout, profile_steps=profile_steps,

@@ -148,6 +148,35 @@ def test_the_arena_stops_at_its_slot_limit():
     assert pool.new_sequence().slot == 2
 
 
+def test_a_reserved_arena_serves_without_growing():
+    """After the engine reserves max_running requests of N tokens (its pools sized once), serving
+    requests within that grows nothing (the runner's generation, what captured graphs depend on,
+    stays) and gives the tokens an unreserved engine gives; a request past N still grows it."""
+    model, levels = family()
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (5, 300, 17, 3, 29, 11)]
+    outputs = {}
+    for reserved in (False, True):
+        engine = Engine(model, levels, EngineConfig(kv_budget=10**9, max_step_tokens=64, max_running=6), policy=parse_policy("length-caps", levels))
+        engine.add_request(prompts[0], SamplingParams(max_tokens=2, ignore_eos=True))
+        engine.run()  # every layer's pool exists (length-caps: level 1 on short prompts)
+        if reserved:
+            engine.reserve(320)
+            assert (engine.runner._slots, engine.runner._capacity) == (6, 320)
+            generation = engine.runner.generation
+        ids = [engine.add_request(p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)) for p in prompts]
+        done = engine.run()
+        outputs[reserved] = [done[i].output for i in ids]
+        if reserved:
+            assert engine.runner.generation == generation
+            engine.add_request([3 + i % 120 for i in range(397)], SamplingParams(max_tokens=1, ignore_eos=True))
+            engine.run()
+            assert engine.runner._capacity >= 398 and engine.runner.generation > generation
+    assert outputs[True] == outputs[False]
+    with pytest.raises(ValueError, match="reserve needs slots >= 1 and capacity >= 1, got 0 and 5"):
+        PooledRunner(model, levels).reserve(0, 5)
+
+
 def test_released_sequences_cannot_run_and_bad_rows_are_refused():
     model, levels = family()
     pool = PooledRunner(model, levels)
