@@ -228,6 +228,65 @@ def warm_up(engine: Engine, tokens: Sequence[int], lengths: Sequence[int] = WARM
     return levels
 
 
+def graph_levels(engine: Engine, requests: Sequence["ReplayRequest"]) -> list[int]:
+    """The levels whose static steps a replay warms up: those the policy admits the requests at on
+    an empty engine (length-caps: its caps; memory: mostly 0) and the warm-up's levels."""
+    from .policy import MemoryView
+
+    empty = MemoryView(engine.config.kv_budget, 0, engine.levels)
+    admitted = {engine.policy.admission_level(len(r.prompt), len(r.prompt) + r.output_tokens, empty) for r in requests}
+    return sorted(admitted | set(warm_up_levels_of(engine.policy.level_cap(engine.levels))))
+
+
+def warm_up_graphs(engine: Engine, tokens: Sequence[int], levels: Sequence[int]) -> int:
+    """Run every static step shape the engine's steps will take at ``levels`` twice before anything
+    is timed, so that their CUDA graphs are captured now rather than by timed steps (a capture stops
+    the device and costs several eager steps): decode steps at every padded batch size up to
+    ``max_running`` (batches of one-chunk prompts that decode together at least twice) and prefill chunks of every
+    multiple of the runner's alignment up to ``max_step_tokens``, first chunks and continuations
+    (prompts of two such chunks and one token, the step's budget set to the chunk). Call it after
+    ``Engine.reserve`` (a growth of the arena drops the graphs). Returns the requests run (0 where
+    the runner has no static steps); the engine's records and counters are cleared after."""
+    from .graphs import bucket_rows
+    from .policy import StaticPolicy
+
+    runner = engine.runner
+    align = getattr(runner, "prefill_align", 1)
+    if getattr(runner, "_static", None) is None or align <= 1:
+        return 0
+    policy, budget = engine.policy, engine.config.max_step_tokens
+    most = engine.config.max_running
+    sizes = [min(b, most) for b in sorted({bucket_rows(n) for n in range(1, most + 1)})]  # rows that fill each bucket
+    stream = list(tokens) or [1]
+
+    def prompt(n: int) -> list[int]:
+        return (stream * (n // len(stream) + 1))[:n]
+
+    ran = 0
+    try:
+        for level in sorted(set(levels)):
+            engine.policy = StaticPolicy(level)
+            for rows in sizes:  # prompts of one aligned chunk: a few steps prefill them all, then the whole batch decodes twice
+                steps = -(-rows * align // max(budget - rows, align))
+                for _ in range(rows):
+                    engine.add_request(prompt(align), SamplingParams(max_tokens=2 * steps + 3, temperature=0.0, ignore_eos=True))
+                engine.run()
+                ran += rows
+            for chunk in range(align, budget + 1, align):
+                engine.config.max_step_tokens = chunk
+                for _ in range(2):
+                    engine.add_request(prompt(2 * chunk + 1), SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+                    engine.run()
+                    ran += 1
+                engine.config.max_step_tokens = budget
+    finally:
+        engine.policy, engine.config.max_step_tokens = policy, budget
+        engine.finished.clear()
+        engine.counters.clear()
+        engine.peak_bytes = 0
+    return ran
+
+
 def warm_up_levels(model, levels, max_level: int | None = None, lengths: Sequence[int] = WARM_UP_LENGTHS) -> list[int]:
     """``warm_up`` on a throwaway engine over ``model`` (no memory limit) whose policy may reach
     ``max_level`` (default: every layer of the order): level 0, the middle and that top level."""
@@ -447,6 +506,7 @@ def run_replay(engine_factory, requests: Sequence[ReplayRequest], policies: Sequ
             try:
                 warm_up(engine, requests[0].prompt if requests else [1])
                 engine.reserve(max((len(r.prompt) + r.output_tokens for r in requests), default=1))  # no growth while timed
+                warm_up_graphs(engine, requests[0].prompt if requests else [1], graph_levels(engine, requests))
                 retries = _alloc_retries(device)
                 profile_out = Path(out_dir) / f"profile_{_file_name(name)}.txt" if profile_steps and out_dir is not None else None
                 records, timeline = replay_engine(engine, requests, rate_scale=rate_scale, timeout=timeout, profile_steps=profile_steps,

@@ -220,3 +220,49 @@ def test_engine_cuts_chunks_for_static_prefill_and_gives_the_same_tokens(policy)
     prefill = [n for n in chunks["pooled"] if n > 1]
     # a 100-token budget: 64 of the first prompt (the 36 left would make a small chunk: the step stops), then its last 86
     assert prefill[:2] == [64, 86]
+
+
+def test_warm_up_runs_every_static_step_shape_twice(monkeypatch):
+    """The replay's graph warm-up runs each decode bucket up to max_running (10 rows fill the bucket
+    of 16) and each aligned prefill chunk length up to the step budget, first chunk and
+    continuation, at each level, at least twice (the second run is where a graph is captured); the
+    engine's records are clear after, and a runner without static steps is left alone."""
+    from collections import Counter
+
+    from linearize.serve.graphs import StaticPrefill
+    from linearize.serve.replay import warm_up_graphs
+
+    runs: Counter = Counter()
+    for cls in (StaticDecode, StaticPrefill):
+        def counted(self, entry, key, original=cls._step):
+            runs[(type(self).__name__, repr(entry), key)] += 1
+            return original(self, entry, key)
+
+        monkeypatch.setattr(cls, "_step", counted)
+    model, levels = family()
+    engine = Engine(model, levels, EngineConfig(kv_budget=10**9, max_step_tokens=128, max_running=10), policy=parse_policy("length-caps", levels))
+    engine.runner._static = StaticDecode(engine.runner, capture=False)
+    engine.runner._static_prefill = StaticPrefill(engine.runner, capture=False)
+    engine.reserve(300)
+    assert warm_up_graphs(engine, list(range(3, 120)), [0, 2]) > 0
+    for level in (0, 2):
+        for rows in (1, 2, 4, 8, 16):
+            assert runs[("StaticDecode", f"batch {rows}", level)] >= 2, (rows, level)
+        for tokens in (64, 128):
+            for first in (True, False):
+                assert runs[("StaticPrefill", f"{tokens} tokens", (level, first))] >= 2, (tokens, level, first)
+    assert not engine.finished and not engine.has_work() and engine.config.max_step_tokens == 128
+    assert str(engine.policy) == "length-caps"
+    plain = Engine(model, levels, EngineConfig(kv_budget=10**9))
+    assert warm_up_graphs(plain, [5], [0]) == 0  # on the CPU the engine takes no static steps
+
+
+def test_graph_levels_are_the_policys_admissions_and_the_warm_up_levels():
+    from linearize.serve.replay import ReplayRequest, graph_levels, warm_up_levels_of
+
+    model, levels = family()
+    requests = [ReplayRequest(0.0, [5] * n, 4, 0, 0) for n in (100, 3000)]
+    caps = Engine(model, levels, EngineConfig(kv_budget=10**9), policy=parse_policy("length-caps", levels))
+    cap = caps.policy.level_cap(levels)
+    assert graph_levels(caps, requests) == sorted({levels.level_for(0.125), levels.level_for(0.25), *warm_up_levels_of(cap)})
+    assert graph_levels(Engine(model, levels, EngineConfig(kv_budget=10**9)), requests) == [0]  # softmax
