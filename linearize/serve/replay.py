@@ -250,9 +250,8 @@ def warm_up_graphs(engine: Engine, tokens: Sequence[int], levels: Sequence[int])
     from .graphs import bucket_rows
     from .policy import StaticPolicy
 
-    runner = engine.runner
-    align = getattr(runner, "prefill_align", 1)
-    if getattr(runner, "_static", None) is None or align <= 1:
+    align = getattr(engine.runner, "prefill_align", 1)  # > 1 exactly where the runner has static steps
+    if align <= 1:
         return 0
     policy, budget = engine.policy, engine.config.max_step_tokens
     most = engine.config.max_running
@@ -504,9 +503,10 @@ def run_replay(engine_factory, requests: Sequence[ReplayRequest], policies: Sequ
             engine = engine_factory(policy)
             device = engine.device
             try:
-                warm_up(engine, requests[0].prompt if requests else [1])
+                tokens = requests[0].prompt if requests else [1]
+                warm_up(engine, tokens)
                 engine.reserve(max((len(r.prompt) + r.output_tokens for r in requests), default=1))  # no growth while timed
-                warm_up_graphs(engine, requests[0].prompt if requests else [1], graph_levels(engine, requests))
+                warm_up_graphs(engine, tokens, graph_levels(engine, requests))
                 retries = _alloc_retries(device)
                 profile_out = Path(out_dir) / f"profile_{_file_name(name)}.txt" if profile_steps and out_dir is not None else None
                 records, timeline = replay_engine(engine, requests, rate_scale=rate_scale, timeout=timeout, profile_steps=profile_steps,
@@ -597,11 +597,16 @@ def across_runs(policies: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]
     lost in all runs, and against softmax's runs: the ratio of the means and whether the two ranges
     are apart (every run of one policy faster than every run of the other: ``apart_from_softmax``,
     None unless both ran at least twice). {} when every policy ran once."""
+    if len({base_policy(name) for name in policies}) == len(policies):
+        return {}
+    return runs_together(policies)
+
+
+def runs_together(policies: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``across_runs``' entries for every policy, also where each ran once (its range is its mean)."""
     groups: dict[str, list[dict[str, Any]]] = {}
     for name, summary in policies.items():
         groups.setdefault(base_policy(name), []).append(summary)
-    if all(len(runs) < 2 for runs in groups.values()):
-        return {}
 
     def of(runs: list[dict[str, Any]], metric: str, stat: str) -> list[float]:
         return [m[metric][stat] for m in runs if m[metric][stat] is not None]
@@ -623,30 +628,17 @@ def across_runs(policies: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]
     return out
 
 
-def policy_means(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Each policy of a replay report with its runs together: the report's ``across_runs`` where some
-    policy ran more than once, else every run alone in the same keys (one run: its range is its mean)."""
-    if result.get("across_runs"):
-        return result["across_runs"]
-    out = {}
-    for policy, m in result["policies"].items():
-        mean = m["normalized_latency_s"]["mean"]
-        out[policy] = {"runs": 1, "normalized_latency_mean_s": mean, "normalized_latency_min_s": mean, "normalized_latency_max_s": mean,
-                       "p99_mean_s": m["normalized_latency_s"]["p99"], "ttft_mean_s": m["ttft_s"]["mean"], "lost": m["lost"],
-                       "speedup_vs_softmax": m.get("speedup_vs_softmax"), "apart_from_softmax": None}  # fmt: skip
-    return out
-
-
 def sweep_report(results: dict[float, dict[str, Any]]) -> dict[str, Any]:
     """Replays of the same requests at several rate scales (rate scale -> its report) as each
     policy's numbers against the rate: {"settings", "rate_scales", "policies": {policy: [one entry
-    per rate it ran at: "rate_scale" and ``policy_means``' keys]}}."""
+    per rate it ran at: "rate_scale" and the report's ``across_runs`` entry, or ``runs_together``'s
+    where each policy ran once]}}."""
     if not results:
         raise ValueError("a sweep needs at least one replay")
     first = next(iter(results.values()))
     policies: dict[str, list[dict[str, Any]]] = {}
     for rate, result in results.items():
-        for policy, entry in policy_means(result).items():
+        for policy, entry in (result.get("across_runs") or runs_together(result["policies"])).items():
             policies.setdefault(policy, []).append({"rate_scale": rate, **entry})
     return {"settings": {k: v for k, v in first["settings"].items() if k != "rate_scale"}, "rate_scales": list(results),
             "policies": policies}  # fmt: skip
