@@ -9,6 +9,7 @@ from ..checks import check_int, is_int
 from ..ops.lola import LolaDecodeState, lola_attention, lola_decode_step, lola_state_empty
 from ..ops.states import LolaState
 from .base import STATE_BYTES, AttentionKind, Attend, SpecError, expect_state, head_sizes
+from .feature_map import HedgehogFeatureMap
 from .hybrid import WindowedLinearAttention, WindowOptions, linear_state_bytes, window_bytes
 
 
@@ -73,10 +74,12 @@ class LolaAttention(WindowedLinearAttention):
             state = lola_state_empty(batch, self.num_heads, self.num_kv_heads, o.window, o.sparse_cache, self.head_dim, self.head_dim,
                                      o.features(self.head_dim), device, linear_keys=self.separate_linear_inputs)  # fmt: skip
         read_state, read_sparse = self.READS[self.mode]
+        phi_k = self.feature_map_k
+        key_map = (phi_k.weight, phi_k.bias) if isinstance(phi_k, HedgehogFeatureMap) else None  # the fused selection computes it
         return LolaDecodeState.from_state(
-            state, phi_q=self.feature_map_q, phi_k=self.feature_map_k, window_factor=self.window_factor(), scale=self.scaling,
+            state, phi_q=self.feature_map_q, phi_k=phi_k, window_factor=self.window_factor(), scale=self.scaling,
             dtype=dtype, read_state=read_state, read_sparse=read_sparse, sinks=o.sinks, linear_weight=o.linear_weight,
-            weight_tokens=o.linear_weight_tokens)  # fmt: skip
+            weight_tokens=o.linear_weight_tokens, key_map=key_map)  # fmt: skip
 
     def decode_step(self, x, position_embeddings, slot):
         """The per-token path (``lola_decode_step``, memory updated in place): on the slot's decode

@@ -75,7 +75,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from linearize.ops import fused_decode
+from linearize.ops import fused_decode, fused_lola
 from linearize.ops.common import FeatureFn, default_valid, gather_tokens, gqa_groups, head_weights, repeat_kv, safe_divide
 from linearize.ops.naive import lola_attention_reference  # noqa: F401 (the specification)
 from linearize.ops.states import LinearState, LolaState, SparseCacheState, WindowState
@@ -384,28 +384,40 @@ class LolaDecodeState:
     linear: Tensor  # (B Hq, F, Dv + 1): [S | z]
     held: Tensor  # (B, Hq) tokens written into the linear state
     context: _ChunkContext
+    key_map: tuple[Tensor, Tensor] | None = None  # phi_k as Hedgehog (weight (Hq, D, f), bias (Hq, f)), for the fused selection
 
     @classmethod
     def from_state(cls, state: LolaState, *, phi_q: FeatureFn, phi_k: FeatureFn, window_factor: Tensor, scale: float,
                    dtype: torch.dtype, read_state: bool = True, read_sparse: bool = True, sinks: int = 0,
-                   linear_weight: float | Sequence[float] | Tensor = 1.0, weight_tokens: int = 0) -> "LolaDecodeState":
+                   linear_weight: float | Sequence[float] | Tensor = 1.0, weight_tokens: int = 0,
+                   key_map: tuple[Tensor, Tensor] | None = None) -> "LolaDecodeState":
         """The decode form of ``state`` (copies: ``state`` is left untouched) for ``lola_attention``'s
         arguments of the same names (checked once here; ``dtype``: the inputs' dtype, in which the
-        feature maps run)."""
+        feature maps run). ``key_map``: when ``phi_k`` is the Hedgehog map with this weight (Hq, D, f)
+        and bias (Hq, f), the step's selection and state pass run as one kernel where the fused
+        kernels apply (``ops.fused_lola``)."""
         hq, hkv = state.sparse.keys.shape[1], state.window.keys.shape[1]
         weights = _check_options(heads=hq, window=state.window.keys.shape[2], sparse=state.sparse.keys.shape[2], chunk=1,
                                  window_factor=window_factor, sinks=sinks, linear_weight=linear_weight, weight_tokens=weight_tokens)  # fmt: skip
         context = _ChunkContext.on(state.linear.kv.device, phi_q, phi_k, window_factor, scale, hq // hkv, dtype, read_state, read_sparse,
                                    sinks, weights, weight_tokens)  # fmt: skip
         win, cache = state.window.clone(), state.sparse.clone()
+        # Keys and values come from the model's projections, so they are kept in its dtype where it
+        # is narrower than float32 (exactly: the float32 copies hold those numbers), halving what a
+        # step reads; every computation on them stays in float32.
+        store = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+        def kept(x: Tensor | None) -> Tensor | None:
+            return None if x is None else x.to(store)
+
         return cls(
-            keys=win.keys, values=win.values, linear_keys=win.linear_keys, valid=win.valid, positions=win.positions,
+            keys=kept(win.keys), values=kept(win.values), linear_keys=kept(win.linear_keys), valid=win.valid, positions=win.positions,
             index=torch.zeros((), dtype=torch.long, device=win.keys.device),
             next_position=win.positions[:, -1] + 1,  # the newest token sits in the last slot (-1 + 1 = 0 when empty)
-            cache_keys=cache.keys, cache_values=cache.values, cache_linear_keys=cache.linear_keys, cache_valid=cache.valid,
+            cache_keys=kept(cache.keys), cache_values=kept(cache.values), cache_linear_keys=kept(cache.linear_keys), cache_valid=cache.valid,
             cache_positions=cache.positions,
             linear=torch.cat([state.linear.kv, state.linear.k_sum[..., None]], dim=-1).flatten(0, 1), held=state_tokens(state),
-            context=context,
+            context=context, key_map=None if key_map is None else _key_map(key_map, hq, state.sparse.keys.shape[-1], dtype),
         )  # fmt: skip
 
     def canonical(self) -> LolaState:
@@ -414,12 +426,15 @@ class LolaDecodeState:
         head = int(self.index)
 
         def ring(x: Tensor | None, dim: int) -> Tensor | None:
-            return None if x is None else x.roll(-head, dims=dim)
+            if x is None:
+                return None
+            x = x.roll(-head, dims=dim)
+            return x.float() if x.is_floating_point() else x  # keys and values as LolaState keeps them
 
         order = torch.sort(torch.where(self.cache_valid, self.cache_positions, torch.iinfo(torch.long).max), dim=-1, stable=True).indices
 
         def sort(x: Tensor | None) -> Tensor | None:  # (B, Hq, L, X) in position order
-            return None if x is None else x.gather(2, order.unsqueeze(-1).expand(-1, -1, -1, x.shape[-1]))
+            return None if x is None else x.gather(2, order.unsqueeze(-1).expand(-1, -1, -1, x.shape[-1])).float()
 
         dv = self.linear.shape[-1] - 1
         linear = self.linear.view(*self.cache_valid.shape[:2], -1, dv + 1)  # (B, Hq, F, Dv + 1)
@@ -430,6 +445,14 @@ class LolaDecodeState:
                                     positions=self.cache_positions.gather(-1, order), linear_keys=sort(self.cache_linear_keys)),
             linear=LinearState(kv=linear[..., :dv].contiguous(), k_sum=linear[..., dv].contiguous()),
         )  # fmt: skip
+
+
+def _key_map(key_map: tuple[Tensor, Tensor], hq: int, d: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The Hedgehog key map's (weight, bias) as (Hq, D, f) and (Hq, f) in ``dtype``, contiguous."""
+    weight, bias = key_map
+    if weight.dim() != 3 or weight.shape[:2] != (hq, d) or bias.numel() != hq * weight.shape[-1]:
+        raise ValueError(f"key_map must be a Hedgehog weight ({hq}, {d}, f) and bias ({hq}, f), got {tuple(weight.shape)} and {tuple(bias.shape)}")
+    return weight.detach().to(dtype).contiguous(), bias.detach().reshape(hq, -1).to(dtype).contiguous()
 
 
 def _recall_error(phi: Tensor, v: Tensor, linear: Tensor) -> Tensor:
@@ -461,7 +484,10 @@ def lola_decode_step(ds: LolaDecodeState, q: Tensor, k: Tensor, v: Tensor, q_lin
     eta, lam, dv = ds.keys.shape[2], ds.cache_keys.shape[2], ds.values.shape[-1]
     n_rep = ctx.n_rep
     i = ds.index.view(1)
-    state = ds.linear.view(b, hq, -1, dv + 1)  # (B, Hq, F, Dv + 1) [S | z]
+
+    if lam and ds.key_map is not None and fused_decode.enabled(ds.linear) and fused_lola.supports(ctx.dtype) \
+            and ds.linear.dtype == torch.float32:  # fmt: skip
+        return _step_fused(ds, q, k, v, q_lin, k_lin)
 
     # 1. Select: the leaving token against the cache entries.
     leave = {"keys": repeat_kv(ds.keys.index_select(2, i), n_rep), "values": repeat_kv(ds.values.index_select(2, i), n_rep)}  # (B, Hq, 1, X)
@@ -469,13 +495,93 @@ def lola_decode_step(ds: LolaDecodeState, q: Tensor, k: Tensor, v: Tensor, q_lin
         leave["linear_keys"] = repeat_kv(ds.linear_keys.index_select(2, i), n_rep)
     leave_valid = ds.valid.index_select(1, i).expand(b, hq)  # (B, Hq)
     leave_pos = ds.positions.index_select(1, i).expand(b, hq)  # (B, Hq)
+    pending = _select(ds, leave, leave_valid, leave_pos)
+
+    # 2. The new token takes the leaving token's window slot.
+    _write_window(ds, k, v, k_lin)
+
+    # 3. Read: the window and the cache exactly (factor f, one max), the state linearly.
+    qf = q.float()
+    s_win = (qf.reshape(b, -1, n_rep, d) @ ds.keys.float().transpose(-1, -2)).view(b, hq, 1, eta) * ctx.scale  # (B, Hq, 1, eta)
+    s_win = s_win.masked_fill(~ds.valid[:, None, None, :], -torch.inf)
+    s_cache = (qf @ ds.cache_keys.float().transpose(-1, -2)) * ctx.scale  # (B, Hq, 1, L)
+    s_cache = s_cache.masked_fill(~(ds.cache_valid[:, :, None, :] & ctx.read_sparse), -torch.inf)
+    m = torch.maximum(s_win.amax(-1, keepdim=True), s_cache.amax(-1, keepdim=True)) if lam else s_win.amax(-1, keepdim=True)
+    p_win = ctx.factor * torch.exp(s_win - m)  # (B, Hq, 1, eta): the new token is in the window, so m is finite
+    p_cache = ctx.factor * torch.exp(s_cache - m)  # (B, Hq, 1, L)
+    num = (p_win.view(b, -1, n_rep, eta) @ ds.values.float()).view(b, hq, 1, dv) + p_cache @ ds.cache_values.float()  # (B, Hq, 1, Dv)
+    den = p_win.sum(-1) + p_cache.sum(-1)  # (B, Hq, 1)
+    r = _update_and_read(ds, q, q_lin, *pending)
+    if r is not None:  # LoLCATs convention: the linear term is not rescaled by exp(-m)
+        num = num + r[..., :dv]
+        den = den + r[..., dv]
+    return safe_divide(num, den).to(q.dtype)
+
+
+def _write_window(ds: LolaDecodeState, k: Tensor, v: Tensor, k_lin: Tensor | None) -> None:
+    """Step 2: the new token takes the leaving token's window slot."""
+    i = ds.index.view(1)
+    eta = ds.keys.shape[2]
+    ds.keys.index_copy_(2, i, k.to(ds.keys.dtype))
+    ds.values.index_copy_(2, i, v.to(ds.values.dtype))
+    if ds.linear_keys is not None:
+        ds.linear_keys.index_copy_(2, i, k_lin.to(ds.linear_keys.dtype))
+    ds.valid.copy_(ds.valid | (torch.arange(eta, device=i.device) == i))
+    ds.positions.index_copy_(1, i, ds.next_position[:, None])
+    ds.next_position.add_(1)
+    ds.index.add_(1).remainder_(eta)
+
+
+def _step_fused(ds: LolaDecodeState, q: Tensor, k: Tensor, v: Tensor, q_lin: Tensor | None, k_lin: Tensor | None) -> Tensor:
+    """The whole step with one kernel (``fused_lola.lola_step``) for the selection, the state's
+    update and read, the cache slot taken and the exact read, after the window takes the new token
+    in torch (the leaving token copied before)."""
+    ctx = ds.context
+    b, hq, _, _ = q.shape
+    dv = ds.values.shape[-1]
+    i = ds.index.view(1)
+    leaving = [ds.keys.index_select(2, i)[:, :, 0], None if ds.linear_keys is None else ds.linear_keys.index_select(2, i)[:, :, 0],
+               ds.values.index_select(2, i)[:, :, 0], ds.valid.index_select(1, i)[:, 0], ds.positions.index_select(1, i)[:, 0]]  # fmt: skip
+    _write_window(ds, k, v, k_lin)
+    if ctx.read_state:
+        qphi = (ctx.phi(ctx.phi_q, (q if q_lin is None else q_lin).float()) * ctx.linear_weight).reshape(b * hq, -1)  # (B Hq, F)
+    else:
+        qphi = ds.linear.new_zeros(b * hq, ds.linear.shape[1])
+    weight, bias = ds.key_map
+    out = fused_lola.lola_step(
+        ds.linear, ds.held, qphi, q[:, :, 0], ds.cache_keys, ds.cache_linear_keys, ds.cache_values, ds.cache_valid, ds.cache_positions,
+        *leaving, ds.keys, ds.values, ds.valid, weight, bias, ctx.factor.view(hq), ctx.sinks, ctx.scale, ctx.weight_tokens,
+        ctx.read_state, ctx.read_sparse,
+    )  # fmt: skip
+    return out.view(b, hq, 1, dv)
+
+
+def _take_slot(ds: LolaDecodeState, leave: dict[str, Tensor], take: Tensor, leave_pos: Tensor, j: Tensor, slot_valid: Tensor) -> None:
+    """Cache slot ``j`` (B, Hq, 1) <- the leaving token where ``take`` (B, Hq)."""
+    cache = {"keys": ds.cache_keys, "values": ds.cache_values}
+    if ds.cache_linear_keys is not None:
+        cache["linear_keys"] = ds.cache_linear_keys
+    for name, buf in cache.items():
+        at = j[..., None].expand(-1, -1, 1, buf.shape[-1])
+        buf.scatter_(2, at, torch.where(take[..., None, None], leave[name], buf.gather(2, at)))
+    ds.cache_positions.scatter_(2, j, torch.where(take, leave_pos, ds.cache_positions.gather(2, j)[..., 0])[..., None])
+    ds.cache_valid.scatter_(2, j, (slot_valid | take)[..., None])
+
+
+def _select(ds: LolaDecodeState, leave: dict[str, Tensor], leave_valid: Tensor, leave_pos: Tensor) -> tuple[Tensor, Tensor]:
+    """Step 1 in torch: the choice, the cache slot taken and ``held``; returns the token not kept
+    as its features (B, Hq, 1, F) and [v, 1] (B, Hq, 1, Dv + 1), zero where none is written, for
+    ``_update_and_read``."""
+    ctx = ds.context
+    separate = ds.linear_keys is not None
+    b, hq = leave_valid.shape
+    dv = ds.values.shape[-1]
+    lam = ds.cache_keys.shape[2]
+    state = ds.linear.view(b, hq, -1, dv + 1)
     phi_leave = ctx.phi(ctx.phi_k, leave["linear_keys" if separate else "keys"])  # (B, Hq, 1, F)
     err_leave = _recall_error(phi_leave, leave["values"], state)[..., 0].masked_fill(leave_pos < ctx.sinks, torch.inf)  # (B, Hq)
     if lam:
-        cache = {"keys": ds.cache_keys, "values": ds.cache_values}
-        if separate:
-            cache["linear_keys"] = ds.cache_linear_keys
-        phi_cache = ctx.phi(ctx.phi_k, cache["linear_keys" if separate else "keys"])  # (B, Hq, L, F)
+        phi_cache = ctx.phi(ctx.phi_k, ds.cache_linear_keys if separate else ds.cache_keys)  # (B, Hq, L, F)
         err = _recall_error(phi_cache, ds.cache_values, state)  # (B, Hq, L)
         err = err.masked_fill(ds.cache_positions < ctx.sinks, torch.inf).masked_fill(~ds.cache_valid, -torch.inf)
         least = err.amin(-1)  # (B, Hq)
@@ -488,55 +594,36 @@ def lola_decode_step(ds: LolaDecodeState, q: Tensor, k: Tensor, v: Tensor, q_lin
         out_phi = torch.where(drop_leaving[..., None, None], phi_leave, phi_slot)  # (B, Hq, 1, F)
         out_v = torch.where(drop_leaving[..., None, None], leave["values"], v_slot)  # (B, Hq, 1, Dv)
         written = leave_valid & torch.where(drop_leaving, True, slot_valid)  # (B, Hq)
-        for name, buf in cache.items():  # slot j <- the leaving token, where it stays
-            at = j[..., None].expand(-1, -1, 1, buf.shape[-1])
-            buf.scatter_(2, at, torch.where(take[..., None, None], leave[name], buf.gather(2, at)))
-        ds.cache_positions.scatter_(2, j, torch.where(take, leave_pos, ds.cache_positions.gather(2, j)[..., 0])[..., None])
-        ds.cache_valid.scatter_(2, j, (slot_valid | take)[..., None])
+        _take_slot(ds, leave, take, leave_pos, j, slot_valid)
     else:
         out_phi, out_v, written = phi_leave, leave["values"], leave_valid
-    # The token not kept joins [S | z] for good (on CUDA with the read below: one pass over the state).
+    ds.held.add_(written)
+    out_v = out_v.float()
     row = torch.cat([out_v, torch.ones_like(out_v[..., :1])], dim=-1) * written[..., None, None]  # (B, Hq, 1, Dv + 1)
-    f = out_phi.shape[-1]
+    return out_phi, row
+
+
+def _update_and_read(ds: LolaDecodeState, q: Tensor, q_lin: Tensor | None, out_phi: Tensor, row: Tensor) -> Tensor | None:
+    """The token not kept, ``out_phi`` (B, Hq, 1, F) and ``row`` [v, 1] (B, Hq, 1, Dv + 1) (zero
+    where none is written), joins [S | z] for good; returns phi(q) [S | z] after it (B, Hq, 1, Dv + 1)
+    with the linear weight where the state is read, else None. On CUDA one pass over the state
+    (the hybrid's state kernel, one slot per query head)."""
+    ctx = ds.context
+    b, hq, _, f = out_phi.shape
+    dv = row.shape[-1] - 1
     fused = ctx.read_state and fused_decode.enabled(ds.linear) and ds.linear.dtype == torch.float32
     if not fused:
         ds.linear.baddbmm_(out_phi.reshape(b * hq, 1, f).transpose(1, 2), row.view(b * hq, 1, dv + 1))
-    ds.held.add_(written)
-
-    # 2. The new token takes the leaving token's window slot.
-    ds.keys.index_copy_(2, i, k.float())
-    ds.values.index_copy_(2, i, v.float())
-    if separate:
-        ds.linear_keys.index_copy_(2, i, k_lin.float())
-    ds.valid.copy_(ds.valid | (torch.arange(eta, device=i.device) == i))
-    ds.positions.index_copy_(1, i, ds.next_position[:, None])
-    ds.next_position.add_(1)
-    ds.index.add_(1).remainder_(eta)
-
-    # 3. Read: the window and the cache exactly (factor f, one max), the state linearly.
-    qf = q.float()
-    s_win = (qf.reshape(b, -1, n_rep, d) @ ds.keys.transpose(-1, -2)).view(b, hq, 1, eta) * ctx.scale  # (B, Hq, 1, eta)
-    s_win = s_win.masked_fill(~ds.valid[:, None, None, :], -torch.inf)
-    s_cache = (qf @ ds.cache_keys.transpose(-1, -2)) * ctx.scale  # (B, Hq, 1, L)
-    s_cache = s_cache.masked_fill(~(ds.cache_valid[:, :, None, :] & ctx.read_sparse), -torch.inf)
-    m = torch.maximum(s_win.amax(-1, keepdim=True), s_cache.amax(-1, keepdim=True)) if lam else s_win.amax(-1, keepdim=True)
-    p_win = ctx.factor * torch.exp(s_win - m)  # (B, Hq, 1, eta): the new token is in the window, so m is finite
-    p_cache = ctx.factor * torch.exp(s_cache - m)  # (B, Hq, 1, L)
-    num = (p_win.view(b, -1, n_rep, eta) @ ds.values).view(b, hq, 1, dv) + p_cache @ ds.cache_values  # (B, Hq, 1, Dv)
-    den = p_win.sum(-1) + p_cache.sum(-1)  # (B, Hq, 1)
-    if ctx.read_state:  # LoLCATs convention: the linear term is not rescaled by exp(-m)
-        weight = ctx.linear_weight  # (1, Hq, 1, 1)
-        if ctx.weight_tokens:
-            weight = weight * length_factor(ds.held, ctx.weight_tokens)[..., None, None]
-        q_phi = ctx.phi(ctx.phi_q, qf if q_lin is None else q_lin.float()) * weight  # (B, Hq, 1, F)
-        if fused:  # [S | z] += phi_w [v_w, 1]^T, then phi(q) [S | z]: the hybrid's state kernel, one slot per query head
-            r = fused_decode.hybrid_linear_step(ds.linear, out_phi.reshape(b * hq, 1, f), row.view(b * hq, 1, dv + 1),
-                                                q_phi.reshape(b * hq, f), None, 0).view(b, hq, 1, dv + 1)  # fmt: skip
-        else:
-            r = q_phi @ state  # (B, Hq, 1, Dv + 1)
-        num = num + r[..., :dv]
-        den = den + r[..., dv]
-    return safe_divide(num, den).to(q.dtype)
+    if not ctx.read_state:
+        return None
+    weight = ctx.linear_weight  # (1, Hq, 1, 1)
+    if ctx.weight_tokens:
+        weight = weight * length_factor(ds.held, ctx.weight_tokens)[..., None, None]
+    q_phi = ctx.phi(ctx.phi_q, q.float() if q_lin is None else q_lin.float()) * weight  # (B, Hq, 1, F)
+    if fused:  # [S | z] += phi_w [v_w, 1]^T, then phi(q) [S | z]
+        return fused_decode.hybrid_linear_step(ds.linear, out_phi.reshape(b * hq, 1, f), row.view(b * hq, 1, dv + 1),
+                                               q_phi.reshape(b * hq, f), None, 0).view(b, hq, 1, dv + 1)  # fmt: skip
+    return q_phi @ ds.linear.view(b, hq, -1, dv + 1)
 
 
 def lola_state_empty(batch, hq, hkv, window, sparse, d, dv, feats, device, linear_keys: bool = False) -> LolaState:

@@ -1,0 +1,159 @@
+"""LoLA's per-token decode step as one Triton kernel: selection, state pass, cache update, read.
+
+Each token, every query head of every row scores the lambda sparse-cache entries and the token
+leaving the window by self-recall error against its linear state [S | z], writes the one not kept
+into [S | z], moves the leaving token into the slot it takes, and reads window, cache and state. In
+torch that is the Hedgehog features of all lambda + 1 candidates written out (B x Hq x lambda x F
+floats), a matmul that reads them and the state, a second pass over the state, and a dozen kernels
+for the read. ``lola_step`` does it in one program per (row, query head), after the new token has
+taken its window slot in torch:
+
+1. the candidates' features in registers from their keys (the Hedgehog map [softmax(x W + b),
+   softmax(-(x W + b))], rounded to bfloat16 where the model runs in it, as the torch map's output
+   is), phi [S | z] tile by tile of the state, and each candidate's error || phi S / (phi z) - v ||
+   (the readout 0 where phi z is empty); the least error (sinks +inf, empty slots -inf), ties to
+   the newest position and then the lowest slot, against the leaving token's (which loses every
+   tie): the choice of ``ops.lola.lola_decode_step``;
+2. one more pass over [S | z]: the token not kept is written (S += phi [v, 1]^T) and the query's
+   phi(q) [S | z] read from the updated tiles;
+3. the leaving token into the chosen slot where it is kept, and ``held``;
+4. the exact read of the window and the cache (one running max, the window factor) plus the linear
+   term (with the length factor of ``weight_tokens``), one denominator.
+
+The state is read from memory once (the later candidate blocks and the update pass find it in
+cache) and written once; the cache's keys and values, kept in the model's dtype, are read for the
+errors and again (mostly from cache) for the read. With a bfloat16 model, phi [S | z] runs on
+tensor cores as two bfloat16 products (phi is exact in bfloat16; S is split into its bfloat16 part
+and the rest): about 16 bits of S's mantissa instead of float32's 24, so a near-tie between two
+candidates may go the other way than in the torch step; a float32 model runs the products in
+float32. Tests: tests/ops/test_fused_lola.py (the torch step and the chunked op, token by token).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from linearize.ops import fused_decode
+from linearize.ops.common import EMPTY_DENOMINATOR
+
+BLOCK_ROWS = 64
+"""Candidates per block of the selection (the state is read once per block, from cache after the first)."""
+BLOCK_VALUES = 64
+"""Value columns per tile of [S | z]."""
+WARPS = 8
+"""Warps per program where the map is 128 wide or more (4 below)."""
+
+
+@functools.cache
+def _kernel():
+    """The Triton kernel, compiled on first use (Triton is imported only then)."""
+    from linearize.ops._lola_kernel import lola_step_kernel
+
+    return lola_step_kernel
+
+
+def _next_power(n: int, least: int = 16) -> int:
+    return max(least, 1 << (n - 1).bit_length())
+
+
+def supports(dtype: torch.dtype) -> bool:
+    """Whether the kernel runs a model of this dtype (bfloat16 on tensor cores, float32 exactly)."""
+    return dtype in (torch.bfloat16, torch.float32)
+
+
+@torch.library.custom_op(
+    "linearize::lola_step",
+    mutates_args=("linear", "held", "cache_keys", "cache_map_keys", "cache_values", "cache_valid", "cache_positions"),
+)
+def lola_step(
+    linear: Tensor, held: Tensor, qphi: Tensor, q: Tensor,
+    cache_keys: Tensor, cache_map_keys: Tensor | None, cache_values: Tensor, cache_valid: Tensor, cache_positions: Tensor,
+    leave_keys: Tensor, leave_map_keys: Tensor | None, leave_values: Tensor, leave_valid: Tensor, leave_positions: Tensor,
+    window_keys: Tensor, window_values: Tensor, window_valid: Tensor,
+    weight: Tensor, bias: Tensor, factor: Tensor,
+    sinks: int, scale: float, weight_tokens: int, read_state: bool, read_sparse: bool,
+) -> Tensor:  # fmt: skip
+    """One LoLA decode step after the new token took its window slot, in place on the memory:
+    selection, the write into ``linear`` (B Hq, 2f, Dv + 1) float32 [S | z] and ``held`` (B, Hq),
+    the leaving token into the cache slot it takes, and the read. Returns the output (B Hq, Dv) in
+    ``q``'s dtype.
+
+    - ``q`` (B, Hq, D): the query as the exact read scores it; ``qphi`` (B Hq, 2f) float32 its
+      features times the linear weight (zero when the state is not read);
+    - the cache: ``cache_keys`` (B, Hq, lambda, D) as the exact read scores them,
+      ``cache_map_keys`` the feature map's keys where they differ (None: the same), ``cache_values``
+      (B, Hq, lambda, Dv), ``cache_valid`` bool and ``cache_positions`` long (B, Hq, lambda);
+    - the token leaving the window (copied before the new token took its slot): ``leave_keys``,
+      ``leave_map_keys`` (B, Hkv, D), ``leave_values`` (B, Hkv, Dv), ``leave_valid`` bool and
+      ``leave_positions`` long (B,);
+    - the window with the new token: ``window_keys`` (B, Hkv, eta, D), ``window_values`` (B, Hkv,
+      eta, Dv), ``window_valid`` (B, eta) bool;
+    - the key map's Hedgehog ``weight`` (Hq, D, f) and ``bias`` (Hq, f) in the model's dtype
+      (bfloat16 or float32), ``factor`` (Hq,) float32 the window factor;
+    - ``sinks``, ``scale``, ``weight_tokens``, ``read_state``, ``read_sparse`` as in ``lola_attention``.
+    """
+    b, hq, lam, d = cache_keys.shape
+    dv = cache_values.shape[-1]
+    hkv, eta = window_keys.shape[1], window_keys.shape[2]
+    fh = weight.shape[-1]
+    fused_decode._check_buffer("linear", linear)
+    fused_decode._check("linear", linear, (b * hq, 2 * fh, dv + 1))
+    fused_decode._check("held", held, (b, hq), torch.long)
+    fused_decode._check("qphi", qphi, (b * hq, 2 * fh), torch.float32)
+    fused_decode._check("q", q, (b, hq, d))
+    fused_decode._check("cache_values", cache_values, (b, hq, lam, dv))
+    fused_decode._check("cache_valid", cache_valid, (b, hq, lam), torch.bool)
+    fused_decode._check("cache_positions", cache_positions, (b, hq, lam), torch.long)
+    fused_decode._check("leave_keys", leave_keys, (b, hkv, d))
+    fused_decode._check("leave_values", leave_values, (b, hkv, dv))
+    fused_decode._check("leave_valid", leave_valid, (b,), torch.bool)
+    fused_decode._check("leave_positions", leave_positions, (b,), torch.long)
+    fused_decode._check("window_values", window_values, (b, hkv, eta, dv))
+    fused_decode._check("window_valid", window_valid, (b, eta), torch.bool)
+    fused_decode._check("weight", weight, (hq, d, fh))
+    fused_decode._check("bias", bias, (hq, fh), weight.dtype)
+    fused_decode._check("factor", factor, (hq,), torch.float32)
+    if (cache_map_keys is None) != (leave_map_keys is None):
+        raise ValueError("give cache_map_keys and leave_map_keys together (the feature map's own keys) or neither")
+    if cache_map_keys is not None:
+        fused_decode._check("cache_map_keys", cache_map_keys, (b, hq, lam, d))
+        fused_decode._check("leave_map_keys", leave_map_keys, (b, hkv, d))
+    if not supports(weight.dtype):
+        raise ValueError(f"weight must be bfloat16 or float32, got {weight.dtype}")
+    if lam < 1 or hq % hkv:
+        raise ValueError(f"needs a sparse cache (got lambda={lam}) and query heads ({hq}) a multiple of KV heads ({hkv})")
+    updated = (held, cache_keys, cache_map_keys, cache_values, cache_valid, cache_positions)
+    if any(t is not None and not t.is_contiguous() for t in updated):
+        raise ValueError("held and the cache tensors must be contiguous (the kernel updates them in place)")
+    separate = cache_map_keys is not None
+    q, qphi, leave_keys, leave_values, leave_valid, leave_positions, window_keys, window_values, window_valid, weight, bias = (
+        t.contiguous() for t in (q, qphi, leave_keys, leave_values, leave_valid, leave_positions, window_keys, window_values,
+                                 window_valid, weight, bias)
+    )  # fmt: skip
+    leave_map_keys = leave_map_keys.contiguous() if separate else leave_keys
+    rows = b * hq
+    out = torch.empty(rows, dv, device=linear.device, dtype=q.dtype)
+    rbuf = torch.empty(rows, dv + 1, device=linear.device, dtype=torch.float32)
+    _kernel()[(rows,)](
+        linear, qphi, q, out, rbuf, held,
+        cache_keys, cache_map_keys if separate else cache_keys, cache_values, cache_valid, cache_positions,
+        leave_keys, leave_map_keys, leave_values, leave_valid, leave_positions, window_keys, window_values, window_valid,
+        weight, bias, factor,
+        sinks, hq // hkv, scale, weight_tokens,
+        H=hq, L=lam, D=d, FH=fh, DV=dv, ETA=eta,
+        BL=min(BLOCK_ROWS, _next_power(lam)), BD=_next_power(d), BF=_next_power(fh), BV=min(BLOCK_VALUES, _next_power(dv + 1)),
+        BW=_next_power(eta), BDV=_next_power(dv),
+        LOWP=weight.dtype == torch.bfloat16, EPS=EMPTY_DENOMINATOR, SEPARATE=separate, READ_STATE=read_state, READ_SPARSE=read_sparse,
+        num_warps=WARPS if fh >= 128 else 4,
+    )  # fmt: skip
+    return out
+
+
+@lola_step.register_fake
+def _(linear, held, qphi, q, cache_keys, cache_map_keys, cache_values, cache_valid, cache_positions, leave_keys, leave_map_keys,
+      leave_values, leave_valid, leave_positions, window_keys, window_values, window_valid, weight, bias, factor, sinks, scale,
+      weight_tokens, read_state, read_sparse):  # fmt: skip
+    return q.new_empty(linear.shape[0], cache_values.shape[-1])

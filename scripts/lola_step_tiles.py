@@ -1,0 +1,94 @@
+"""Time LoLA's fused decode step (``ops.fused_lola``) with each tile, against the torch step it
+replaces, at one layer's decode shape (CUDA, bfloat16 model, eager: the step's few torch kernels
+around the one fused kernel included).
+
+    python scripts/lola_step_tiles.py OUT_DIR [--batch 64] [--heads 32] [--kv-heads 8] [--head-dim 128] [--sparse 256]
+
+The defaults are a Llama-3-8B-shaped layer read as LoLA with 256 sparse slots and a square Hedgehog
+map (256 features). OUT_DIR/lola_step_tiles.json holds the megabytes one step must move (the
+cache's bfloat16 keys and values once, [S | z] read and written once), the microseconds per call of each
+tile (``BLxBVwW``: candidates per block x value columns, warps; a failed compile gives its error)
+and of the torch step (``torch_step_us``; its state pass in the hybrid's state kernel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+from pathlib import Path
+
+import torch
+
+from linearize.ops import fused_decode, fused_lola
+from linearize.ops.feature_maps import hedgehog
+from linearize.ops.lola import LolaDecodeState, lola_decode_step, lola_state_empty
+
+TILES = ((64, 64, 8), (64, 64, 4), (32, 64, 4), (32, 128, 8), (64, 128, 8), (16, 64, 4))
+
+
+def _time_us(fn, repeats: int = 50) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats * 1000
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--sparse", type=int, default=256)
+    args = ap.parse_args()
+    b, hq, hkv, d, lam, w = args.batch, args.heads, args.kv_heads, args.head_dim, args.sparse, 64
+    dev, dt = "cuda", torch.bfloat16
+    torch.manual_seed(0)
+    wk, wq = (torch.randn(hq, d, d, device=dev, dtype=dt) * 0.1 for _ in range(2))
+    bk, bq = (torch.zeros(hq, d, device=dev, dtype=dt) for _ in range(2))
+    phi_k, phi_q = functools.partial(hedgehog, weight=wk, bias=bk), functools.partial(hedgehog, weight=wq, bias=bq)
+    state = lola_state_empty(b, hq, hkv, w, lam, d, d, 2 * d, dev)
+    for x in (state.window.keys, state.window.values, state.sparse.keys, state.sparse.values):
+        x.normal_()
+    state.window.valid.fill_(True)
+    state.window.positions.copy_(torch.arange(10_000, 10_000 + w, device=dev))
+    state.sparse.valid.fill_(True)
+    state.sparse.positions.copy_(torch.arange(lam, device=dev).expand_as(state.sparse.positions) * 30)
+    state.linear.kv.uniform_()
+    state.linear.k_sum.uniform_(1, 2)
+    q, k, v = (torch.randn(b, h, 1, d, device=dev, dtype=dt) for h in (hq, hkv, hkv))
+    rows = {}
+    bytes_moved = (2 * b * hq * lam * d * 2) + 2 * (b * hq * 2 * d * (d + 1) * 4)  # bfloat16 cache k, v once; [S | z] read + written
+    for fused in (False, True):
+        ds = LolaDecodeState.from_state(state, phi_q=phi_q, phi_k=phi_k, window_factor=torch.ones(hq, device=dev), scale=d**-0.5,
+                                        dtype=dt, sinks=4, linear_weight=0.1, key_map=(wk, bk))  # fmt: skip
+        step = functools.partial(lola_decode_step, ds, q, k, v)
+        with fused_decode.use_fused(fused):
+            if not fused:
+                rows["torch_step_us"] = _time_us(step)
+                continue
+            for bl, bv, warps in TILES:
+                name = f"{bl}x{bv}w{warps}"
+                fused_lola.BLOCK_ROWS, fused_lola.BLOCK_VALUES, fused_lola.WARPS = bl, bv, warps
+                try:
+                    rows[name] = _time_us(step)
+                except Exception as e:  # noqa: BLE001 (a tile that does not compile is reported, not fatal)
+                    rows[name] = f"{type(e).__name__}: {str(e)[:200]}"
+                print(name, rows[name], flush=True)
+    report = {"batch": b, "heads": hq, "kv_heads": hkv, "head_dim": d, "sparse": lam, "bytes_moved_MB": bytes_moved / 1e6,
+              "device": torch.cuda.get_device_name(), "us_per_step": rows}  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "lola_step_tiles.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""LoLA's fused decode step (``ops.fused_lola``: selection, state pass, cache update and read in one
+kernel) against the torch decode step and the chunked op: outputs and memory token by token (on the
+GPU when there is one, else in Triton's interpreter on the CPU)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from linearize.ops import fused_decode, fused_lola
+from linearize.ops.feature_maps import hedgehog
+from linearize.ops.lola import LolaDecodeState, lola_attention, lola_decode_step
+
+pytestmark = pytest.mark.skipif(not fused_decode.triton_available(), reason="needs Triton (the test extra installs it)")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _maps(hq: int, d: int, f: int, dtype=torch.float32):
+    """Random Hedgehog maps for queries and keys: (phi_q, phi_k, (weight, bias) of phi_k)."""
+    g = torch.Generator().manual_seed(7)
+    wq, wk = (torch.randn(hq, d, f, generator=g).to(DEVICE, dtype) * 0.5 for _ in range(2))
+    bq, bk = (torch.randn(hq, f, generator=g).to(DEVICE, dtype) * 0.1 for _ in range(2))
+    return functools.partial(hedgehog, weight=wq, bias=bq), functools.partial(hedgehog, weight=wk, bias=bk), (wk, bk)
+
+
+def _run(*, d, f, dv, separate, reads, sinks=1, weight_tokens=0, lam=4, steps=9, duplicate=False):
+    torch.manual_seed(3)
+    read_state, read_sparse = reads
+    b, hq, hkv, w = 2, 4, 2, 3
+    phi_q, phi_k, key_map = _maps(hq, d, f)
+    options = dict(window_factor=torch.rand(hq, device=DEVICE), sinks=sinks, linear_weight=[0.2, 0.5, 1.0, 0.0],
+                   weight_tokens=weight_tokens, read_state=read_state, read_sparse=read_sparse)  # fmt: skip
+    kw = dict(phi_q=phi_q, phi_k=phi_k, window=w, sparse=lam, **options)
+
+    def token(t):
+        q, k, v = torch.randn(b, hq, t, d, device=DEVICE), torch.randn(b, hkv, t, d, device=DEVICE), torch.randn(b, hkv, t, dv, device=DEVICE)
+        if duplicate:  # every token the same: equal errors everywhere, so only the tie rules choose
+            k, v = k[:, :, :1].expand_as(k).contiguous(), v[:, :, :1].expand_as(v).contiguous()
+        lin = dict(q_lin=torch.randn_like(q), k_lin=k + 0.5) if separate else {}
+        return q, k, v, lin
+
+    q, k, v, lin = token(11)
+    _, state = lola_attention(q, k, v, chunk=3, **kw, **lin)
+    runs = [LolaDecodeState.from_state(state, phi_q=phi_q, phi_k=phi_k, scale=d**-0.5, dtype=torch.float32, key_map=key_map, **options)
+            for _ in range(2)]  # fmt: skip
+    calls = []
+    kernel = fused_lola.lola_step
+    for _ in range(steps):
+        q, k, v, lin = token(1)
+        want, state = lola_attention(q, k, v, chunk=1, state=state, **kw, **lin)
+        outs = []
+        for fused, ds in zip((False, True), runs):
+            with fused_decode.use_fused(fused), pytest.MonkeyPatch.context() as mp:
+                mp.setattr(fused_lola, "lola_step", lambda *a: calls.append(1) or kernel(*a))
+                outs.append(lola_decode_step(ds, q, k, v, **lin))
+        torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(outs[1], want, atol=1e-5, rtol=1e-5)
+    assert len(calls) == steps  # the fused run took the kernel every step, the torch run never
+    got, ref = runs[1].canonical(), runs[0].canonical()
+    assert torch.equal(got.sparse.positions, ref.sparse.positions) and torch.equal(got.sparse.valid, ref.sparse.valid)
+    for a, r, c in zip(got.tensors(), ref.tensors(), state.tensors()):
+        torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-5)
+    assert torch.equal(runs[1].held, runs[0].held)
+
+
+@pytest.mark.parametrize(
+    "dims,reads",
+    [((16, 16, 16), (True, True)), ((12, 6, 10), (True, True)), ((16, 8, 70), (True, False)), ((12, 6, 10), (False, True))],
+    ids=["D16-f16-hybrid", "D12-f6-Dv10-hybrid", "D16-f8-Dv70-no-sparse", "D12-f6-Dv10-no-state"],
+)
+@torch.no_grad()
+def test_fused_step_equals_the_torch_step(dims, reads):
+    """9 tokens from a state past the window and the cache's capacity (GQA, one sink): outputs,
+    every memory tensor and the tokens held equal the torch step's and the chunked op's; masked
+    blocks of every axis (D 12, f 6, Dv 10 and 70)."""
+    d, f, dv = dims
+    _run(d=d, f=f, dv=dv, separate=False, reads=reads)
+
+
+@torch.no_grad()
+def test_fused_step_with_separate_feature_map_inputs_and_length_weight():
+    """Keys before RoPE for the feature map (the cache keeps both), the weight falling with length,
+    more cache blocks than one (lambda 70 with blocks of 64 rows) and no sink."""
+    _run(d=16, f=16, dv=16, separate=True, reads=(True, True), weight_tokens=3, sinks=0, lam=70, steps=5)
+
+
+@torch.no_grad()
+def test_fused_step_breaks_ties_as_the_torch_step():
+    """Every token alike, so every candidate's error is equal: the newest position among the
+    least and the leaving token losing every tie decide, as in the torch step."""
+    _run(d=16, f=16, dv=16, separate=False, reads=(True, True), sinks=0, duplicate=True)
+
+
+def test_fused_step_rejects_bad_arguments():
+    b, hq, hkv, lam, d, f, dv, eta = 1, 2, 1, 4, 16, 8, 16, 3
+
+    def z(*shape, dtype=torch.float32):
+        return torch.zeros(*shape, dtype=dtype, device=DEVICE)
+
+    args = dict(held=z(b, hq, dtype=torch.long), qphi=z(b * hq, 2 * f), q=z(b, hq, d), cache_keys=z(b, hq, lam, d), cache_map_keys=None,
+                cache_values=z(b, hq, lam, dv), cache_valid=z(b, hq, lam, dtype=torch.bool), cache_positions=z(b, hq, lam, dtype=torch.long),
+                leave_keys=z(b, hkv, d), leave_map_keys=None, leave_values=z(b, hkv, dv), leave_valid=z(b, dtype=torch.bool),
+                leave_positions=z(b, dtype=torch.long), window_keys=z(b, hkv, eta, d), window_values=z(b, hkv, eta, dv),
+                window_valid=z(b, eta, dtype=torch.bool), weight=z(hq, d, f), bias=z(hq, f), factor=z(hq), sinks=0, scale=1.0,
+                weight_tokens=0, read_state=True, read_sparse=True)  # fmt: skip
+    with pytest.raises(ValueError, match="linear must have shape"):
+        fused_lola.lola_step(z(b * hq, 2 * f, dv), **args)
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **{**args, "weight": args["weight"].half(), "bias": args["bias"].half()})
+    with pytest.raises(ValueError, match="together"):
+        fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **{**args, "cache_map_keys": z(b, hq, lam, d)})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bfloat16 tensor-core products need a GPU")
+@torch.no_grad()
+def test_fused_step_in_bfloat16_on_cuda():
+    """A bfloat16 model at the Llama-3-8B layer's sizes (D 128, f 128, lambda 256, 32 query heads
+    on 8 KV heads): the fused step's outputs and choices follow the torch step's over 16 tokens."""
+    torch.manual_seed(0)
+    b, hq, hkv, d, f, lam, w = 4, 32, 8, 128, 128, 256, 64
+    phi_q, phi_k, key_map = _maps(hq, d, f, torch.bfloat16)
+    options = dict(window_factor=torch.rand(hq, device=DEVICE), sinks=4, linear_weight=0.1)
+    kw = dict(phi_q=phi_q, phi_k=phi_k, window=w, sparse=lam, **options)
+    x = [torch.randn(b, h, 1024, d, device=DEVICE, dtype=torch.bfloat16) for h in (hq, hkv, hkv)]
+    _, state = lola_attention(*x, chunk=64, **kw)
+    runs = [LolaDecodeState.from_state(state, phi_q=phi_q, phi_k=phi_k, scale=d**-0.5, dtype=torch.bfloat16, key_map=key_map, **options)
+            for _ in range(2)]  # fmt: skip
+    for _ in range(16):
+        q, k, v = (torch.randn(b, h, 1, d, device=DEVICE, dtype=torch.bfloat16) for h in (hq, hkv, hkv))
+        outs = []
+        for fused, ds in zip((False, True), runs):
+            with fused_decode.use_fused(fused):
+                outs.append(lola_decode_step(ds, q, k, v).float())
+        torch.testing.assert_close(outs[1], outs[0], atol=2e-2, rtol=2e-2)
+    same = (runs[1].cache_positions == runs[0].cache_positions).float().mean().item()
+    assert same > 0.999, f"the fused choices differ from the torch step's in {1 - same:.2%} of the cache slots"
+    torch.testing.assert_close(runs[1].linear, runs[0].linear, atol=1e-3, rtol=1e-3)
+
+
+@torch.no_grad()
+def test_bfloat16_memory_is_kept_in_bfloat16_and_read_exactly():
+    """A bfloat16 model's decode state keeps its keys and values in bfloat16 (they come from its
+    projections, so nothing is lost): canonical() gives back the chunked op's float32 state, and the
+    torch step (and on a GPU the fused one, its selection products split in two bfloat16 halves)
+    continues it as the chunked op does. Not the fused step in Triton's interpreter: its bfloat16
+    products are wrong there (Triton 3.6)."""
+    torch.manual_seed(4)
+    b, hq, hkv, d, f, lam, w = 2, 4, 2, 16, 16, 4, 3
+    phi_q, phi_k, key_map = _maps(hq, d, f, torch.bfloat16)
+    options = dict(window_factor=torch.rand(hq, device=DEVICE), sinks=1, linear_weight=0.5)
+    kw = dict(phi_q=phi_q, phi_k=phi_k, window=w, sparse=lam, **options)
+    x = [torch.randn(b, h, 11, d, device=DEVICE, dtype=torch.bfloat16) for h in (hq, hkv, hkv)]
+    _, state = lola_attention(*x, chunk=3, **kw)
+    runs = [LolaDecodeState.from_state(state, phi_q=phi_q, phi_k=phi_k, scale=d**-0.5, dtype=torch.bfloat16, key_map=key_map, **options)
+            for _ in range(2)]  # fmt: skip
+    assert runs[0].keys.dtype == runs[0].cache_values.dtype == torch.bfloat16
+    for got, want in zip(runs[0].canonical().tensors(), state.tensors()):
+        assert torch.equal(got, want)
+    for _ in range(6):
+        q, k, v = (torch.randn(b, h, 1, d, device=DEVICE, dtype=torch.bfloat16) for h in (hq, hkv, hkv))
+        want, state = lola_attention(q, k, v, chunk=1, state=state, **kw)
+        for fused, ds in zip((False, True), runs):
+            if fused and DEVICE == "cpu":
+                continue
+            with fused_decode.use_fused(fused):
+                torch.testing.assert_close(lola_decode_step(ds, q, k, v).float(), want.float(), atol=2e-2, rtol=2e-2)
+    for ds in runs if DEVICE == "cuda" else runs[:1]:
+        got = ds.canonical()
+        assert torch.equal(got.sparse.positions, state.sparse.positions)
+        torch.testing.assert_close(got.linear.kv, state.linear.kv, atol=1e-4, rtol=1e-4)
