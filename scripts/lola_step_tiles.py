@@ -1,14 +1,16 @@
-"""Time LoLA's fused decode step (``ops.fused_lola``) with each tile, against the torch step it
-replaces, at one layer's decode shape (CUDA, bfloat16 model, eager: the step's few torch kernels
-around the one fused kernel included).
+"""Time LoLA's fused decode step (``ops.fused_lola``: an errors kernel and a commit kernel) with each
+tile, against the torch step it replaces, at one layer's decode shape (CUDA, bfloat16 model, eager:
+the step's few torch kernels around the two fused ones included).
 
     python scripts/lola_step_tiles.py OUT_DIR [--batch 64] [--heads 32] [--kv-heads 8] [--head-dim 128] [--sparse 256]
 
 The defaults are a Llama-3-8B-shaped layer read as LoLA with 256 sparse slots and a square Hedgehog
 map (256 features). OUT_DIR/lola_step_tiles.json holds the megabytes one step must move (the
-cache's bfloat16 keys and values once, [S | z] read and written once), the microseconds per call of each
-tile (``BLxBVwW``: candidates per block x value columns, warps; a failed compile gives its error)
-and of the torch step (``torch_step_us``; its state pass in the hybrid's state kernel).
+cache's bfloat16 keys and values once, [S | z] read and written once), the microseconds per call of
+the torch step (``torch_step_us``; its state pass in the hybrid's state kernel) and of each tile
+(``BLxBVwWcC``: candidates per program x value columns of a state tile, warps of the errors kernel,
+warps of the commit kernel; a failed compile gives its error), and the best tile's kernels by
+device time over 10 steps (``profile_us``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from linearize.ops import fused_decode, fused_lola
 from linearize.ops.feature_maps import hedgehog
 from linearize.ops.lola import LolaDecodeState, lola_decode_step, lola_state_empty
 
-TILES = ((64, 64, 8), (64, 64, 4), (32, 64, 4), (32, 128, 8), (64, 128, 8), (16, 64, 4))
+TILES = ((64, 64, 8, 4), (64, 64, 4, 4), (32, 64, 4, 4), (32, 128, 8, 4), (64, 128, 8, 4), (128, 64, 8, 4), (64, 64, 8, 8))
 
 
 def _time_us(fn, repeats: int = 50) -> float:
@@ -75,14 +77,26 @@ def main() -> None:
             if not fused:
                 rows["torch_step_us"] = _time_us(step)
                 continue
-            for bl, bv, warps in TILES:
-                name = f"{bl}x{bv}w{warps}"
-                fused_lola.BLOCK_ROWS, fused_lola.BLOCK_VALUES, fused_lola.WARPS = bl, bv, warps
+            for bl, bv, warps, commit_warps in TILES:
+                name = f"{bl}x{bv}w{warps}c{commit_warps}"
+                fused_lola.BLOCK_ROWS, fused_lola.BLOCK_VALUES, fused_lola.WARPS, fused_lola.COMMIT_WARPS = bl, bv, warps, commit_warps
                 try:
                     rows[name] = _time_us(step)
                 except Exception as e:  # noqa: BLE001 (a tile that does not compile is reported, not fatal)
                     rows[name] = f"{type(e).__name__}: {str(e)[:200]}"
                 print(name, rows[name], flush=True)
+            best = min((k for k in rows if isinstance(rows[k], float) and k != "torch_step_us"), key=rows.get, default=None)
+            if best:  # the kernels of the best tile's step, from the profiler
+                bl, bv, warps, commit_warps = next(t for t in TILES if f"{t[0]}x{t[1]}w{t[2]}c{t[3]}" == best)
+                fused_lola.BLOCK_ROWS, fused_lola.BLOCK_VALUES, fused_lola.WARPS, fused_lola.COMMIT_WARPS = bl, bv, warps, commit_warps
+                step()
+                torch.cuda.synchronize()
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    for _ in range(10):
+                        step()
+                    torch.cuda.synchronize()
+                kernels = {e.key: e.device_time_total / 10 for e in prof.key_averages() if e.device_time_total > 0}
+                rows["profile_us"] = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:12])
     report = {"batch": b, "heads": hq, "kv_heads": hkv, "head_dim": d, "sparse": lam, "bytes_moved_MB": bytes_moved / 1e6,
               "device": torch.cuda.get_device_name(), "us_per_step": rows}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)

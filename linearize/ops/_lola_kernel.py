@@ -69,15 +69,62 @@ def _errors(pp, pn, vals, rows, mrows, s_v, base, FH: tl.constexpr, DV: tl.const
 
 
 @triton.jit
-def lola_step_kernel(
-    linear, qphi, q, out, rbuf, held,
+def lola_errors_kernel(
+    linear, errs, cmap, cvals, cvalid, cpos, lmap, lvals, lpos, wk, bk,
+    sinks, n_rep,
+    H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, DV: tl.constexpr,
+    BL: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr,
+):  # fmt: skip
+    """Self-recall errors of one block of candidates of one (row, query head): program (r, c) scores
+    cache entries c * BL .. c * BL + BL - 1 into errs[r, :L] (sinks +inf, empty slots -inf); the
+    last block index scores the leaving token into errs[r, L] (sinks +inf)."""
+    r = tl.program_id(0).to(tl.int64)  # one (batch row, query head)
+    c = tl.program_id(1)
+    b = r // H
+    h = r % H
+    kr = b * (H // n_rep) + h // n_rep  # its (batch row, KV head): the window is kept per KV head
+    W: tl.constexpr = DV + 1
+    base = linear + r * (2 * FH) * W
+    od = tl.arange(0, BD)
+    md = od < D
+    of = tl.arange(0, BF)
+    mf = of < FH
+    w = tl.load(wk + h * D * FH + od[:, None] * FH + of[None, :], mask=md[:, None] & mf[None, :], other=0.0)
+    bias = tl.load(bk + h * FH + of, mask=mf, other=0.0).to(tl.float32)
+    if c * BL >= L:  # the leaving token, as the first of 16 rows (a product's least height)
+        o16 = tl.arange(0, 16)
+        first = o16 == 0
+        x16 = tl.load(lmap + kr * D + o16[:, None] * 0 + od[None, :], mask=first[:, None] & md[None, :], other=0.0)
+        pp16, pn16 = _features(x16, w, bias, mf, LOWP)
+        e16 = _errors(pp16, pn16, lvals + kr * DV, o16, first, 0, base, FH, DV, 16, BF, BV, LOWP, EPS)
+        e16 = tl.where(tl.load(lpos + b) < sinks, float("inf"), e16)
+        tl.store(errs + r * (L + 1) + L + o16, e16, mask=first)
+    else:
+        oc = c * BL + tl.arange(0, BL)
+        mc = oc < L
+        xb = tl.load(cmap + (r * L + oc)[:, None] * D + od[None, :], mask=mc[:, None] & md[None, :], other=0.0)
+        ppb, pnb = _features(xb, w, bias, mf, LOWP)
+        e = _errors(ppb, pnb, cvals + r * L * DV, oc, mc, DV, base, FH, DV, BL, BF, BV, LOWP, EPS)
+        pos = tl.load(cpos + r * L + oc, mask=mc, other=-3)
+        val = tl.load(cvalid + r * L + oc, mask=mc, other=0) != 0
+        e = tl.where(pos < sinks, float("inf"), e)
+        e = tl.where(val, e, float("-inf"))
+        tl.store(errs + r * (L + 1) + oc, e, mask=mc)
+
+
+@triton.jit
+def lola_commit_kernel(
+    linear, errs, qphi, q, out, rbuf, held,
     ckeys, cmap, cvals, cvalid, cpos, lkeys, lmap, lvals, lvalid, lpos, wkeys, wvals, wvalid,
     wk, bk, factor,
     sinks, n_rep, scale, weight_tokens,
     H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, DV: tl.constexpr, ETA: tl.constexpr,
-    BL: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, BDV: tl.constexpr,
-    LOWP: tl.constexpr, EPS: tl.constexpr, SEPARATE: tl.constexpr, READ_STATE: tl.constexpr, READ_SPARSE: tl.constexpr,
+    BL: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr,
+    BDV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr, SEPARATE: tl.constexpr, READ_STATE: tl.constexpr,
+    READ_SPARSE: tl.constexpr,
 ):  # fmt: skip
+    """The rest of the step for one (row, query head), from the candidates' errors: the choice, the
+    state's update and read, the cache slot taken, ``held``, and the exact read."""
     r = tl.program_id(0).to(tl.int64)  # one (batch row, query head)
     b = r // H
     h = r % H
@@ -90,37 +137,25 @@ def lola_step_kernel(
     mf = of < FH
     w = tl.load(wk + h * D * FH + od[:, None] * FH + of[None, :], mask=md[:, None] & mf[None, :], other=0.0)
     bias = tl.load(bk + h * FH + of, mask=mf, other=0.0).to(tl.float32)
-
-    # 1. Select. The leaving token, as the first of 16 rows (a product's least height).
     o16 = tl.arange(0, 16)
     first = o16 == 0
-    x = tl.load(lmap + kr * D + o16[:, None] * 0 + od[None, :], mask=first[:, None] & md[None, :], other=0.0)
-    pp, pn = _features(x, w, bias, mf, LOWP)
-    e16 = _errors(pp, pn, lvals + kr * DV, o16, first, 0, base, FH, DV, 16, BF, BV, LOWP, EPS)
-    err_leave = tl.sum(tl.where(first, e16, 0.0), axis=0)
+
+    # 1. Select from the errors: the least, the newest position among ties, the lowest slot.
+    err_leave = tl.load(errs + r * (L + 1) + L)
     leave_pos = tl.load(lpos + b)
     leave_valid = tl.load(lvalid + b) != 0
-    err_leave = tl.where(leave_pos < sinks, float("inf"), err_leave)
-
-    # The cache entries, block by block: the least error, the newest position among ties, the lowest slot.
     best_e = float("inf")
     best_p = tl.full([], -3, tl.int64)
     best_i = tl.full([], L, tl.int64)
-    for c0 in range(0, L, BL):
-        oc = c0 + tl.arange(0, BL)
+    for c0 in range(0, L, BS):
+        oc = c0 + tl.arange(0, BS)
         mc = oc < L
-        x = tl.load(cmap + (r * L + oc)[:, None] * D + od[None, :], mask=mc[:, None] & md[None, :], other=0.0)
-        pp, pn = _features(x, w, bias, mf, LOWP)
-        e = _errors(pp, pn, cvals + r * L * DV, oc, mc, DV, base, FH, DV, BL, BF, BV, LOWP, EPS)
+        e = tl.load(errs + r * (L + 1) + oc, mask=mc, other=float("inf"))
         pos = tl.load(cpos + r * L + oc, mask=mc, other=-3)
-        val = tl.load(cvalid + r * L + oc, mask=mc, other=0) != 0
-        e = tl.where(pos < sinks, float("inf"), e)
-        e = tl.where(val, e, float("-inf"))
-        e = tl.where(mc, e, float("inf"))
         bm = tl.min(e, axis=0)
         tie = (e == bm) & mc
         bp = tl.max(tl.where(tie, pos, -3), axis=0)
-        bi = tl.min(tl.where(tie & (pos == bp), oc, L + BL), axis=0).to(tl.int64)
+        bi = tl.min(tl.where(tie & (pos == bp), oc, L + BS), axis=0).to(tl.int64)
         better = (bm < best_e) | ((bm == best_e) & (bp > best_p))
         best_e = tl.where(better, bm, best_e)
         best_p = tl.where(better, bp, best_p)
@@ -133,25 +168,24 @@ def lola_step_kernel(
     take = leave_valid & (drop == 0)
     xl = tl.load(lmap + kr * D + od, mask=md, other=0.0)
     xc = tl.load(cmap + slot * D + od, mask=md, other=0.0)
-    x = tl.where(first[:, None], tl.where(drop, xl, xc)[None, :], 0.0)
-    pp, pn = _features(x, w, bias, mf, LOWP)
-    fp = tl.sum(tl.where(first[:, None], pp, 0.0), axis=0)  # (BF,) the features of the token written
-    fn = tl.sum(tl.where(first[:, None], pn, 0.0), axis=0)
+    xo = tl.where(first[:, None], tl.where(drop, xl, xc)[None, :], 0.0)
+    ppo, pno = _features(xo, w, bias, mf, LOWP)
+    fp = tl.sum(tl.where(first[:, None], ppo, 0.0), axis=0)  # (BF,) the features of the token written
+    fn = tl.sum(tl.where(first[:, None], pno, 0.0), axis=0)
     scale_w = written.to(tl.float32)
     qp = tl.load(qphi + r * 2 * FH + of, mask=mf, other=0.0)
     qn = tl.load(qphi + r * 2 * FH + FH + of, mask=mf, other=0.0)
     odv = tl.arange(0, BDV)
     mdv = odv < DV
     vl = tl.load(lvals + kr * DV + odv, mask=mdv, other=0.0)
-    tl.debug_barrier()  # every read of the state and the cache for the errors comes before their updates
 
     # 2. The token not kept joins [S | z]; the query reads the updated tiles (into rbuf).
     for v0 in range(0, W, BV):
         ov = v0 + tl.arange(0, BV)
         mv = ov < W
-        vw = tl.load(lvals + kr * DV + ov, mask=ov < DV, other=0.0).to(tl.float32)
-        vc = tl.load(cvals + slot * DV + ov, mask=ov < DV, other=0.0).to(tl.float32)
-        row = tl.where(ov == DV, 1.0, tl.where(drop, vw, vc)) * scale_w
+        v_leave = tl.load(lvals + kr * DV + ov, mask=ov < DV, other=0.0).to(tl.float32)
+        v_slot = tl.load(cvals + slot * DV + ov, mask=ov < DV, other=0.0).to(tl.float32)
+        row = tl.where(ov == DV, 1.0, tl.where(drop, v_leave, v_slot)) * scale_w
         m2 = mf[:, None] & mv[None, :]
         ptr = base + of[:, None] * W + ov[None, :]
         sp = tl.load(ptr, mask=m2, other=0.0) + fp[:, None] * row[None, :]
@@ -159,8 +193,8 @@ def lola_step_kernel(
         ptr = base + (FH + of)[:, None] * W + ov[None, :]
         sn = tl.load(ptr, mask=m2, other=0.0) + fn[:, None] * row[None, :]
         tl.store(ptr, sn, mask=m2)
-        acc = tl.sum(qp[:, None] * sp, axis=0) + tl.sum(qn[:, None] * sn, axis=0)
-        tl.store(rbuf + r * W + ov, acc, mask=mv)
+        read = tl.sum(qp[:, None] * sp, axis=0) + tl.sum(qn[:, None] * sn, axis=0)
+        tl.store(rbuf + r * W + ov, read, mask=mv)
 
     # 3. The leaving token takes the slot where it is kept; the tokens held.
     kl = tl.load(lkeys + kr * D + od, mask=md, other=0.0)
@@ -187,17 +221,17 @@ def lola_step_kernel(
     acc = tl.sum(p[:, None] * vw, axis=0)
     den = tl.sum(p, axis=0)
     if READ_SPARSE:
-        for c0 in range(0, L, BL):
-            oc = c0 + tl.arange(0, BL)
-            mc = oc < L
-            ok = mc & (tl.load(cvalid + r * L + oc, mask=mc, other=0) != 0)
-            kc = tl.load(ckeys + (r * L + oc)[:, None] * D + od[None, :], mask=mc[:, None] & md[None, :], other=0.0).to(tl.float32)
+        for c1 in range(0, L, BL):
+            orc = c1 + tl.arange(0, BL)
+            mrc = orc < L
+            ok = mrc & (tl.load(cvalid + r * L + orc, mask=mrc, other=0) != 0)
+            kc = tl.load(ckeys + (r * L + orc)[:, None] * D + od[None, :], mask=mrc[:, None] & md[None, :], other=0.0).to(tl.float32)
             sc = tl.where(ok, tl.sum(kc * qv[None, :], axis=1) * scale, float("-inf"))
             m_new = tl.maximum(m, tl.max(sc, axis=0))
             alpha = tl.exp(m - m_new)
             pc = tl.exp(sc - m_new)
-            vc = tl.load(cvals + (r * L + oc)[:, None] * DV + odv[None, :], mask=mc[:, None] & mdv[None, :], other=0.0).to(tl.float32)
-            acc = acc * alpha + tl.sum(pc[:, None] * vc, axis=0)
+            vcb = tl.load(cvals + (r * L + orc)[:, None] * DV + odv[None, :], mask=mrc[:, None] & mdv[None, :], other=0.0).to(tl.float32)
+            acc = acc * alpha + tl.sum(pc[:, None] * vcb, axis=0)
             den = den * alpha + tl.sum(pc, axis=0)
             m = m_new
     f = tl.load(factor + h)

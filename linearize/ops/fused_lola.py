@@ -39,20 +39,24 @@ from torch import Tensor
 from linearize.ops import fused_decode
 from linearize.ops.common import EMPTY_DENOMINATOR
 
-BLOCK_ROWS = 64
-"""Candidates per block of the selection (the state is read once per block, from cache after the first)."""
+BLOCK_ROWS = 128
+"""Candidates per program of the errors kernel (each reads the state, from cache after the first)."""
 BLOCK_VALUES = 64
 """Value columns per tile of [S | z]."""
 WARPS = 8
-"""Warps per program where the map is 128 wide or more (4 below)."""
+"""Warps per program of the errors kernel where the map is 128 wide or more (4 below)."""
+COMMIT_WARPS = 4
+"""Warps per program of the commit kernel (the choice, the state pass, the read)."""
+SELECT_BLOCK = 1024
+"""Errors the commit kernel scans at a time for the least."""
 
 
 @functools.cache
-def _kernel():
-    """The Triton kernel, compiled on first use (Triton is imported only then)."""
-    from linearize.ops._lola_kernel import lola_step_kernel
+def _kernels():
+    """The Triton kernels (errors, commit), compiled on first use (Triton is imported only then)."""
+    from linearize.ops._lola_kernel import lola_commit_kernel, lola_errors_kernel
 
-    return lola_step_kernel
+    return lola_errors_kernel, lola_commit_kernel
 
 
 def _next_power(n: int, least: int = 16) -> int:
@@ -137,17 +141,23 @@ def lola_step(
     rows = b * hq
     out = torch.empty(rows, dv, device=linear.device, dtype=q.dtype)
     rbuf = torch.empty(rows, dv + 1, device=linear.device, dtype=torch.float32)
-    _kernel()[(rows,)](
-        linear, qphi, q, out, rbuf, held,
-        cache_keys, cache_map_keys if separate else cache_keys, cache_values, cache_valid, cache_positions,
+    errs = torch.empty(rows, lam + 1, device=linear.device, dtype=torch.float32)
+    errors, commit = _kernels()
+    map_keys = cache_map_keys if separate else cache_keys
+    block = min(BLOCK_ROWS, _next_power(lam))
+    shape = dict(H=hq, L=lam, D=d, FH=fh, DV=dv, BL=block, BD=_next_power(d), BF=_next_power(fh),
+                 BV=min(BLOCK_VALUES, _next_power(dv + 1)), LOWP=weight.dtype == torch.bfloat16, EPS=EMPTY_DENOMINATOR)  # fmt: skip
+    errors[(rows, -(-lam // block) + 1)](
+        linear, errs, map_keys, cache_values, cache_valid, cache_positions, leave_map_keys, leave_values, leave_positions, weight, bias,
+        sinks, hq // hkv, **shape, num_warps=WARPS if fh >= 128 else 4,
+    )  # fmt: skip
+    commit[(rows,)](
+        linear, errs, qphi, q, out, rbuf, held,
+        cache_keys, map_keys, cache_values, cache_valid, cache_positions,
         leave_keys, leave_map_keys, leave_values, leave_valid, leave_positions, window_keys, window_values, window_valid,
         weight, bias, factor,
-        sinks, hq // hkv, scale, weight_tokens,
-        H=hq, L=lam, D=d, FH=fh, DV=dv, ETA=eta,
-        BL=min(BLOCK_ROWS, _next_power(lam)), BD=_next_power(d), BF=_next_power(fh), BV=min(BLOCK_VALUES, _next_power(dv + 1)),
-        BW=_next_power(eta), BDV=_next_power(dv),
-        LOWP=weight.dtype == torch.bfloat16, EPS=EMPTY_DENOMINATOR, SEPARATE=separate, READ_STATE=read_state, READ_SPARSE=read_sparse,
-        num_warps=WARPS if fh >= 128 else 4,
+        sinks, hq // hkv, scale, weight_tokens, ETA=eta, BS=min(SELECT_BLOCK, _next_power(lam)), BW=_next_power(eta), BDV=_next_power(dv),
+        SEPARATE=separate, READ_STATE=read_state, READ_SPARSE=read_sparse, num_warps=COMMIT_WARPS, **shape,
     )  # fmt: skip
     return out
 
