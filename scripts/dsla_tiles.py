@@ -17,23 +17,11 @@ from pathlib import Path
 
 import torch
 
+from linearize.bench.efficiency import cuda_mean_us
 from linearize.ops import fused_decode
 from linearize.ops.fused_decode import STATE_TILES
 
 EXTRA_TILES = ((64, 64, 4), (32, 128, 4), (16, 64, 2), (32, 32, 2))
-
-
-def _time_us(fn, repeats: int = 100) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats * 1000
 
 
 def _row(kernel, states: torch.Tensor, b: int, dv: int) -> dict:
@@ -56,8 +44,8 @@ def _row(kernel, states: torch.Tensor, b: int, dv: int) -> dict:
                 H=hq, K=dk, V=width, DV=dv, NORMALIZE=True, INDEXED=True, BK=bk, BV=bv, num_warps=warps,
             )  # fmt: skip
 
-        row[f"{bk}x{bv}w{warps}"] = round(_time_us(call), 1)
-    row["op_autotuned_us"] = round(_time_us(lambda: fused_decode.dsla_state_step(states, qf, kf, v, decay, True, index)), 1)
+        row[f"{bk}x{bv}w{warps}"] = round(cuda_mean_us(call), 1)
+    row["op_autotuned_us"] = round(cuda_mean_us(lambda: fused_decode.dsla_state_step(states, qf, kf, v, decay, True, index)), 1)
     row["best_config"] = str(kernel.best_config)
     return row
 

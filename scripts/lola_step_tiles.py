@@ -22,24 +22,12 @@ from pathlib import Path
 
 import torch
 
+from linearize.bench.efficiency import cuda_mean_us
 from linearize.ops import fused_decode, fused_lola
 from linearize.ops.feature_maps import hedgehog
 from linearize.ops.lola import LolaDecodeState, lola_decode_step, lola_state_empty
 
 TILES = ((64, 64, 8, 4), (64, 64, 4, 4), (32, 64, 4, 4), (32, 128, 8, 4), (64, 128, 8, 4), (128, 64, 8, 4), (64, 64, 8, 8))
-
-
-def _time_us(fn, repeats: int = 50) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats * 1000
 
 
 def main() -> None:
@@ -75,13 +63,13 @@ def main() -> None:
         step = functools.partial(lola_decode_step, ds, q, k, v)
         with fused_decode.use_fused(fused):
             if not fused:
-                rows["torch_step_us"] = _time_us(step)
+                rows["torch_step_us"] = cuda_mean_us(step, repeats=50, warmup=3)
                 continue
             for bl, bv, warps, commit_warps in TILES:
                 name = f"{bl}x{bv}w{warps}c{commit_warps}"
                 fused_lola.BLOCK_ROWS, fused_lola.BLOCK_VALUES, fused_lola.WARPS, fused_lola.COMMIT_WARPS = bl, bv, warps, commit_warps
                 try:
-                    rows[name] = _time_us(step)
+                    rows[name] = cuda_mean_us(step, repeats=50, warmup=3)
                 except Exception as e:  # noqa: BLE001 (a tile that does not compile is reported, not fatal)
                     rows[name] = f"{type(e).__name__}: {str(e)[:200]}"
                 print(name, rows[name], flush=True)

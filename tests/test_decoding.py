@@ -34,6 +34,20 @@ def _prefill_and_step(decoder: StaticDecoder, prompt, steps: int) -> tuple[list,
     return tokens, logits
 
 
+def _lola_torch_and_fused_decoders():
+    """The tiny LoLA model decoding 6 tokens after a 5-token prompt (2 rows) without graphs, with the
+    torch steps and with the fused kernels: (model, [(tokens, logits, decoder)] torch first)."""
+    model = _model("lola-nope-sinks-weight")
+    prompt = torch.randint(3, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(5))
+    runs = []
+    for fused in (False, True):
+        decoder = StaticDecoder(model, batch_size=2, max_length=14, graphs=False)
+        with fused_decode.use_fused(fused):
+            tokens, logits = _prefill_and_step(decoder, prompt, 6)
+        runs.append((torch.stack(tokens, dim=1), torch.stack(logits, dim=1), decoder))
+    return model, runs
+
+
 @pytest.mark.parametrize("name", [None, *STATIC], ids=["teacher", *STATIC])
 @pytest.mark.parametrize("rows", [1, 3], ids=["one-row", "three-rows"])
 @torch.no_grad()
@@ -105,14 +119,7 @@ def test_lola_decoder_with_the_fused_state_pass_equals_the_torch_decoder(monkeyp
     kernel = fused_decode.hybrid_linear_step
     monkeypatch.setattr(fused_decode, "hybrid_linear_step", lambda *a: calls.append(1) or kernel(*a))
     monkeypatch.setattr(fused_lola, "supports", lambda dtype: False)
-    model = _model("lola-nope-sinks-weight")
-    prompt = torch.randint(3, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(5))
-    runs = []
-    for fused in (False, True):
-        decoder = StaticDecoder(model, batch_size=2, max_length=14, graphs=False)
-        with fused_decode.use_fused(fused):
-            tokens, logits = _prefill_and_step(decoder, prompt, 6)
-        runs.append((torch.stack(tokens, dim=1), torch.stack(logits, dim=1), decoder))
+    model, runs = _lola_torch_and_fused_decoders()
     assert torch.equal(runs[1][0], runs[0][0])
     torch.testing.assert_close(runs[1][1], runs[0][1], atol=1e-5, rtol=1e-5)
     assert len(calls) == 6 * model.config.num_hidden_layers  # the fused pass ran once per layer and step
@@ -135,14 +142,7 @@ def test_lola_decoder_with_the_fused_selection_follows_the_torch_decoder(monkeyp
     calls = []
     kernel = fused_lola.lola_step
     monkeypatch.setattr(fused_lola, "lola_step", lambda *a: calls.append(1) or kernel(*a))
-    model = _model("lola-nope-sinks-weight")
-    prompt = torch.randint(3, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(5))
-    runs = []
-    for fused in (False, True):
-        decoder = StaticDecoder(model, batch_size=2, max_length=14, graphs=False)
-        with fused_decode.use_fused(fused):
-            tokens, logits = _prefill_and_step(decoder, prompt, 6)
-        runs.append((torch.stack(tokens, dim=1), torch.stack(logits, dim=1)))
+    model, runs = _lola_torch_and_fused_decoders()
     assert len(calls) == 6 * model.config.num_hidden_layers
     assert torch.equal(runs[1][0], runs[0][0])
     torch.testing.assert_close(runs[1][1], runs[0][1], atol=1e-3, rtol=1e-3)

@@ -63,6 +63,21 @@ def _random_ids(model, batch_size: int, length: int, device: torch.device, seed:
     return torch.randint(0, model.config.vocab_size, (batch_size, length), generator=gen).to(device)  # (B, L)
 
 
+def cuda_mean_us(fn: Callable[[], Any], repeats: int = 100, warmup: int = 5) -> float:
+    """Mean microseconds per call of ``fn`` over ``repeats`` calls back to back on the current CUDA
+    device, after ``warmup`` calls (two events around the whole run: launch gaps included)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats * 1000
+
+
 def _time_calls(fn: Callable[[], Any], n: int, device: torch.device) -> list[float]:
     """Seconds of each of ``n`` successive calls of ``fn``."""
     if device.type == "cuda":

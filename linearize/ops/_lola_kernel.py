@@ -69,6 +69,25 @@ def _errors(pp, pn, vals, rows, mrows, s_v, base, FH: tl.constexpr, DV: tl.const
 
 
 @triton.jit
+def _head(r, linear, wk, bk, n_rep, H: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
+          BF: tl.constexpr):  # fmt: skip
+    """What a program of (batch row, query head) ``r`` starts from: its row b, head h, (batch row, KV
+    head) kr (the window is kept per KV head), its [S | z] at ``base``, the key and feature offsets
+    and masks, and the head's Hedgehog weight (BD, BF) as stored and bias (BF,) float32."""
+    b = r // H
+    h = r % H
+    kr = b * (H // n_rep) + h // n_rep
+    base = linear + r * (2 * FH) * (DV + 1)
+    od = tl.arange(0, BD)
+    md = od < D
+    of = tl.arange(0, BF)
+    mf = of < FH
+    w = tl.load(wk + h * D * FH + od[:, None] * FH + of[None, :], mask=md[:, None] & mf[None, :], other=0.0)
+    bias = tl.load(bk + h * FH + of, mask=mf, other=0.0).to(tl.float32)
+    return b, h, kr, base, od, md, of, mf, w, bias
+
+
+@triton.jit
 def lola_errors_kernel(
     linear, errs, cmap, cvals, cvalid, cpos, lmap, lvals, lpos, wk, bk,
     sinks, n_rep,
@@ -80,17 +99,7 @@ def lola_errors_kernel(
     last block index scores the leaving token into errs[r, L] (sinks +inf)."""
     r = tl.program_id(0).to(tl.int64)  # one (batch row, query head)
     c = tl.program_id(1)
-    b = r // H
-    h = r % H
-    kr = b * (H // n_rep) + h // n_rep  # its (batch row, KV head): the window is kept per KV head
-    W: tl.constexpr = DV + 1
-    base = linear + r * (2 * FH) * W
-    od = tl.arange(0, BD)
-    md = od < D
-    of = tl.arange(0, BF)
-    mf = of < FH
-    w = tl.load(wk + h * D * FH + od[:, None] * FH + of[None, :], mask=md[:, None] & mf[None, :], other=0.0)
-    bias = tl.load(bk + h * FH + of, mask=mf, other=0.0).to(tl.float32)
+    b, h, kr, base, od, md, of, mf, w, bias = _head(r, linear, wk, bk, n_rep, H, D, FH, DV, BD, BF)
     if c * BL >= L:  # the leaving token, as the first of 16 rows (a product's least height)
         o16 = tl.arange(0, 16)
         first = o16 == 0
@@ -126,17 +135,8 @@ def lola_commit_kernel(
     """The rest of the step for one (row, query head), from the candidates' errors: the choice, the
     state's update and read, the cache slot taken, ``held``, and the exact read."""
     r = tl.program_id(0).to(tl.int64)  # one (batch row, query head)
-    b = r // H
-    h = r % H
-    kr = b * (H // n_rep) + h // n_rep  # its (batch row, KV head): the window is kept per KV head
+    b, h, kr, base, od, md, of, mf, w, bias = _head(r, linear, wk, bk, n_rep, H, D, FH, DV, BD, BF)
     W: tl.constexpr = DV + 1
-    base = linear + r * (2 * FH) * W
-    od = tl.arange(0, BD)
-    md = od < D
-    of = tl.arange(0, BF)
-    mf = of < FH
-    w = tl.load(wk + h * D * FH + od[:, None] * FH + of[None, :], mask=md[:, None] & mf[None, :], other=0.0)
-    bias = tl.load(bk + h * FH + of, mask=mf, other=0.0).to(tl.float32)
     o16 = tl.arange(0, 16)
     first = o16 == 0
 

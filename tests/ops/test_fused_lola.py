@@ -117,6 +117,19 @@ def test_fused_step_rejects_bad_arguments():
         fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **{**args, "cache_map_keys": z(b, hq, lam, d)})
 
 
+def _bfloat16_runs(b, hq, hkv, d, *, f, lam, w, tokens, chunk, **options):
+    """A bfloat16 model's LoLA memory after ``tokens`` random tokens (the chunked op), and two decode
+    states of it: (the op's arguments, the state, [decode state, decode state])."""
+    phi_q, phi_k, key_map = _maps(hq, d, f, torch.bfloat16)
+    options = dict(window_factor=torch.rand(hq, device=DEVICE), **options)
+    kw = dict(phi_q=phi_q, phi_k=phi_k, window=w, sparse=lam, **options)
+    x = [torch.randn(b, h, tokens, d, device=DEVICE, dtype=torch.bfloat16) for h in (hq, hkv, hkv)]
+    _, state = lola_attention(*x, chunk=chunk, **kw)
+    runs = [LolaDecodeState.from_state(state, phi_q=phi_q, phi_k=phi_k, scale=d**-0.5, dtype=torch.bfloat16, key_map=key_map, **options)
+            for _ in range(2)]  # fmt: skip
+    return kw, state, runs
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bfloat16 tensor-core products need a GPU")
 @torch.no_grad()
 def test_fused_step_in_bfloat16_on_cuda():
@@ -124,14 +137,8 @@ def test_fused_step_in_bfloat16_on_cuda():
     on 8 KV heads): the fused step's choices, outputs and memory follow the torch step's over 16
     tokens."""
     torch.manual_seed(0)
-    b, hq, hkv, d, f, lam, w = 4, 32, 8, 128, 128, 256, 64
-    phi_q, phi_k, key_map = _maps(hq, d, f, torch.bfloat16)
-    options = dict(window_factor=torch.rand(hq, device=DEVICE), sinks=4, linear_weight=0.1)
-    kw = dict(phi_q=phi_q, phi_k=phi_k, window=w, sparse=lam, **options)
-    x = [torch.randn(b, h, 1024, d, device=DEVICE, dtype=torch.bfloat16) for h in (hq, hkv, hkv)]
-    _, state = lola_attention(*x, chunk=64, **kw)
-    runs = [LolaDecodeState.from_state(state, phi_q=phi_q, phi_k=phi_k, scale=d**-0.5, dtype=torch.bfloat16, key_map=key_map, **options)
-            for _ in range(2)]  # fmt: skip
+    b, hq, hkv, d = 4, 32, 8, 128
+    _, _, runs = _bfloat16_runs(b, hq, hkv, d, f=128, lam=256, w=64, tokens=1024, chunk=64, sinks=4, linear_weight=0.1)
     differ = 0
     for _ in range(16):
         q, k, v = (torch.randn(b, h, 1, d, device=DEVICE, dtype=torch.bfloat16) for h in (hq, hkv, hkv))
@@ -169,14 +176,8 @@ def test_bfloat16_memory_is_kept_in_bfloat16_and_read_exactly():
     continues it as the chunked op does. Not the fused step in Triton's interpreter: its bfloat16
     products are wrong there (Triton 3.6)."""
     torch.manual_seed(4)
-    b, hq, hkv, d, f, lam, w = 2, 4, 2, 16, 16, 4, 3
-    phi_q, phi_k, key_map = _maps(hq, d, f, torch.bfloat16)
-    options = dict(window_factor=torch.rand(hq, device=DEVICE), sinks=1, linear_weight=0.5)
-    kw = dict(phi_q=phi_q, phi_k=phi_k, window=w, sparse=lam, **options)
-    x = [torch.randn(b, h, 11, d, device=DEVICE, dtype=torch.bfloat16) for h in (hq, hkv, hkv)]
-    _, state = lola_attention(*x, chunk=3, **kw)
-    runs = [LolaDecodeState.from_state(state, phi_q=phi_q, phi_k=phi_k, scale=d**-0.5, dtype=torch.bfloat16, key_map=key_map, **options)
-            for _ in range(2)]  # fmt: skip
+    b, hq, hkv, d = 2, 4, 2, 16
+    kw, state, runs = _bfloat16_runs(b, hq, hkv, d, f=16, lam=4, w=3, tokens=11, chunk=3, sinks=1, linear_weight=0.5)
     assert runs[0].keys.dtype == runs[0].cache_values.dtype == torch.bfloat16
     for got, want in zip(runs[0].canonical().tensors(), state.tensors()):
         assert torch.equal(got, want)
