@@ -110,7 +110,7 @@ def test_fused_decode_kernels_match_full_forward(name, monkeypatch):
 def test_lola_decoder_with_the_fused_state_pass_equals_the_torch_decoder(monkeypatch):
     """LoLA layers under the static decoder with the state's update and read as one kernel (in
     Triton's interpreter without a GPU), the selection in torch (as for a feature map the fused
-    selection does not compute): the same tokens and logits as the torch steps, and the same
+    step does not compute): the same tokens and logits as the torch steps, and the same
     memory after (compared with each other rather than with a full forward: LoLA's selection can
     flip on a near-tie between candidates when the projections are batched differently)."""
     if not fused_decode.interpreting():
@@ -129,9 +129,9 @@ def test_lola_decoder_with_the_fused_state_pass_equals_the_torch_decoder(monkeyp
 
 
 @torch.no_grad()
-def test_lola_decoder_with_the_fused_selection_follows_the_torch_decoder(monkeypatch):
-    """The same decoder with the whole selection and state pass as one kernel per layer and step
-    (``fused_lola``, the layers' Hedgehog key maps): the torch decoder's tokens, and its logits to
+def test_lola_decoder_with_the_fused_step_follows_the_torch_decoder(monkeypatch):
+    """The same decoder with the whole step as two kernels per layer and step (``fused_lola``, the
+    layers' Hedgehog key maps): the torch decoder's tokens, and its logits to
     1e-3. Not to 1e-5: this model's greedy tokens repeat, and a repeated token's prefill and decode
     projections differ in rounding only, so its errors tie but for the last bit and either may be
     kept (the kernel's exactness is tested on distinct tokens in tests/ops/test_fused_lola.py)."""

@@ -75,7 +75,7 @@ class LolaAttention(WindowedLinearAttention):
                                      o.features(self.head_dim), device, linear_keys=self.separate_linear_inputs)  # fmt: skip
         read_state, read_sparse = self.READS[self.mode]
         phi_k = self.feature_map_k
-        key_map = (phi_k.weight, phi_k.bias) if isinstance(phi_k, HedgehogFeatureMap) else None  # the fused selection computes it
+        key_map = (phi_k.weight, phi_k.bias) if isinstance(phi_k, HedgehogFeatureMap) else None  # for the fused step's key features
         return LolaDecodeState.from_state(
             state, phi_q=self.feature_map_q, phi_k=phi_k, window_factor=self.window_factor(), scale=self.scaling,
             dtype=dtype, read_state=read_state, read_sparse=read_sparse, sinks=o.sinks, linear_weight=o.linear_weight,

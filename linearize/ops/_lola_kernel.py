@@ -1,4 +1,4 @@
-"""The Triton kernel behind ``ops.fused_lola`` (imported on first use: it imports Triton)."""
+"""The Triton kernels behind ``ops.fused_lola`` (imported on first use: this imports Triton)."""
 
 import triton
 import triton.language as tl

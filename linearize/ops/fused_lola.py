@@ -1,27 +1,29 @@
-"""LoLA's per-token decode step as one Triton kernel: selection, state pass, cache update, read.
+"""LoLA's per-token decode step as two Triton kernels: selection, state pass, cache update, read.
 
 Each token, every query head of every row scores the lambda sparse-cache entries and the token
 leaving the window by self-recall error against its linear state [S | z], writes the one not kept
 into [S | z], moves the leaving token into the slot it takes, and reads window, cache and state. In
 torch that is the Hedgehog features of all lambda + 1 candidates written out (B x Hq x lambda x F
 floats), a matmul that reads them and the state, a second pass over the state, and a dozen kernels
-for the read. ``lola_step`` does it in one program per (row, query head), after the new token has
-taken its window slot in torch:
+for the read. ``lola_step`` does it in two kernels, after the new token has taken its window slot
+in torch:
 
-1. the candidates' features in registers from their keys (the Hedgehog map [softmax(x W + b),
-   softmax(-(x W + b))], rounded to bfloat16 where the model runs in it, as the torch map's output
-   is), phi [S | z] tile by tile of the state, and each candidate's error || phi S / (phi z) - v ||
-   (the readout 0 where phi z is empty); the least error (sinks +inf, empty slots -inf), ties to
-   the newest position and then the lowest slot, against the leaving token's (which loses every
-   tie): the choice of ``ops.lola.lola_decode_step``;
-2. one more pass over [S | z]: the token not kept is written (S += phi [v, 1]^T) and the query's
-   phi(q) [S | z] read from the updated tiles;
-3. the leaving token into the chosen slot where it is kept, and ``held``;
-4. the exact read of the window and the cache (one running max, the window factor) plus the linear
-   term (with the length factor of ``weight_tokens``), one denominator.
+1. errors, one program per (row, query head, block of candidates; one more for the leaving
+   token): the candidates' features in registers from their keys (the Hedgehog map
+   [softmax(x W + b), softmax(-(x W + b))], rounded to bfloat16 where the model runs in it, as the
+   torch map's output is), phi [S | z] tile by tile of the state, and each candidate's error
+   || phi S / (phi z) - v || (the readout 0 where phi z is empty; sinks +inf, empty slots -inf);
+2. commit, one program per (row, query head):
+   - the least error, ties to the newest position and then the lowest slot, against the leaving
+     token's (which loses every tie): the choice of ``ops.lola.lola_decode_step``;
+   - one pass over [S | z]: the token not kept is written (S += phi [v, 1]^T) and the query's
+     phi(q) [S | z] read from the updated tiles;
+   - the leaving token into the chosen slot where it is kept, and ``held``;
+   - the exact read of the window and the cache (one running max, the window factor) plus the
+     linear term (with the length factor of ``weight_tokens``), one denominator.
 
-The state is read from memory once (the later candidate blocks and the update pass find it in
-cache) and written once; the cache's keys and values, kept in the model's dtype, are read for the
+The state is read from memory about once (the other candidate blocks and the update pass mostly
+find it in cache) and written once; the cache's keys and values, kept in the model's dtype, are read for the
 errors and again (mostly from cache) for the read. With a bfloat16 model, phi [S | z] runs on
 tensor cores as two bfloat16 products (phi is exact in bfloat16; S is split into its bfloat16 part
 and the rest): about 16 bits of S's mantissa instead of float32's 24, so a near-tie between two
@@ -57,10 +59,6 @@ def _kernels():
     from linearize.ops._lola_kernel import lola_commit_kernel, lola_errors_kernel
 
     return lola_errors_kernel, lola_commit_kernel
-
-
-def _next_power(n: int, least: int = 16) -> int:
-    return max(least, 1 << (n - 1).bit_length())
 
 
 def supports(dtype: torch.dtype) -> bool:
@@ -115,6 +113,7 @@ def lola_step(
     fused_decode._check("leave_values", leave_values, (b, hkv, dv))
     fused_decode._check("leave_valid", leave_valid, (b,), torch.bool)
     fused_decode._check("leave_positions", leave_positions, (b,), torch.long)
+    fused_decode._check("window_keys", window_keys, (b, hkv, eta, d))
     fused_decode._check("window_values", window_values, (b, hkv, eta, dv))
     fused_decode._check("window_valid", window_valid, (b, eta), torch.bool)
     fused_decode._check("weight", weight, (hq, d, fh))
@@ -138,15 +137,20 @@ def lola_step(
                                  window_valid, weight, bias)
     )  # fmt: skip
     leave_map_keys = leave_map_keys.contiguous() if separate else leave_keys
+    from triton import next_power_of_2
+
+    def pow2(n: int) -> int:  # at least 16: a product's least side
+        return max(16, next_power_of_2(n))
+
     rows = b * hq
     out = torch.empty(rows, dv, device=linear.device, dtype=q.dtype)
     rbuf = torch.empty(rows, dv + 1, device=linear.device, dtype=torch.float32)
     errs = torch.empty(rows, lam + 1, device=linear.device, dtype=torch.float32)
     errors, commit = _kernels()
     map_keys = cache_map_keys if separate else cache_keys
-    block = min(BLOCK_ROWS, _next_power(lam))
-    shape = dict(H=hq, L=lam, D=d, FH=fh, DV=dv, BL=block, BD=_next_power(d), BF=_next_power(fh),
-                 BV=min(BLOCK_VALUES, _next_power(dv + 1)), LOWP=weight.dtype == torch.bfloat16, EPS=EMPTY_DENOMINATOR)  # fmt: skip
+    block = min(BLOCK_ROWS, pow2(lam))
+    shape = dict(H=hq, L=lam, D=d, FH=fh, DV=dv, BL=block, BD=pow2(d), BF=pow2(fh),
+                 BV=min(BLOCK_VALUES, pow2(dv + 1)), LOWP=weight.dtype == torch.bfloat16, EPS=EMPTY_DENOMINATOR)  # fmt: skip
     errors[(rows, -(-lam // block) + 1)](
         linear, errs, map_keys, cache_values, cache_valid, cache_positions, leave_map_keys, leave_values, leave_positions, weight, bias,
         sinks, hq // hkv, **shape, num_warps=WARPS if fh >= 128 else 4,
@@ -156,7 +160,7 @@ def lola_step(
         cache_keys, map_keys, cache_values, cache_valid, cache_positions,
         leave_keys, leave_map_keys, leave_values, leave_valid, leave_positions, window_keys, window_values, window_valid,
         weight, bias, factor,
-        sinks, hq // hkv, scale, weight_tokens, ETA=eta, BS=min(SELECT_BLOCK, _next_power(lam)), BW=_next_power(eta), BDV=_next_power(dv),
+        sinks, hq // hkv, scale, weight_tokens, ETA=eta, BS=min(SELECT_BLOCK, pow2(lam)), BW=pow2(eta), BDV=pow2(dv),
         SEPARATE=separate, READ_STATE=read_state, READ_SPARSE=read_sparse, num_warps=COMMIT_WARPS, **shape,
     )  # fmt: skip
     return out

@@ -384,7 +384,7 @@ class LolaDecodeState:
     linear: Tensor  # (B Hq, F, Dv + 1): [S | z]
     held: Tensor  # (B, Hq) tokens written into the linear state
     context: _ChunkContext
-    key_map: tuple[Tensor, Tensor] | None = None  # phi_k as Hedgehog (weight (Hq, D, f), bias (Hq, f)), for the fused selection
+    key_map: tuple[Tensor, Tensor] | None = None  # phi_k as Hedgehog (weight (Hq, D, f), bias (Hq, f)), for the fused step
 
     @classmethod
     def from_state(cls, state: LolaState, *, phi_q: FeatureFn, phi_k: FeatureFn, window_factor: Tensor, scale: float,
@@ -394,8 +394,8 @@ class LolaDecodeState:
         """The decode form of ``state`` (copies: ``state`` is left untouched) for ``lola_attention``'s
         arguments of the same names (checked once here; ``dtype``: the inputs' dtype, in which the
         feature maps run). ``key_map``: when ``phi_k`` is the Hedgehog map with this weight (Hq, D, f)
-        and bias (Hq, f), the step's selection and state pass run as one kernel where the fused
-        kernels apply (``ops.fused_lola``)."""
+        and bias (Hq, f), the step runs as ``ops.fused_lola``'s two kernels where the fused kernels
+        apply (they compute the keys' features from it)."""
         hq, hkv = state.sparse.keys.shape[1], state.window.keys.shape[1]
         weights = _check_options(heads=hq, window=state.window.keys.shape[2], sparse=state.sparse.keys.shape[2], chunk=1,
                                  window_factor=window_factor, sinks=sinks, linear_weight=linear_weight, weight_tokens=weight_tokens)  # fmt: skip
@@ -533,8 +533,8 @@ def _write_window(ds: LolaDecodeState, k: Tensor, v: Tensor, k_lin: Tensor | Non
 
 
 def _step_fused(ds: LolaDecodeState, q: Tensor, k: Tensor, v: Tensor, q_lin: Tensor | None, k_lin: Tensor | None) -> Tensor:
-    """The whole step with one kernel (``fused_lola.lola_step``) for the selection, the state's
-    update and read, the cache slot taken and the exact read, after the window takes the new token
+    """The whole step through ``fused_lola.lola_step`` (two kernels: the selection, the state's
+    update and read, the cache slot taken and the exact read), after the window takes the new token
     in torch (the leaving token copied before)."""
     ctx = ds.context
     b, hq, _, _ = q.shape

@@ -1,5 +1,5 @@
-"""LoLA's fused decode step (``ops.fused_lola``: selection, state pass, cache update and read in one
-kernel) against the torch decode step and the chunked op: outputs and memory token by token (on the
+"""LoLA's fused decode step (``ops.fused_lola``: selection, state pass, cache update and read in two
+kernels) against the torch decode step and the chunked op: outputs and memory token by token (on the
 GPU when there is one, else in Triton's interpreter on the CPU)."""
 
 from __future__ import annotations
