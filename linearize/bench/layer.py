@@ -434,9 +434,9 @@ def _decode_times(model, softmax, shape, batch, context, steps, state_prefill, w
 
 FUSED_KINDS = ("hybrid", "dsla")
 """Kinds whose decode step has fused kernels (``linearize.ops.fused_decode``)."""
-FUSED_PREFILL_KINDS = ("hybrid", "dsla")
+FUSED_PREFILL_KINDS = ("hybrid", "dsla", "lola")
 """Kinds whose inference prefill has a fused form (the hybrid's ``ops.fused_prefill``, DSLA's
-token-major ``ops.dsla.dsla_prefill``; RoPE as one kernel for both)."""
+token-major ``ops.dsla.dsla_prefill``, RoPE as one kernel for both; LoLA's ``ops.fused_lola.lola_prefill``)."""
 
 
 # ----------------------------------------------------------------------------- report

@@ -28,13 +28,19 @@ def _features(x, w, bias, mf, LOWP: tl.constexpr):
 
 
 @triton.jit
+def _split(x):
+    """float32 x as its bfloat16 part and the rest, in bfloat16: x ~ hi + lo to about 16 bits."""
+    hi = x.to(tl.bfloat16)
+    return hi, (x - hi.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
 def _product(p, s, LOWP: tl.constexpr):
     """p (R, BF) @ s (BF, BV) in float32: on tensor cores as p x (s's bfloat16 part + the rest)
     where p is exact in bfloat16 (LOWP), else in float32."""
     if LOWP:
         pb = p.to(tl.bfloat16)
-        hi = s.to(tl.bfloat16)
-        lo = (s - hi.to(tl.float32)).to(tl.bfloat16)
+        hi, lo = _split(s)
         return tl.dot(pb, hi) + tl.dot(pb, lo)
     else:
         return tl.dot(p, s, input_precision="ieee")
@@ -243,3 +249,243 @@ def lola_commit_kernel(
         den += lf * tl.load(rbuf + r * W + DV)
     o = tl.where(den > EPS, num / tl.where(den > EPS, den, 1.0), 0.0)
     tl.store(out + r * DV + odv, o.to(out.dtype.element_ty), mask=mdv)
+
+
+# ----------------------------------------------------------------------------- chunked prefill
+
+
+@triton.jit
+def _product_left(a, b, LOWP: tl.constexpr):
+    """a (R, K) float32 @ b (K, N) exact in bfloat16 (LOWP), in float32: as (a's bfloat16 part + the
+    rest) x b on tensor cores; else in float32."""
+    if LOWP:
+        hi, lo = _split(a)
+        return tl.dot(hi, b.to(tl.bfloat16)) + tl.dot(lo, b.to(tl.bfloat16))
+    else:
+        return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _exact(a, b, LOWP: tl.constexpr):
+    """a (R, K) @ b (K, N), both exact in the model's dtype, in float32."""
+    if LOWP:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    else:
+        return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _candidates(cache, r, par, ci, p0, n, LAM: tl.constexpr, C: tl.constexpr, ETA: tl.constexpr):
+    """Candidates ``ci`` (BC,) of a chunk starting at position p0 with n real tokens: the sparse cache
+    (parity ``par``; indices < LAM, in position order, empty slots last), then the window's n oldest
+    slots (positions p0 - ETA + s). Returns their positions (0 where not valid) and validity."""
+    in_cache = ci < LAM
+    ctok = tl.load(cache + (r * 2 + par) * LAM + ci, mask=in_cache, other=-1).to(tl.int64)
+    s = ci - LAM
+    ltok = p0 - ETA + s
+    val = tl.where(in_cache, ctok >= 0, (s >= 0) & (s < n) & (ltok >= 0))
+    tok = tl.where(in_cache, ctok, ltok)
+    return tl.where(val, tok, 0), val
+
+
+@triton.jit
+def lola_prefill_kernel(
+    q, k, v, qphi, kphi, n_real, factor, lw,
+    out, lin, zs, cache, errs, flags, wlist, rbuf, rbz, held_out,
+    t_len, sinks, n_rep, scale, weight_tokens,
+    H: tl.constexpr, D: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, ETA: tl.constexpr, C: tl.constexpr,
+    LAM: tl.constexpr, BC: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BF: tl.constexpr,
+    BV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr, READ_STATE: tl.constexpr, READ_SPARSE: tl.constexpr,
+    CHUNKS: tl.constexpr,
+):  # fmt: skip
+    """LoLA's chunked prefill from an empty memory for one (row, query head), chunk by chunk
+    (``ops.lola.lola_attention``'s rule): select, write the state, read. Tokens are addressed by
+    position (the row's real tokens packed first), so the sparse cache is a list of positions. Every
+    row runs the batch's chunks; past its real tokens a chunk has no candidate to write and no query."""
+    r = tl.program_id(0).to(tl.int64)  # one (batch row, query head)
+    b = r // H
+    h = r % H
+    kr = b * (H // n_rep) + h // n_rep
+    NC: tl.constexpr = LAM + C  # candidates per chunk
+    NCP: tl.constexpr = LAM + BC  # their scratch row
+    base = lin + r * F * DV  # S (F, DV), rows aligned for wide loads
+    zbase = zs + r * F  # z (F,)
+    qrow = r * t_len  # first token of this (row, query head) in q, qphi, kphi, out
+    krow = kr * t_len  # and of its KV head in k, v
+    nr = tl.load(n_real + b).to(tl.int64)
+    f = tl.load(factor + h)
+    lw_h = tl.load(lw + h)
+    ob = tl.arange(0, BC)
+    od = tl.arange(0, BD)
+    md = od < D
+    odv = tl.arange(0, BDV)
+    mdv = odv < DV
+    held = tl.full([], 0, tl.int64)
+    # A row's chunks past its real tokens change nothing. CHUNKS: their number as a constant where
+    # Triton's interpreter runs the kernel (it passes runtime scalars as one-element arrays, which
+    # NumPy 2 refuses as a loop bound).
+    for chunk in range(0, CHUNKS if CHUNKS > 0 else tl.cdiv(t_len, C)):
+        p0 = chunk * C
+        n = tl.maximum(tl.minimum(nr - p0, C), 0)
+        par = chunk % 2
+
+        # 1. Every candidate's self-recall error against the state before the chunk: phi [S | z]
+        # tile by tile, z with the first value tile.
+        for c0 in range(0, NC, BC):
+            ci = c0 + ob
+            tok, val = _candidates(cache, r, par, ci, p0, n, LAM, C, ETA)
+            val = val & (ci < NC)
+            nrm = tl.zeros([BC], dtype=tl.float32)
+            err2 = tl.zeros([BC], dtype=tl.float32)
+            for v0 in range(0, DV, BV):
+                ov = v0 + tl.arange(0, BV)
+                mv = ov < DV
+                acc = tl.zeros([BC, BV], dtype=tl.float32)
+                for f0 in range(0, F, BF):
+                    of = f0 + tl.arange(0, BF)
+                    mf = of < F
+                    kf = tl.load(kphi + (qrow + tok)[:, None] * F + of[None, :], mask=val[:, None] & mf[None, :], other=0.0).to(tl.float32)
+                    st = tl.load(base + of[:, None] * DV + ov[None, :], mask=mf[:, None] & mv[None, :], other=0.0)
+                    acc += _product(kf, st, LOWP)
+                    if v0 == 0:
+                        z = tl.load(zbase + of, mask=mf, other=0.0)
+                        nrm += tl.sum(kf * z[None, :], axis=1)
+                ok = nrm > EPS
+                vv = tl.load(v + (krow + tok)[:, None] * DV + ov[None, :], mask=val[:, None] & mv[None, :], other=0.0).to(tl.float32)
+                diff = tl.where(ok[:, None], acc / tl.where(ok, nrm, 1.0)[:, None], 0.0) - vv
+                diff = tl.where(mv[None, :], diff, 0.0)
+                err2 += tl.sum(diff * diff, axis=1)
+            e = tl.where(tok < sinks, float("inf"), tl.sqrt(err2))
+            e = tl.where(val, e, float("-inf"))
+            tl.store(errs + r * NCP + ci, e, mask=ci < NC)
+        tl.debug_barrier()
+
+        # 2. Keep the lambda largest (a stable descending sort: ties to the earlier candidate), in
+        # candidate order, which is position order: the new cache. The cache entries not kept are
+        # listed for the state's write; the leavers' choices are flagged.
+        oa = tl.arange(0, BN)
+        ea = tl.load(errs + r * NCP + oa, mask=oa < NC, other=float("-inf"))  # every candidate's error
+        nk = tl.full([], 0, tl.int32)
+        nw = tl.full([], 0, tl.int32)
+        for c0 in range(0, NC, BC):
+            ci = c0 + ob
+            mi = ci < NC
+            tok, val = _candidates(cache, r, par, ci, p0, n, LAM, C, ETA)
+            ei = tl.load(errs + r * NCP + ci, mask=mi, other=float("-inf"))
+            ahead = (ea[None, :] > ei[:, None]) | ((ea[None, :] == ei[:, None]) & (oa[None, :] < ci[:, None]))
+            rank = tl.sum((ahead & (oa < NC)[None, :]).to(tl.int32), axis=1)
+            kk = ((rank < LAM) & (ei > float("-inf")) & mi).to(tl.int32)
+            tl.store(flags + r * NCP + ci, kk.to(tl.int8), mask=mi)
+            slot = nk + tl.cumsum(kk, axis=0) - kk
+            tl.store(cache + (r * 2 + 1 - par) * LAM + slot, tok.to(tl.int32), mask=kk != 0)
+            wc = (val & mi & (kk == 0) & (ci < LAM)).to(tl.int32)
+            wslot = nw + tl.cumsum(wc, axis=0) - wc
+            tl.store(wlist + r * BC + wslot, tok.to(tl.int32), mask=wc != 0)
+            nk += tl.sum(kk, axis=0)
+            nw += tl.sum(wc, axis=0)
+        for c0 in range(0, LAM, BC):
+            oi = c0 + ob
+            tl.store(cache + (r * 2 + 1 - par) * LAM + oi, tl.full([BC], -1, tl.int32), mask=(oi < LAM) & (oi >= nk))
+        tl.store(wlist + r * BC + ob, tl.full([BC], -1, tl.int32), mask=ob >= nw)
+        tl.debug_barrier()
+
+        # 3. One pass over [S | z]: the cache entries not kept join it (older than every query's
+        # window), the queries read it, then the window's leavers not kept join it. With the first
+        # value tile: z, and the queries' products with the leavers' features (read on the fly).
+        wtok = tl.load(wlist + r * BC + ob).to(tl.int64)
+        wval = wtok >= 0
+        wtok = tl.where(wval, wtok, 0)
+        ltok = p0 - ETA + ob  # the leavers (window slot ob)
+        lkept = tl.load(flags + r * NCP + LAM + ob, mask=ob < C, other=0)
+        lval = (ob < n) & (ltok >= 0) & (lkept == 0)  # written
+        ltok = tl.where(lval, ltok, 0)
+        qtok = p0 + ob
+        qval = ob < n
+        qtok = tl.where(qval, qtok, 0)
+        qz = tl.zeros([BC], dtype=tl.float32)
+        a = tl.zeros([BC, BC], dtype=tl.float32)  # phi(q_i) . phi(k_s), query i, leaver s
+        for v0 in range(0, DV, BV):
+            ov = v0 + tl.arange(0, BV)
+            mv = ov < DV
+            vc = tl.load(v + (krow + wtok)[:, None] * DV + ov[None, :], mask=wval[:, None] & mv[None, :], other=0.0)
+            vl = tl.load(v + (krow + ltok)[:, None] * DV + ov[None, :], mask=lval[:, None] & mv[None, :], other=0.0)
+            qacc = tl.zeros([BC, BV], dtype=tl.float32)
+            for f0 in range(0, F, BF):
+                of = f0 + tl.arange(0, BF)
+                mf = of < F
+                kc = tl.load(kphi + (qrow + wtok)[:, None] * F + of[None, :], mask=wval[:, None] & mf[None, :], other=0.0)
+                kl = tl.load(kphi + (qrow + ltok)[:, None] * F + of[None, :], mask=lval[:, None] & mf[None, :], other=0.0)
+                qf = tl.load(qphi + (qrow + qtok)[:, None] * F + of[None, :], mask=qval[:, None] & mf[None, :], other=0.0)
+                ptr = base + of[:, None] * DV + ov[None, :]
+                m2 = mf[:, None] & mv[None, :]
+                st = tl.load(ptr, mask=m2, other=0.0) + _exact(tl.trans(kc), vc, LOWP)
+                if READ_STATE:
+                    qacc += _product(qf.to(tl.float32), st, LOWP)
+                st = st + _exact(tl.trans(kl), vl, LOWP)
+                tl.store(ptr, st, mask=m2)
+                if v0 == 0:
+                    zc = tl.load(zbase + of, mask=mf, other=0.0) + tl.sum(kc.to(tl.float32), axis=0)
+                    tl.store(zbase + of, zc + tl.sum(kl.to(tl.float32), axis=0), mask=mf)
+                    if READ_STATE:
+                        qz += tl.sum(qf.to(tl.float32) * zc[None, :], axis=1)
+                        a += _exact(qf, tl.trans(kl), LOWP)
+            if READ_STATE:
+                tl.store(rbuf + (r * BC + ob)[:, None] * DV + ov[None, :], qacc, mask=mv[None, :])
+        if READ_STATE:
+            tl.store(rbz + r * BC + ob, qz)
+        tl.debug_barrier()
+
+        # 4. The read: each query's true window and the new cache's entries older than it exactly
+        # (one running max, the window factor), the state and the leavers it has lost linearly.
+        qpos = p0 + ob
+        first = qpos - ETA + 1  # the oldest position of each query's window
+        qx = tl.load(q + (qrow + qtok)[:, None] * D + od[None, :], mask=qval[:, None] & md[None, :], other=0.0)
+        ow = tl.arange(0, BW)
+        wpos = p0 - ETA + ow  # the window before the chunk, then the chunk
+        wreal = (ow < ETA + n) & (wpos >= 0)
+        wtk = tl.where(wreal, wpos, 0)
+        kw = tl.load(k + (krow + wtk)[:, None] * D + od[None, :], mask=wreal[:, None] & md[None, :], other=0.0)
+        s = _exact(qx, tl.trans(kw), LOWP) * scale
+        okw = wreal[None, :] & (wpos[None, :] >= first[:, None]) & (wpos[None, :] <= qpos[:, None]) & qval[:, None]
+        s = tl.where(okw, s, float("-inf"))
+        m = tl.max(s, axis=1)
+        m = tl.where(m > float("-inf"), m, 0.0)
+        p = tl.exp(s - m[:, None])
+        vw = tl.load(v + (krow + wtk)[:, None] * DV + odv[None, :], mask=wreal[:, None] & mdv[None, :], other=0.0)
+        acc = _product_left(p, vw, LOWP)
+        den = tl.sum(p, axis=1)
+        if READ_SPARSE:
+            for c0 in range(0, LAM, BC):
+                oc = c0 + ob
+                ctok = tl.load(cache + (r * 2 + 1 - par) * LAM + oc, mask=oc < LAM, other=-1).to(tl.int64)
+                cval = ctok >= 0
+                ctk = tl.where(cval, ctok, 0)
+                kc = tl.load(k + (krow + ctk)[:, None] * D + od[None, :], mask=cval[:, None] & md[None, :], other=0.0)
+                sc = _exact(qx, tl.trans(kc), LOWP) * scale
+                sc = tl.where(cval[None, :] & (ctok[None, :] < first[:, None]) & qval[:, None], sc, float("-inf"))
+                m_new = tl.maximum(m, tl.max(sc, axis=1))
+                alpha = tl.exp(m - m_new)
+                pc = tl.exp(sc - m_new[:, None])
+                vc = tl.load(v + (krow + ctk)[:, None] * DV + odv[None, :], mask=cval[:, None] & mdv[None, :], other=0.0)
+                acc = acc * alpha[:, None] + _product_left(pc, vc, LOWP)
+                den = den * alpha + tl.sum(pc, axis=1)
+                m = m_new
+        num = f * acc
+        den = f * den
+        lpos = p0 - ETA + ob
+        gone = (lpos[None, :] < first[:, None]) & lval[None, :]  # (query, leaver) written and out of the window
+        if READ_STATE:  # LoLCATs convention: the linear term is not rescaled by exp(-m)
+            n_read = held + nw + tl.sum(gone.to(tl.int32), axis=1)
+            lf = tl.minimum(weight_tokens / tl.maximum(n_read, 1).to(tl.float32), 1.0)
+            wt = lw_h * tl.where(weight_tokens > 0, lf, 1.0)
+            a = tl.where(gone, a, 0.0)
+            vl = tl.load(v + (krow + ltok)[:, None] * DV + odv[None, :], mask=lval[:, None] & mdv[None, :], other=0.0)
+            lin_num = tl.load(rbuf + (r * BC + ob)[:, None] * DV + odv[None, :], mask=mdv[None, :], other=0.0) + _product_left(a, vl, LOWP)
+            lin_den = tl.load(rbz + r * BC + ob) + tl.sum(a, axis=1)
+            num += wt[:, None] * lin_num
+            den += wt * lin_den
+        o = tl.where(den[:, None] > EPS, num / tl.where(den > EPS, den, 1.0)[:, None], 0.0)
+        tl.store(out + (qrow + qtok)[:, None] * DV + odv[None, :], o.to(out.dtype.element_ty), mask=qval[:, None] & mdv[None, :])
+        held += (nw + tl.sum(lval.to(tl.int32), axis=0)).to(tl.int64)
+        tl.debug_barrier()
+    tl.store(held_out + r, held)

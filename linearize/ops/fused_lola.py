@@ -1,4 +1,5 @@
-"""LoLA's per-token decode step as two Triton kernels: selection, state pass, cache update, read.
+"""LoLA's per-token decode step as two Triton kernels (selection, state pass, cache update, read),
+and its chunked prefill from an empty memory as one (``lola_prefill``, at the end of this module).
 
 Each token, every query head of every row scores the lambda sparse-cache entries and the token
 leaving the window by self-recall error against its linear state [S | z], writes the one not kept
@@ -29,6 +30,14 @@ tensor cores as two bfloat16 products (phi is exact in bfloat16; S is split into
 and the rest): about 16 bits of S's mantissa instead of float32's 24, so a near-tie between two
 candidates may go the other way than in the torch step; a float32 model runs the products in
 float32. Tests: tests/ops/test_fused_lola.py (the torch step and the chunked op, token by token).
+
+The prefill kernel runs one program per (row, query head) through all the chunks of the prompt, as
+``ops.lola.lola_attention`` does them one after another: per chunk the candidates' errors against
+[S | z] (the features of every query and key computed before, in torch), the lambda largest kept
+(ranks with the stable sort's tie rule; the sparse cache is a list of positions), one pass over S
+that writes the tokens not kept and reads it for the chunk's queries, and the exact read of each
+query's window and of the cache with the linear term. It is latency-bound: one program per head,
+about 40 dependent tile steps per chunk (docs/results/performance/prefill.md).
 """
 
 from __future__ import annotations
@@ -171,3 +180,89 @@ def _(linear, held, qphi, q, cache_keys, cache_map_keys, cache_values, cache_val
       leave_values, leave_valid, leave_positions, window_keys, window_values, window_valid, weight, bias, factor, sinks, scale,
       weight_tokens, read_state, read_sparse):  # fmt: skip
     return q.new_empty(linear.shape[0], cache_values.shape[-1])
+
+
+PREFILL_BLOCK_FEATURES = 64
+"""Feature rows per tile of [S | z] in the prefill kernel."""
+PREFILL_BLOCK_VALUES = 64
+"""Value columns per tile of [S | z] in the prefill kernel."""
+PREFILL_WARPS = 4
+"""Warps per program of the prefill kernel."""
+
+
+@functools.cache
+def _prefill_kernel():
+    from linearize.ops._lola_kernel import lola_prefill_kernel
+
+    return lola_prefill_kernel
+
+
+@torch.library.custom_op("linearize::lola_prefill", mutates_args=())
+def lola_prefill(
+    q: Tensor, k: Tensor, v: Tensor, qphi: Tensor, kphi: Tensor, n_real: Tensor, factor: Tensor, weights: Tensor,
+    window: int, sparse: int, chunk: int, sinks: int, scale: float, weight_tokens: int, read_state: bool, read_sparse: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """LoLA's chunked prefill from an empty memory (``ops.lola.lola_attention``'s rule, chunk by
+    chunk) as one Triton program per (row, query head), the chunks in a loop inside it.
+
+    - ``q`` (B, Hq, T, D), ``k`` (B, Hkv, T, D), ``v`` (B, Hkv, T, Dv): each row's real tokens
+      first (``n_real`` (B,) long of them), in the model's dtype (bfloat16 or float32);
+    - ``qphi`` / ``kphi`` (B, Hq, T, F): the feature maps of the queries and of the keys (repeated
+      to the query heads) in the model's dtype;
+    - ``factor`` and ``weights`` (Hq,) float32: the window factor and the linear weight.
+
+    Returns the output (B, Hq, T, Dv) in ``q``'s dtype (zero past ``n_real``), the linear state
+    S (B, Hq, F, Dv) and z (B, Hq, F) float32, the sparse cache as positions (B, Hq, lambda) long in
+    position order (-1 in empty slots, last), and the tokens written into the state (B, Hq) long.
+    """
+    b, hq, t, d = q.shape
+    hkv, dv = k.shape[1], v.shape[-1]
+    feats = kphi.shape[-1]
+    fused_decode._check("k", k, (b, hkv, t, d))
+    fused_decode._check("v", v, (b, hkv, t, dv))
+    fused_decode._check("kphi", kphi, (b, hq, t, feats), q.dtype)
+    fused_decode._check("qphi", qphi, (b, hq, t, feats), q.dtype)
+    fused_decode._check("n_real", n_real, (b,), torch.long)
+    fused_decode._check("factor", factor, (hq,), torch.float32)
+    fused_decode._check("weights", weights, (hq,), torch.float32)
+    if not supports(q.dtype) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k and v must share one dtype, bfloat16 or float32; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if sparse < 1 or hq % hkv or not 1 <= chunk <= window:
+        raise ValueError(f"needs a sparse cache (got sparse={sparse}), query heads ({hq}) a multiple of KV heads ({hkv}) "
+                         f"and 1 <= chunk ({chunk}) <= window ({window})")  # fmt: skip
+    from triton import next_power_of_2
+
+    def pow2(n: int) -> int:  # at least 16: a product's least side
+        return max(16, next_power_of_2(n))
+
+    q, k, v, qphi, kphi = (x.contiguous() for x in (q, k, v, qphi, kphi))
+    rows, bc = b * hq, pow2(chunk)
+    dev = q.device
+    out = torch.zeros(b, hq, t, dv, device=dev, dtype=q.dtype)
+    kv = torch.zeros(b, hq, feats, dv, device=dev, dtype=torch.float32)
+    k_sum = torch.zeros(b, hq, feats, device=dev, dtype=torch.float32)
+    cache = torch.full((rows, 2, sparse), -1, device=dev, dtype=torch.int32)
+    errs = torch.empty(rows, sparse + bc, device=dev, dtype=torch.float32)
+    flags = torch.empty(rows, sparse + bc, device=dev, dtype=torch.int8)
+    wlist = torch.empty(rows, bc, device=dev, dtype=torch.int32)
+    rbuf = torch.empty(rows, bc, dv, device=dev, dtype=torch.float32)
+    rbz = torch.empty(rows, bc, device=dev, dtype=torch.float32)
+    held = torch.empty(rows, device=dev, dtype=torch.long)
+    _prefill_kernel()[(rows,)](
+        q, k, v, qphi, kphi, n_real, factor, weights, out, kv, k_sum, cache, errs, flags, wlist, rbuf, rbz, held,
+        t, sinks, hq // hkv, scale, weight_tokens,
+        H=hq, D=d, F=feats, DV=dv, ETA=window, C=chunk, LAM=sparse, BC=bc, BN=pow2(sparse + chunk), BW=pow2(window + chunk), BD=pow2(d), BDV=pow2(dv),
+        BF=min(PREFILL_BLOCK_FEATURES, pow2(feats)), BV=min(PREFILL_BLOCK_VALUES, pow2(dv)), LOWP=q.dtype == torch.bfloat16,
+        EPS=EMPTY_DENOMINATOR, READ_STATE=read_state, READ_SPARSE=read_sparse, num_warps=PREFILL_WARPS,
+        CHUNKS=-(-t // chunk) if fused_decode.interpreting() else 0,
+    )  # fmt: skip
+    positions = cache[:, -(-t // chunk) % 2].long().view(b, hq, sparse)  # the buffer the last chunk wrote
+    return out, kv, k_sum, positions, held.view(b, hq)
+
+
+@lola_prefill.register_fake
+def _(q, k, v, qphi, kphi, n_real, factor, weights, window, sparse, chunk, sinks, scale, weight_tokens, read_state, read_sparse):
+    b, hq, t, _ = q.shape
+    dv, feats = v.shape[-1], kphi.shape[-1]
+    return (q.new_empty(b, hq, t, dv), q.new_empty(b, hq, feats, dv, dtype=torch.float32), q.new_empty(b, hq, feats, dtype=torch.float32),
+            q.new_empty(b, hq, sparse, dtype=torch.long), q.new_empty(b, hq, dtype=torch.long))  # fmt: skip

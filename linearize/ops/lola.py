@@ -63,7 +63,9 @@ does not depend on ``linear_weight``.
 ``lola_attention_reference`` is the specification (a plain float32 loop per row, head, chunk and
 query over lists of token indices, in ``linearize.ops.naive``, re-exported here; it shares no code
 with the fast path); ``lola_attention`` is the vectorised op (loop over chunks only) that continues
-from a ``LolaState``.
+from a ``LolaState``. From an empty memory at inference where the fused kernels run, it hands the
+whole prompt to ``fused_lola.lola_prefill`` (one Triton program per row and query head, the chunks
+in a loop inside it; the same numbers, tested against the loop).
 """
 
 from __future__ import annotations
@@ -148,8 +150,10 @@ def lola_attention(
     batch, hq, t_len, d = q.shape
     hkv, dv = k.shape[1], v.shape[-1]
     scale = d**-0.5 if scale is None else scale
+    padded = valid is not None  # rows may hold padding
     valid = default_valid(q, valid)
     separate = k_lin is not None  # the feature maps see their own inputs (e.g. before RoPE)
+    fresh = state is None
     if state is None:
         feats = phi_k(k.new_zeros(batch, hq, 1, d)).shape[-1]
         state = lola_state_empty(batch, hq, hkv, window, sparse, d, dv, feats, q.device, linear_keys=separate)
@@ -157,6 +161,10 @@ def lola_attention(
     if chunk > window:
         logger.debug("lola_attention: chunk %d capped at the window %d", chunk, window)
         chunk = window
+    if fresh and _fused_prefill_applies(q, k, v, sparse, q_lin, k_lin):
+        return _prefill_fused(q, k, v, valid if padded else None, phi_q=phi_q, phi_k=phi_k, window=window, sparse=sparse,
+                              window_factor=window_factor, chunk=chunk, scale=scale, read_state=read_state, read_sparse=read_sparse,
+                              q_lin=q_lin, k_lin=k_lin, sinks=sinks, weights=weights, weight_tokens=weight_tokens)  # fmt: skip
 
     # Pack each row's real tokens to the front (stable), so chunks are cut over real tokens.
     order = torch.argsort((~valid).int(), dim=1, stable=True)  # (B, T)
@@ -185,6 +193,68 @@ def lola_attention(
         next_pos = next_pos + cvalid.sum(1)
     packed = torch.cat(outs, dim=2) if outs else q.new_zeros(batch, hq, 0, dv, dtype=torch.float32)  # (B, Hq, T, Dv)
     return gather_tokens(packed, torch.argsort(order, dim=1)).to(q.dtype), state
+
+
+def _fused_prefill_applies(q: Tensor, k: Tensor, v: Tensor, sparse: int, q_lin: Tensor | None, k_lin: Tensor | None) -> bool:
+    """A prefill (from an empty memory) with a sparse cache, of a bfloat16 or float32 model, where
+    the fused kernels run (``fused_decode.enabled``), with no gradient asked for."""
+    inputs = [x for x in (q, k, v, q_lin, k_lin) if x is not None]
+    return (sparse > 0 and fused_decode.enabled(q) and fused_lola.supports(q.dtype)
+            and all(x.dtype == q.dtype for x in inputs) and not (torch.is_grad_enabled() and any(x.requires_grad for x in inputs)))
+
+
+def _prefill_fused(q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, *, phi_q: FeatureFn, phi_k: FeatureFn, window: int, sparse: int,
+                   window_factor: Tensor, chunk: int, scale: float, read_state: bool, read_sparse: bool, q_lin: Tensor | None,
+                   k_lin: Tensor | None, sinks: int, weights: Tensor, weight_tokens: int) -> tuple[Tensor, LolaState]:
+    """``lola_attention`` from an empty memory through ``fused_lola.lola_prefill`` (one program per
+    row and query head, the chunks in a loop inside it): the features of every query and key
+    computed first, then the kernel; the memory it leaves is gathered into a ``LolaState``. ``valid``
+    None: no padding (nothing packed); no value goes back to the host."""
+    batch, hq, t_len, d = q.shape
+    hkv = k.shape[1]
+    n_rep = hq // hkv
+    packed = valid is not None
+    order = torch.argsort((~valid).int(), dim=1, stable=True) if packed else None  # (B, T) real tokens first
+
+    def pack(x: Tensor | None) -> Tensor | None:
+        return x if x is None or order is None else gather_tokens(x, order)
+
+    q, k, v, q_lin, k_lin = (pack(x) for x in (q, k, v, q_lin, k_lin))
+    kphi = phi_k(repeat_kv(k if k_lin is None else k_lin, n_rep)).to(q.dtype)  # (B, Hq, T, F)
+    qphi = phi_q(q if q_lin is None else q_lin).to(q.dtype) if read_state else kphi  # (B, Hq, T, F) (unread without the state)
+    n_real = valid.sum(1) if packed else torch.full((batch,), t_len, device=q.device)  # (B,)
+    factor = window_factor.to(q.device, torch.float32).contiguous()
+    out, kv, k_sum, positions, _ = fused_lola.lola_prefill(
+        q, k, v, qphi, kphi, n_real, factor, weights.to(q.device).contiguous(), window, sparse, chunk, sinks, scale, weight_tokens,
+        read_state, read_sparse,
+    )  # fmt: skip
+    if packed:
+        out = gather_tokens(out, torch.argsort(order, dim=1))
+
+    # The memory: the window is each row's last ``window`` real tokens (right-aligned), the cache
+    # the kernel's positions (per query head; a KV head's keys gathered for its query heads).
+    pos = n_real[:, None] - window + torch.arange(window, device=q.device)  # (B, eta)
+    w_valid = pos >= 0
+    at = pos.clamp(min=0)
+
+    def win(x: Tensor | None) -> Tensor | None:  # (B, Hkv, T, X) -> (B, Hkv, eta, X) float32, zero where empty
+        return None if x is None else gather_tokens(x, at).float() * w_valid[:, None, :, None]
+
+    c_valid = positions >= 0  # (B, Hq, L)
+    slots = positions.clamp(min=0).view(batch, hkv, n_rep * sparse)  # a KV head's query heads, side by side
+
+    def kept(x: Tensor | None) -> Tensor | None:  # (B, Hkv, T, X) -> (B, Hq, L, X) float32, zero where empty
+        if x is None:
+            return None
+        got = x.gather(2, slots[..., None].expand(-1, -1, -1, x.shape[-1])).view(batch, hq, sparse, x.shape[-1])
+        return got.float() * c_valid[..., None]
+
+    state = LolaState(
+        window=WindowState(keys=win(k), values=win(v), valid=w_valid, positions=torch.where(w_valid, pos, -1), linear_keys=win(k_lin)),
+        sparse=SparseCacheState(keys=kept(k), values=kept(v), valid=c_valid, positions=positions, linear_keys=kept(k_lin)),
+        linear=LinearState(kv=kv, k_sum=k_sum),
+    )
+    return out, state
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,84 @@
+"""Time LoLA's fused prefill (``ops.fused_lola.lola_prefill``: one program per row and query head,
+the chunks in a loop inside it) with each tile of its [S | z] passes, at one layer's prefill shape
+(CUDA, bfloat16 model), against flash softmax over the same q, k, v.
+
+    python scripts/lola_prefill_tiles.py OUT_DIR [--lengths 8192,32768] [--batch 1] [--shape llama3-8b] [--sparse 256]
+
+The layer (``--shape``: a name of ``linearize bench --layer``) is read as LoLA with window 64, chunk
+64 and 256 sparse slots, a square Hedgehog map (2 x head_dim features). OUT_DIR/lola_prefill_tiles.json holds, per length, the
+milliseconds of softmax (SDPA, causal, grouped heads), of the whole op from an empty memory
+(``lola_attention``: the features of every query and key, the kernel, the memory gathered) with each
+tile (``FxVwW``: feature rows x value columns of a state tile, warps; a failed compile gives its
+error), of the kernel alone at the best tile, and the best tile's call by kernel (``profile_ms``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from linearize.bench.efficiency import cuda_mean_us
+from linearize.bench.shapes import SHAPES
+from linearize.ops import fused_lola
+from linearize.ops.feature_maps import hedgehog
+from linearize.ops.lola import lola_attention
+
+TILES = ((64, 128, 4), (64, 128, 8), (64, 64, 4), (128, 128, 8))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--lengths", default="8192,32768")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--sparse", type=int, default=256)
+    args = ap.parse_args()
+    shape = SHAPES[args.shape]
+    b, hq, hkv, d, lam, w = args.batch, shape.heads, shape.kv_heads, shape.head_dim, args.sparse, 64
+    dev, dt = "cuda", torch.bfloat16
+    torch.manual_seed(0)
+    phi_q, phi_k = (functools.partial(hedgehog, weight=0.1 * torch.randn(hq, d, d, device=dev, dtype=dt),
+                                      bias=torch.zeros(hq, d, device=dev, dtype=dt)) for _ in range(2))  # fmt: skip
+    report = {"shape": args.shape, "batch": b, "heads": hq, "kv_heads": hkv, "head_dim": d, "sparse": lam, "window": w, "chunk": w,
+              "device": torch.cuda.get_device_name(), "lengths": {}}  # fmt: skip
+    for t in (int(x) for x in args.lengths.split(",")):
+        q, k, v = (torch.randn(b, h, t, d, device=dev, dtype=dt) for h in (hq, hkv, hkv))
+        softmax = functools.partial(F.scaled_dot_product_attention, q, k, v, is_causal=True, enable_gqa=True)
+        rows = {"softmax_ms": cuda_mean_us(softmax, repeats=5, warmup=2) / 1e3}
+        call = functools.partial(lola_attention, q, k, v, phi_q=phi_q, phi_k=phi_k, window=w, sparse=lam, chunk=w,
+                                 window_factor=torch.ones(hq, device=dev), sinks=4, linear_weight=0.1)  # fmt: skip
+        for fb, vb, warps in TILES:
+            name = f"{fb}x{vb}w{warps}"
+            fused_lola.PREFILL_BLOCK_FEATURES, fused_lola.PREFILL_BLOCK_VALUES, fused_lola.PREFILL_WARPS = fb, vb, warps
+            try:
+                with torch.no_grad():
+                    rows[name] = cuda_mean_us(call, repeats=3, warmup=1) / 1e3
+            except Exception as e:  # noqa: BLE001 (a tile that does not compile is reported, not fatal)
+                rows[name] = f"{type(e).__name__}: {str(e)[:200]}"
+            print(t, name, rows[name], flush=True)
+        tiles = [k for k in rows if isinstance(rows[k], float) and k != "softmax_ms"]
+        best = min(tiles, key=rows.get, default=None)
+        if best:
+            fb, vb, warps = next(x for x in TILES if f"{x[0]}x{x[1]}w{x[2]}" == best)
+            fused_lola.PREFILL_BLOCK_FEATURES, fused_lola.PREFILL_BLOCK_VALUES, fused_lola.PREFILL_WARPS = fb, vb, warps
+            rows["best"] = best
+            rows["best_over_softmax"] = rows[best] / rows["softmax_ms"]
+            with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                call()
+                torch.cuda.synchronize()
+            kernels = {e.key: e.device_time_total / 1e3 for e in prof.key_averages() if e.device_time_total > 0}
+            rows["profile_ms"] = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:10])
+        report["lengths"][t] = rows
+        print(json.dumps(rows, indent=1), flush=True)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "lola_prefill_tiles.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
