@@ -291,7 +291,7 @@ def _candidates(cache, r, par, ci, p0, n, LAM: tl.constexpr, C: tl.constexpr, ET
 @triton.jit
 def lola_prefill_kernel(
     q, k, v, qphi, kphi, n_real, factor, lw,
-    out, lin, zs, cache, errs, flags, wlist, rbuf, rbz, held_out,
+    out, lin, zs, cache, errs, flags, wlist, rbuf, rbz,
     t_len, sinks, n_rep, scale, weight_tokens,
     H: tl.constexpr, D: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, ETA: tl.constexpr, C: tl.constexpr,
     LAM: tl.constexpr, BC: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BF: tl.constexpr,
@@ -488,4 +488,3 @@ def lola_prefill_kernel(
         tl.store(out + (qrow + qtok)[:, None] * DV + odv[None, :], o.to(out.dtype.element_ty), mask=qval[:, None] & mdv[None, :])
         held += (nw + tl.sum(lval.to(tl.int32), axis=0)).to(tl.int64)
         tl.debug_barrier()
-    tl.store(held_out + r, held)

@@ -64,10 +64,18 @@ SELECT_BLOCK = 1024
 
 @functools.cache
 def _kernels():
-    """The Triton kernels (errors, commit), compiled on first use (Triton is imported only then)."""
-    from linearize.ops._lola_kernel import lola_commit_kernel, lola_errors_kernel
+    """The Triton kernels (the step's errors and commit, the prefill), compiled on first use (Triton
+    is imported only then)."""
+    from linearize.ops._lola_kernel import lola_commit_kernel, lola_errors_kernel, lola_prefill_kernel
 
-    return lola_errors_kernel, lola_commit_kernel
+    return lola_errors_kernel, lola_commit_kernel, lola_prefill_kernel
+
+
+def _pow2(n: int) -> int:
+    """The block covering ``n``: a power of two, at least 16 (a product's least side)."""
+    from triton import next_power_of_2
+
+    return max(16, next_power_of_2(n))
 
 
 def supports(dtype: torch.dtype) -> bool:
@@ -146,20 +154,15 @@ def lola_step(
                                  window_valid, weight, bias)
     )  # fmt: skip
     leave_map_keys = leave_map_keys.contiguous() if separate else leave_keys
-    from triton import next_power_of_2
-
-    def pow2(n: int) -> int:  # at least 16: a product's least side
-        return max(16, next_power_of_2(n))
-
     rows = b * hq
     out = torch.empty(rows, dv, device=linear.device, dtype=q.dtype)
     rbuf = torch.empty(rows, dv + 1, device=linear.device, dtype=torch.float32)
     errs = torch.empty(rows, lam + 1, device=linear.device, dtype=torch.float32)
-    errors, commit = _kernels()
+    errors, commit, _ = _kernels()
     map_keys = cache_map_keys if separate else cache_keys
-    block = min(BLOCK_ROWS, pow2(lam))
-    shape = dict(H=hq, L=lam, D=d, FH=fh, DV=dv, BL=block, BD=pow2(d), BF=pow2(fh),
-                 BV=min(BLOCK_VALUES, pow2(dv + 1)), LOWP=weight.dtype == torch.bfloat16, EPS=EMPTY_DENOMINATOR)  # fmt: skip
+    block = min(BLOCK_ROWS, _pow2(lam))
+    shape = dict(H=hq, L=lam, D=d, FH=fh, DV=dv, BL=block, BD=_pow2(d), BF=_pow2(fh),
+                 BV=min(BLOCK_VALUES, _pow2(dv + 1)), LOWP=weight.dtype == torch.bfloat16, EPS=EMPTY_DENOMINATOR)  # fmt: skip
     errors[(rows, -(-lam // block) + 1)](
         linear, errs, map_keys, cache_values, cache_valid, cache_positions, leave_map_keys, leave_values, leave_positions, weight, bias,
         sinks, hq // hkv, **shape, num_warps=WARPS if fh >= 128 else 4,
@@ -169,7 +172,7 @@ def lola_step(
         cache_keys, map_keys, cache_values, cache_valid, cache_positions,
         leave_keys, leave_map_keys, leave_values, leave_valid, leave_positions, window_keys, window_values, window_valid,
         weight, bias, factor,
-        sinks, hq // hkv, scale, weight_tokens, ETA=eta, BS=min(SELECT_BLOCK, pow2(lam)), BW=pow2(eta), BDV=pow2(dv),
+        sinks, hq // hkv, scale, weight_tokens, ETA=eta, BS=min(SELECT_BLOCK, _pow2(lam)), BW=_pow2(eta), BDV=_pow2(dv),
         SEPARATE=separate, READ_STATE=read_state, READ_SPARSE=read_sparse, num_warps=COMMIT_WARPS, **shape,
     )  # fmt: skip
     return out
@@ -190,18 +193,11 @@ PREFILL_WARPS = 4
 """Warps per program of the prefill kernel."""
 
 
-@functools.cache
-def _prefill_kernel():
-    from linearize.ops._lola_kernel import lola_prefill_kernel
-
-    return lola_prefill_kernel
-
-
 @torch.library.custom_op("linearize::lola_prefill", mutates_args=())
 def lola_prefill(
     q: Tensor, k: Tensor, v: Tensor, qphi: Tensor, kphi: Tensor, n_real: Tensor, factor: Tensor, weights: Tensor,
     window: int, sparse: int, chunk: int, sinks: int, scale: float, weight_tokens: int, read_state: bool, read_sparse: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """LoLA's chunked prefill from an empty memory (``ops.lola.lola_attention``'s rule, chunk by
     chunk) as one Triton program per (row, query head), the chunks in a loop inside it.
 
@@ -213,7 +209,7 @@ def lola_prefill(
 
     Returns the output (B, Hq, T, Dv) in ``q``'s dtype (zero past ``n_real``), the linear state
     S (B, Hq, F, Dv) and z (B, Hq, F) float32, the sparse cache as positions (B, Hq, lambda) long in
-    position order (-1 in empty slots, last), and the tokens written into the state (B, Hq) long.
+    position order (-1 in empty slots, last).
     """
     b, hq, t, d = q.shape
     hkv, dv = k.shape[1], v.shape[-1]
@@ -230,13 +226,8 @@ def lola_prefill(
     if sparse < 1 or hq % hkv or not 1 <= chunk <= window:
         raise ValueError(f"needs a sparse cache (got sparse={sparse}), query heads ({hq}) a multiple of KV heads ({hkv}) "
                          f"and 1 <= chunk ({chunk}) <= window ({window})")  # fmt: skip
-    from triton import next_power_of_2
-
-    def pow2(n: int) -> int:  # at least 16: a product's least side
-        return max(16, next_power_of_2(n))
-
     q, k, v, qphi, kphi = (x.contiguous() for x in (q, k, v, qphi, kphi))
-    rows, bc = b * hq, pow2(chunk)
+    rows, bc, n_chunks = b * hq, _pow2(chunk), -(-t // chunk)
     dev = q.device
     out = torch.zeros(b, hq, t, dv, device=dev, dtype=q.dtype)
     kv = torch.zeros(b, hq, feats, dv, device=dev, dtype=torch.float32)
@@ -247,17 +238,18 @@ def lola_prefill(
     wlist = torch.empty(rows, bc, device=dev, dtype=torch.int32)
     rbuf = torch.empty(rows, bc, dv, device=dev, dtype=torch.float32)
     rbz = torch.empty(rows, bc, device=dev, dtype=torch.float32)
-    held = torch.empty(rows, device=dev, dtype=torch.long)
-    _prefill_kernel()[(rows,)](
-        q, k, v, qphi, kphi, n_real, factor, weights, out, kv, k_sum, cache, errs, flags, wlist, rbuf, rbz, held,
+    *_, prefill = _kernels()
+    prefill[(rows,)](
+        q, k, v, qphi, kphi, n_real, factor, weights, out, kv, k_sum, cache, errs, flags, wlist, rbuf, rbz,
         t, sinks, hq // hkv, scale, weight_tokens,
-        H=hq, D=d, F=feats, DV=dv, ETA=window, C=chunk, LAM=sparse, BC=bc, BN=pow2(sparse + chunk), BW=pow2(window + chunk), BD=pow2(d), BDV=pow2(dv),
-        BF=min(PREFILL_BLOCK_FEATURES, pow2(feats)), BV=min(PREFILL_BLOCK_VALUES, pow2(dv)), LOWP=q.dtype == torch.bfloat16,
+        H=hq, D=d, F=feats, DV=dv, ETA=window, C=chunk, LAM=sparse, BC=bc, BN=_pow2(sparse + chunk), BW=_pow2(window + chunk),
+        BD=_pow2(d), BDV=_pow2(dv),
+        BF=min(PREFILL_BLOCK_FEATURES, _pow2(feats)), BV=min(PREFILL_BLOCK_VALUES, _pow2(dv)), LOWP=q.dtype == torch.bfloat16,
         EPS=EMPTY_DENOMINATOR, READ_STATE=read_state, READ_SPARSE=read_sparse, num_warps=PREFILL_WARPS,
-        CHUNKS=-(-t // chunk) if fused_decode.interpreting() else 0,
+        CHUNKS=n_chunks if fused_decode.interpreting() else 0,
     )  # fmt: skip
-    positions = cache[:, -(-t // chunk) % 2].long().view(b, hq, sparse)  # the buffer the last chunk wrote
-    return out, kv, k_sum, positions, held.view(b, hq)
+    positions = cache[:, n_chunks % 2].long().view(b, hq, sparse)  # the buffer the last chunk wrote
+    return out, kv, k_sum, positions
 
 
 @lola_prefill.register_fake
@@ -265,4 +257,4 @@ def _(q, k, v, qphi, kphi, n_real, factor, weights, window, sparse, chunk, sinks
     b, hq, t, _ = q.shape
     dv, feats = v.shape[-1], kphi.shape[-1]
     return (q.new_empty(b, hq, t, dv), q.new_empty(b, hq, feats, dv, dtype=torch.float32), q.new_empty(b, hq, feats, dtype=torch.float32),
-            q.new_empty(b, hq, sparse, dtype=torch.long), q.new_empty(b, hq, dtype=torch.long))  # fmt: skip
+            q.new_empty(b, hq, sparse, dtype=torch.long))  # fmt: skip

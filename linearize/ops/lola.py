@@ -224,7 +224,7 @@ def _prefill_fused(q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, *, phi
     qphi = phi_q(q if q_lin is None else q_lin).to(q.dtype) if read_state else kphi  # (B, Hq, T, F) (unread without the state)
     n_real = valid.sum(1) if packed else torch.full((batch,), t_len, device=q.device)  # (B,)
     factor = window_factor.to(q.device, torch.float32).contiguous()
-    out, kv, k_sum, positions, _ = fused_lola.lola_prefill(
+    out, kv, k_sum, positions = fused_lola.lola_prefill(
         q, k, v, qphi, kphi, n_real, factor, weights.to(q.device).contiguous(), window, sparse, chunk, sinks, scale, weight_tokens,
         read_state, read_sparse,
     )  # fmt: skip
