@@ -150,21 +150,20 @@ def lola_attention(
     batch, hq, t_len, d = q.shape
     hkv, dv = k.shape[1], v.shape[-1]
     scale = d**-0.5 if scale is None else scale
-    padded = valid is not None  # rows may hold padding
+    if chunk > window:
+        logger.debug("lola_attention: chunk %d capped at the window %d", chunk, window)
+        chunk = window
+    if state is None and _fused_prefill_applies(q, k, v, sparse, q_lin, k_lin):
+        return _prefill_fused(q, k, v, None if valid is None else default_valid(q, valid), phi_q=phi_q, phi_k=phi_k, window=window,
+                              sparse=sparse, window_factor=window_factor, chunk=chunk, scale=scale, read_state=read_state,
+                              read_sparse=read_sparse, q_lin=q_lin, k_lin=k_lin, sinks=sinks, weights=weights,
+                              weight_tokens=weight_tokens)  # fmt: skip
     valid = default_valid(q, valid)
     separate = k_lin is not None  # the feature maps see their own inputs (e.g. before RoPE)
-    fresh = state is None
     if state is None:
         feats = phi_k(k.new_zeros(batch, hq, 1, d)).shape[-1]
         state = lola_state_empty(batch, hq, hkv, window, sparse, d, dv, feats, q.device, linear_keys=separate)
     _check_state(state, batch, hq, hkv, window, sparse, d, dv, separate)
-    if chunk > window:
-        logger.debug("lola_attention: chunk %d capped at the window %d", chunk, window)
-        chunk = window
-    if fresh and _fused_prefill_applies(q, k, v, sparse, q_lin, k_lin):
-        return _prefill_fused(q, k, v, valid if padded else None, phi_q=phi_q, phi_k=phi_k, window=window, sparse=sparse,
-                              window_factor=window_factor, chunk=chunk, scale=scale, read_state=read_state, read_sparse=read_sparse,
-                              q_lin=q_lin, k_lin=k_lin, sinks=sinks, weights=weights, weight_tokens=weight_tokens)  # fmt: skip
 
     # Pack each row's real tokens to the front (stable), so chunks are cut over real tokens.
     order = torch.argsort((~valid).int(), dim=1, stable=True)  # (B, T)
