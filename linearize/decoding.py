@@ -43,7 +43,7 @@ from transformers import DynamicCache
 
 from .cache import StateCacheLayer, cache_kwargs, state_layer
 from .checks import check_int
-from .layers.base import FUSED_QKV, ConvertedAttention, project_qkv
+from .layers.base import FUSED_QKV, ConvertedAttention, frozen_derived, project_qkv
 from .modeling import decoder_layers
 from .ops.states import BatchState, DecodeClock
 from .runtime import check_length
@@ -108,7 +108,9 @@ class StaticDecoder:
     """Greedy decoding of ``batch_size`` rows up to ``max_length`` tokens (prompt included), every
     step on static buffers; ``graphs`` (default: on CUDA) captures the step as a CUDA graph;
     ``compile``: the step goes through ``torch.compile`` first (fused elementwise kernels: norms,
-    RoPE, state updates), compiled during the first warm-up step. ``fuse_projections``: q/k/v and
+    RoPE, state updates), compiled during the second warm-up step (the first runs eagerly and keeps
+    the weights the layers stack, e.g. both feature maps' and gates': the compiled step reads them
+    as they are, ``layers.base.frozen_derived``, instead of stacking them again every token). ``fuse_projections``: q/k/v and
     gate/up each as one matmul over weights stacked at prefill (a copy of those weights: about two
     thirds of a Llama's; turn it off where memory, not launches, bounds the step)."""
 
@@ -235,11 +237,13 @@ class StaticDecoder:
         if self._graph is not None:
             self._graph.replay()
         else:
-            with lent_projections(self.layers, self.fused):
+            with lent_projections(self.layers, self.fused), frozen_derived():
                 if self.graphs and self._steps >= WARMUP_STEPS:
                     self._capture()
                     self._graph.replay()
                 elif self.compiled and self._steps == 0:
+                    self._step()  # eager: keeps the stacked weights the compiled step then reads as inputs
+                elif self.compiled and self._steps == 1:
                     self._first_compiled_step()
                 else:
                     self._run_step()

@@ -4,7 +4,7 @@
 
 The defaults are the Llama-2-7B shape the trace replay serves (32 heads, 256 learned features, 128
 values plus the normaliser, padded to 132 columns). Each row of OUT_DIR/dsla_tiles.json holds the
-batch (``rows``), the megabytes one step reads and writes (``bytes_rw_MB``), the microseconds per
+batch (``rows``), how many programs share each state's feature rows (``splits``), the megabytes one step reads and writes (``bytes_rw_MB``), the microseconds per
 call of every tile (``BKxBVwW``: feature rows x value columns, warps; a failed compile gives its
 error), and the op itself with the tile its autotuning picked (``op_autotuned_us``, ``best_config``).
 """
@@ -32,16 +32,17 @@ def _row(kernel, states: torch.Tensor, b: int, dv: int) -> dict:
     v = torch.randn(b, hq, dv, device="cuda", dtype=torch.bfloat16)
     decay = torch.rand(b, 2, hq, dk, device="cuda", dtype=torch.bfloat16)
     index = torch.randperm(slots, device="cuda")[:b]
-    out = torch.empty(2, b, hq, width, device="cuda")
-    row = {"rows": b, "bytes_rw_MB": 2 * 2 * b * hq * dk * width * 4 / 1e6}
+    splits = fused_decode.dsla_splits(b * hq, dk)
+    out = torch.empty(splits, 2, b, hq, width, device="cuda")
+    row = {"rows": b, "splits": splits, "bytes_rw_MB": 2 * 2 * b * hq * dk * width * 4 / 1e6}
     for bk, bv, warps in STATE_TILES + EXTRA_TILES:
 
         def call(bk=bk, bv=bv, warps=warps):
-            kernel.fn[(b * hq, -(-width // bv))](
+            kernel.fn[(b * hq, -(-width // bv), 2 * splits)](
                 states, qf, kf, v, decay, out, index, b * hq, slots * hq, 1 << (b - 1).bit_length(), 1,
                 qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), v.stride(0), v.stride(1),
                 decay.stride(0), decay.stride(1), decay.stride(2),
-                H=hq, K=dk, V=width, DV=dv, NORMALIZE=True, INDEXED=True, BK=bk, BV=bv, num_warps=warps,
+                H=hq, K=dk, V=width, DV=dv, KS=-(-dk // splits), NORMALIZE=True, INDEXED=True, BK=bk, BV=bv, num_warps=warps,
             )  # fmt: skip
 
         row[f"{bk}x{bv}w{warps}"] = round(cuda_mean_us(call), 1)

@@ -14,7 +14,7 @@ import linearize.cache
 from linearize.cache import StateCacheLayer, cache_kwargs, cache_nbytes
 from linearize.convert import converted_layers
 from linearize.hub import build_tiny_llama
-from linearize.layers.base import derived, tensors_at
+from linearize.layers.base import derived, frozen_derived, tensors_at
 from linearize.memory import layer_memory
 from linearize.ops import cpu_kernels
 from linearize.ops.states import BatchState
@@ -311,6 +311,29 @@ def test_derived_is_rebuilt_when_a_source_changes():
     get()
     assert len(builds) == 4
     assert tensors_at(module, ("bias",))[0] is module.bias
+
+
+def test_a_compiled_call_reads_the_kept_value_only_when_frozen():
+    """Inside torch.compile ``derived`` builds its value in the graph (it cannot check its sources
+    there); within ``frozen_derived`` it reads the value an eager call kept instead, as it is (the
+    static decoder's compiled steps: stacked weights become inputs of the graph, not kernels)."""
+    module = torch.nn.Linear(3, 2)
+    x = torch.ones(2)
+
+    def step(x):
+        return x + derived(module, "w", tensors_at(module, ("weight",)), lambda: module.weight.sum())
+
+    kept = step(x)  # eager: builds and keeps
+    with torch.no_grad():
+        module.weight.add_(1.0)  # an eager call would now rebuild (+ 6)
+    torch.testing.assert_close(torch.compile(step, backend="eager", fullgraph=True)(x), kept + 6)
+    torch._dynamo.reset()
+    with frozen_derived():
+        torch.testing.assert_close(torch.compile(step, backend="eager", fullgraph=True)(x), kept)
+    torch._dynamo.reset()
+    module.__dict__.pop("_derived")
+    with frozen_derived():  # nothing kept: built in the graph
+        torch.testing.assert_close(torch.compile(step, backend="eager", fullgraph=True)(x), kept + 6)
 
 
 def test_decode_path_runs_a_model_loaded_under_inference_mode():

@@ -10,10 +10,11 @@ spec fields.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import logging
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -347,6 +348,22 @@ def tensors_at(module: nn.Module, paths: tuple[str, ...]) -> tuple[Tensor, ...]:
     return tuple(out)
 
 
+_FROZEN: list[bool] = []
+
+
+@contextlib.contextmanager
+def frozen_derived() -> Iterator[None]:
+    """Within the block, a compiled step reads the values ``derived`` keeps (built by an eager call
+    before it) as they are, as inputs of its graph, instead of building them inside the graph every
+    call: for decoding with weights that do not change (the static decoder's steps), where stacking
+    the feature maps' and gates' weights again every token costs a few kernels per layer."""
+    _FROZEN.append(True)
+    try:
+        yield
+    finally:
+        _FROZEN.pop()
+
+
 def derived(module: nn.Module, name: str, sources: tuple[Tensor, ...], build: Callable[[], Any]) -> Any:
     """``build()``, kept on ``module`` under ``name`` until one of ``sources`` (the parameters it is
     made of) changes: another tensor, other storage (a new dtype or device, ``.data`` replaced) or an
@@ -354,9 +371,12 @@ def derived(module: nn.Module, name: str, sources: tuple[Tensor, ...], build: Ca
     every token (fused feature-map and gate weights, sigmoids of logits) this way; training updates
     are seen at the next call. Inference tensors (parameters of a model loaded under
     ``torch.inference_mode``) keep no version counter: nothing trains them, so their storage is the key.
-    Inside ``torch.compile`` the value is built in the graph (storage and versions are not traced)."""
+    Inside ``torch.compile`` the value is built in the graph (storage and versions are not traced),
+    unless ``frozen_derived`` is on and a value is kept: then that value, unchecked."""
     if torch.compiler.is_compiling():
-        return build()
+        kept = getattr(module, "_derived", None) if _FROZEN else None
+        hit = kept.get(name) if kept is not None else None
+        return build() if hit is None else hit[1]
     store = module.__dict__.setdefault("_derived", {})
     hit = store.get(name)
     if hit is not None and len(hit[0]) == len(sources):

@@ -290,7 +290,7 @@ def dsla_decode_step(
     if fused_decode.enabled(s) and s.dtype == torch.float32:  # one pass over both states
         o = fused_decode.dsla_state_step(s, qf.reshape(b, hq, dk), kf.reshape(b, hq, dk), v.reshape(b, hkv, dv), decay, normalize,
                                          state.index)  # fmt: skip
-        o = o.view(2, b, hq, 1, width)
+        o = fused_decode.dsla_read(o).view(2, b, hq, 1, width)
     else:
         rows = s if state.index is None else s.index_select(1, state.index)  # a pool's rows: gathered, written back below
         state.values[..., :dv] = v.view(b, hkv, dv)

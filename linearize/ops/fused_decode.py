@@ -135,12 +135,12 @@ def _kernels() -> _Kernels:
             acc += tl.sum(q[:, None] * s, axis=0)
         tl.store(out + r * V + ov, acc, mask=mv)
 
-    @tuned(["K", "V", "tune_rows"], "states")
+    @tuned(["K", "V", "tune_rows", "KS"], "states")
     @triton.jit(do_not_specialize=["rows", "state_rows", "tune_rows"])
     def dsla_kernel(
         states, qf, kf, v, decay, out, index,
         rows, state_rows, tune_rows, n_rep, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_db, s_ds, s_dh,
-        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DV: tl.constexpr,
+        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DV: tl.constexpr, KS: tl.constexpr,
         BK: tl.constexpr, BV: tl.constexpr, NORMALIZE: tl.constexpr, INDEXED: tl.constexpr,
     ):  # fmt: skip
         # rows = B * H (the batch) and state_rows (the states' rows: B * H, or a pool's slots * H) are
@@ -148,6 +148,9 @@ def _kernels() -> _Kernels:
         # rounded up to a power of 2) only keys the tuning: the best tile at batch 1 is not at 40
         r = tl.program_id(0).to(tl.int64)  # one (batch row, query head)
         iv = tl.program_id(1)
+        z = tl.program_id(2)  # one state (history 0, recent 1) and one split of its KS feature rows
+        st = z % 2
+        sp = z // 2
         b = r // H
         h = r % H
         if INDEXED:  # batch row b keeps its states in row index[b] of a pool
@@ -159,30 +162,22 @@ def _kernels() -> _Kernels:
         vv = tl.load(v + b * s_vb + (h // n_rep) * s_vh + ov, mask=ov < DV, other=0.0).to(tl.float32)
         if NORMALIZE:
             vv = tl.where(ov == DV, 1.0, vv)  # the normaliser's column
-        acc0 = tl.zeros([BV], dtype=tl.float32)
-        acc1 = tl.zeros([BV], dtype=tl.float32)
-        base0 = states + sr * K * V  # history
-        base1 = states + (state_rows + sr) * K * V  # recent
-        for k0 in range(0, K, BK):
-            ok = k0 + tl.arange(0, BK)
-            mk = ok < K
+        acc = tl.zeros([BV], dtype=tl.float32)
+        base = states + (st * state_rows + sr) * K * V
+        for k0 in range(0, KS, BK):
+            kk = k0 + tl.arange(0, BK)
+            ok = sp * KS + kk
+            mk = (kk < KS) & (ok < K)
             q = tl.load(qf + b * s_qb + h * s_qh + ok, mask=mk, other=0.0).to(tl.float32)
             k = tl.load(kf + b * s_kb + h * s_kh + ok, mask=mk, other=0.0).to(tl.float32)
-            a0 = tl.load(decay + b * s_db + h * s_dh + ok, mask=mk, other=0.0).to(tl.float32)
-            a1 = tl.load(decay + b * s_db + s_ds + h * s_dh + ok, mask=mk, other=0.0).to(tl.float32)
+            a = tl.load(decay + b * s_db + st * s_ds + h * s_dh + ok, mask=mk, other=0.0).to(tl.float32)
             m = mk[:, None] & mv[None, :]
-            kv = k[:, None] * vv[None, :]
             offs = ok[:, None] * V + ov[None, :]
-            s0 = tl.load(base0 + offs, mask=m, other=0.0)
-            s0 = a0[:, None] * s0 + kv
-            tl.store(base0 + offs, s0, mask=m)
-            acc0 += tl.sum(q[:, None] * s0, axis=0)
-            s1 = tl.load(base1 + offs, mask=m, other=0.0)
-            s1 = a1[:, None] * s1 + kv
-            tl.store(base1 + offs, s1, mask=m)
-            acc1 += tl.sum(q[:, None] * s1, axis=0)
-        tl.store(out + r * V + ov, acc0, mask=mv)
-        tl.store(out + (rows + r) * V + ov, acc1, mask=mv)
+            s = tl.load(base + offs, mask=m, other=0.0)
+            s = a[:, None] * s + k[:, None] * vv[None, :]
+            tl.store(base + offs, s, mask=m)
+            acc += tl.sum(q[:, None] * s, axis=0)
+        tl.store(out + (z * rows + r) * V + ov, acc, mask=mv)
 
     @triton.jit
     def window_kernel(
@@ -357,16 +352,36 @@ def _(linear, features, values, qf, index, slot):
     return linear.new_empty(linear.shape[0], linear.shape[2])
 
 
+SPLIT_PROGRAMS = 256
+"""The DSLA state kernel splits each state's feature rows over more programs until a step runs about
+this many (B x Hq x 2 states x splits), with at least ``SPLIT_MIN_ROWS`` rows per split: at batch 1
+one program per head and state leaves most of the GPU idle and each program's pass over its rows
+waits on its loads one tile at a time."""
+SPLIT_MIN_ROWS = 16
+
+
+def dsla_splits(rows: int, features: int) -> int:
+    """How many programs share each DSLA state's ``features`` rows in a step of ``rows`` = B x Hq
+    (a power of 2; 1 once the batch alone fills the GPU): their partial reads are summed after."""
+    splits = 1
+    while rows * 2 * splits * 2 <= SPLIT_PROGRAMS and features // (splits * 2) >= SPLIT_MIN_ROWS:
+        splits *= 2
+    return splits
+
+
 @torch.library.custom_op("linearize::dsla_state_step", mutates_args=("states",))
 def dsla_state_step(states: Tensor, qf: Tensor, kf: Tensor, v: Tensor, decay: Tensor, normalize: bool,
                     index: Tensor | None = None) -> Tensor:  # fmt: skip
     """DSLA's decode step on both states, in place: ``states`` (2, B, Hq, Dk, C) float32, history
     first, become diag(alpha) S + phi(k) [v, (1), 0 ...]^T for ``kf`` (B, Hq, Dk), ``v`` (B, Hkv, Dv)
-    and ``decay`` (B, 2, Hq, Dk) = alpha; returns both reads phi(q) S (2, B, Hq, C) float32 for
-    ``qf`` (B, Hq, Dk). With ``normalize`` column Dv is the normaliser's (its value is 1 for every
-    token); columns past it (C > Dv [+ 1]: rows padded for aligned loads) get zeros. With ``index``
-    (B,) int64, ``states`` is a pool (2, N, Hq, Dk, C) and batch row b updates its row index[b] in
-    place (the other rows are left as they are; the indices must be distinct)."""
+    and ``decay`` (B, 2, Hq, Dk) = alpha; returns both reads phi(q) S as partial sums over
+    ``dsla_splits(B Hq, Dk)`` blocks of feature rows, (splits, 2, B, Hq, C) float32 for ``qf``
+    (B, Hq, Dk): their sum over the first axis is the read (``dsla_read`` adds them, where a
+    compiled step fuses the sum into what follows). With ``normalize`` column Dv is the
+    normaliser's (its value is 1 for every token); columns past it (C > Dv [+ 1]: rows padded for
+    aligned loads) get zeros. With ``index`` (B,) int64, ``states`` is a pool (2, N, Hq, Dk, C) and
+    batch row b updates its row index[b] in place (the other rows are left as they are; the
+    indices must be distinct)."""
     _, n, hq, dk, width = states.shape
     b, hkv, dv = v.shape[0], v.shape[1], v.shape[-1]
     _check_buffer("states", states)
@@ -384,24 +399,30 @@ def dsla_state_step(states: Tensor, qf: Tensor, kf: Tensor, v: Tensor, decay: Te
     _check("decay", decay, (b, 2, hq, dk))
     if any(x.stride(-1) != 1 for x in (qf, kf, v, decay)):
         raise ValueError("qf, kf, v and decay must be contiguous in their last axis")
-    out = torch.empty(2, b, hq, width, device=states.device, dtype=torch.float32)
+    splits = dsla_splits(b * hq, dk)
+    out = torch.empty(splits, 2, b, hq, width, device=states.device, dtype=torch.float32)
     kernel = _kernels().dsla
 
     def grid(meta):
-        return (b * hq, -(-width // meta["BV"]))
+        return (b * hq, -(-width // meta["BV"]), 2 * splits)
 
     kernel[grid](
         states, qf, kf, v, decay, out, index if index is not None else out,
         b * hq, n * hq, 1 << (b - 1).bit_length(), hq // hkv, qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), v.stride(0), v.stride(1),
         decay.stride(0), decay.stride(1), decay.stride(2),
-        H=hq, K=dk, V=width, DV=dv, NORMALIZE=normalize, INDEXED=index is not None,
+        H=hq, K=dk, V=width, DV=dv, KS=-(-dk // splits), NORMALIZE=normalize, INDEXED=index is not None,
     )  # fmt: skip
     return out
 
 
 @dsla_state_step.register_fake
 def _(states, qf, kf, v, decay, normalize, index=None):
-    return states.new_empty(2, v.shape[0], states.shape[2], states.shape[4])
+    return states.new_empty(dsla_splits(v.shape[0] * states.shape[2], states.shape[3]), 2, v.shape[0], states.shape[2], states.shape[4])
+
+
+def dsla_read(partials: Tensor) -> Tensor:
+    """The two states' reads (2, B, Hq, C) from ``dsla_state_step``'s partial sums."""
+    return partials[0] if partials.shape[0] == 1 else partials.sum(dim=0)
 
 
 @torch.library.custom_op("linearize::hybrid_window_read", mutates_args=())

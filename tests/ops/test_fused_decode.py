@@ -91,7 +91,7 @@ def test_lola_fused_step_equals_the_torch_step(reads, dims, monkeypatch):
 
 
 @pytest.mark.parametrize("normalize", [True, False], ids=["normalised", "plain"])
-@pytest.mark.parametrize("dims", [(8, 8), (37, 70)], ids=["F8-D8", "F37-D70"])
+@pytest.mark.parametrize("dims", [(8, 8), (37, 70), (128, 9)], ids=["F8-D8", "F37-D70", "F128-D9"])
 @torch.no_grad()
 def test_dsla_fused_step_equals_the_torch_step(normalize, dims):
     """Both gated states decayed and written in one pass: outputs and states equal the torch step's
@@ -181,6 +181,21 @@ def test_dsla_step_in_a_pool_updates_its_rows_in_place(fused):
         fused_decode.dsla_state_step(pool, qf, kf, v.view(b, hkv, d), decay, True)
     with pytest.raises(ValueError, match="index must be torch.int64"):
         fused_decode.dsla_state_step(pool, qf, kf, v.view(b, hkv, d), decay, True, index.int())
+
+
+def test_dsla_state_rows_are_split_until_a_step_fills_the_gpu():
+    """A small batch spreads each state's feature rows over more programs (at least 16 rows each);
+    a batch that fills the GPU alone keeps one program per head and state. The partial reads add up
+    to the read: the fused step tests above run with 1, 2, 4 and 8 splits."""
+    assert fused_decode.dsla_splits(1 * 9, 128) == 8  # SmolLM2, batch 1: 144 programs of 16 rows
+    assert fused_decode.dsla_splits(1 * 32, 256) == 4  # Llama shape, batch 1: 64 rows each
+    assert fused_decode.dsla_splits(8 * 32, 256) == 1
+    assert fused_decode.dsla_splits(64 * 9, 128) == 1
+    assert fused_decode.dsla_splits(2 * 4, 8) == 1  # never fewer than 16 rows a program
+    assert [fused_decode.dsla_splits(2 * 4, f) for f in (37, 70, 128)] == [2, 4, 8]
+    partials = torch.arange(12.0).view(3, 2, 1, 1, 2)
+    torch.testing.assert_close(fused_decode.dsla_read(partials), partials.sum(0))
+    assert fused_decode.dsla_read(partials[:1]).shape == (2, 1, 1, 2)
 
 
 def test_bad_shapes_are_named():
