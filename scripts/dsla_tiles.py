@@ -38,11 +38,11 @@ def _row(kernel, states: torch.Tensor, b: int, dv: int) -> dict:
     for bk, bv, warps in STATE_TILES + EXTRA_TILES:
 
         def call(bk=bk, bv=bv, warps=warps):
-            kernel.fn[(b * hq, -(-width // bv), 2 * splits)](
+            kernel.fn[(b * hq, -(-width // bv), 1 if splits == 1 else 2 * splits)](
                 states, qf, kf, v, decay, out, index, b * hq, slots * hq, 1 << (b - 1).bit_length(), 1,
                 qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), v.stride(0), v.stride(1),
                 decay.stride(0), decay.stride(1), decay.stride(2),
-                H=hq, K=dk, V=width, DV=dv, KS=-(-dk // splits), NORMALIZE=True, INDEXED=True, BK=bk, BV=bv, num_warps=warps,
+                H=hq, K=dk, V=width, DV=dv, KS=-(-dk // splits), PAIR=splits == 1, NORMALIZE=True, INDEXED=True, BK=bk, BV=bv, num_warps=warps,
             )  # fmt: skip
 
         row[f"{bk}x{bv}w{warps}"] = round(cuda_mean_us(call), 1)

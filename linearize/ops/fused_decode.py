@@ -140,15 +140,18 @@ def _kernels() -> _Kernels:
     def dsla_kernel(
         states, qf, kf, v, decay, out, index,
         rows, state_rows, tune_rows, n_rep, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_db, s_ds, s_dh,
-        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DV: tl.constexpr, KS: tl.constexpr,
+        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DV: tl.constexpr, KS: tl.constexpr, PAIR: tl.constexpr,
         BK: tl.constexpr, BV: tl.constexpr, NORMALIZE: tl.constexpr, INDEXED: tl.constexpr,
     ):  # fmt: skip
         # rows = B * H (the batch) and state_rows (the states' rows: B * H, or a pool's slots * H) are
         # run-time values, not constexprs: a new batch size compiles nothing; tune_rows (the batch
-        # rounded up to a power of 2) only keys the tuning: the best tile at batch 1 is not at 40
+        # rounded up to a power of 2) only keys the tuning: the best tile at batch 1 is not at 40.
+        # PAIR: one program takes both states (their query, key and value loaded once; a large
+        # batch); else each state and each block of KS feature rows is a program of its own (a small
+        # batch), and the reads it writes are partial sums over its rows.
         r = tl.program_id(0).to(tl.int64)  # one (batch row, query head)
         iv = tl.program_id(1)
-        z = tl.program_id(2)  # one state (history 0, recent 1) and one split of its KS feature rows
+        z = tl.program_id(2)  # PAIR: 0; else split * 2 + state (history 0, recent 1)
         st = z % 2
         sp = z // 2
         b = r // H
@@ -162,22 +165,39 @@ def _kernels() -> _Kernels:
         vv = tl.load(v + b * s_vb + (h // n_rep) * s_vh + ov, mask=ov < DV, other=0.0).to(tl.float32)
         if NORMALIZE:
             vv = tl.where(ov == DV, 1.0, vv)  # the normaliser's column
-        acc = tl.zeros([BV], dtype=tl.float32)
-        base = states + (st * state_rows + sr) * K * V
+        acc0 = tl.zeros([BV], dtype=tl.float32)
+        acc1 = tl.zeros([BV], dtype=tl.float32)
+        if PAIR:
+            base0 = states + sr * K * V  # history
+            base1 = states + (state_rows + sr) * K * V  # recent
+            d0 = decay + b * s_db + h * s_dh
+        else:
+            base0 = states + (st * state_rows + sr) * K * V
+            base1 = base0
+            d0 = decay + b * s_db + st * s_ds + h * s_dh
         for k0 in range(0, KS, BK):
             kk = k0 + tl.arange(0, BK)
             ok = sp * KS + kk
             mk = (kk < KS) & (ok < K)
             q = tl.load(qf + b * s_qb + h * s_qh + ok, mask=mk, other=0.0).to(tl.float32)
             k = tl.load(kf + b * s_kb + h * s_kh + ok, mask=mk, other=0.0).to(tl.float32)
-            a = tl.load(decay + b * s_db + st * s_ds + h * s_dh + ok, mask=mk, other=0.0).to(tl.float32)
             m = mk[:, None] & mv[None, :]
+            kv = k[:, None] * vv[None, :]
             offs = ok[:, None] * V + ov[None, :]
-            s = tl.load(base + offs, mask=m, other=0.0)
-            s = a[:, None] * s + k[:, None] * vv[None, :]
-            tl.store(base + offs, s, mask=m)
-            acc += tl.sum(q[:, None] * s, axis=0)
-        tl.store(out + (z * rows + r) * V + ov, acc, mask=mv)
+            a0 = tl.load(d0 + ok, mask=mk, other=0.0).to(tl.float32)
+            s0 = tl.load(base0 + offs, mask=m, other=0.0)
+            s0 = a0[:, None] * s0 + kv
+            tl.store(base0 + offs, s0, mask=m)
+            acc0 += tl.sum(q[:, None] * s0, axis=0)
+            if PAIR:
+                a1 = tl.load(d0 + s_ds + ok, mask=mk, other=0.0).to(tl.float32)
+                s1 = tl.load(base1 + offs, mask=m, other=0.0)
+                s1 = a1[:, None] * s1 + kv
+                tl.store(base1 + offs, s1, mask=m)
+                acc1 += tl.sum(q[:, None] * s1, axis=0)
+        tl.store(out + (z * rows + r) * V + ov, acc0, mask=mv)
+        if PAIR:
+            tl.store(out + (rows + r) * V + ov, acc1, mask=mv)
 
     @triton.jit
     def window_kernel(
@@ -353,16 +373,19 @@ def _(linear, features, values, qf, index, slot):
 
 
 SPLIT_PROGRAMS = 256
-"""The DSLA state kernel splits each state's feature rows over more programs until a step runs about
-this many (B x Hq x 2 states x splits), with at least ``SPLIT_MIN_ROWS`` rows per split: at batch 1
-one program per head and state leaves most of the GPU idle and each program's pass over its rows
-waits on its loads one tile at a time."""
+"""At a small batch the DSLA state kernel runs each state, and each block of its feature rows, as a
+program of its own, splitting the rows until a step runs about this many programs (B x Hq x 2
+states x splits), with at least ``SPLIT_MIN_ROWS`` rows per split: at batch 1 one program per head
+leaves most of the GPU idle and each program's pass over its rows waits on its loads one tile at a
+time. A batch that fills the GPU without that (one split) keeps both states in one program, which
+loads the query, key and value once for both."""
 SPLIT_MIN_ROWS = 16
 
 
 def dsla_splits(rows: int, features: int) -> int:
     """How many programs share each DSLA state's ``features`` rows in a step of ``rows`` = B x Hq
-    (a power of 2; 1 once the batch alone fills the GPU): their partial reads are summed after."""
+    (a power of 2; 1 once the batch alone fills the GPU, and then one program takes both states):
+    their partial reads are summed after."""
     splits = 1
     while rows * 2 * splits * 2 <= SPLIT_PROGRAMS and features // (splits * 2) >= SPLIT_MIN_ROWS:
         splits *= 2
@@ -404,13 +427,13 @@ def dsla_state_step(states: Tensor, qf: Tensor, kf: Tensor, v: Tensor, decay: Te
     kernel = _kernels().dsla
 
     def grid(meta):
-        return (b * hq, -(-width // meta["BV"]), 2 * splits)
+        return (b * hq, -(-width // meta["BV"]), 1 if splits == 1 else 2 * splits)
 
     kernel[grid](
         states, qf, kf, v, decay, out, index if index is not None else out,
         b * hq, n * hq, 1 << (b - 1).bit_length(), hq // hkv, qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), v.stride(0), v.stride(1),
         decay.stride(0), decay.stride(1), decay.stride(2),
-        H=hq, K=dk, V=width, DV=dv, KS=-(-dk // splits), NORMALIZE=normalize, INDEXED=index is not None,
+        H=hq, K=dk, V=width, DV=dv, KS=-(-dk // splits), PAIR=splits == 1, NORMALIZE=normalize, INDEXED=index is not None,
     )  # fmt: skip
     return out
 
