@@ -33,16 +33,17 @@ def _row(kernel, states: torch.Tensor, b: int, dv: int) -> dict:
     decay = torch.rand(b, 2, hq, dk, device="cuda", dtype=torch.bfloat16)
     index = torch.randperm(slots, device="cuda")[:b]
     splits = fused_decode.dsla_splits(b * hq, dk)
+    programs, split = fused_decode.dsla_split_launch(splits, dk)
     out = torch.empty(splits, 2, b, hq, width, device="cuda")
     row = {"rows": b, "splits": splits, "bytes_rw_MB": 2 * 2 * b * hq * dk * width * 4 / 1e6}
     for bk, bv, warps in STATE_TILES + EXTRA_TILES:
 
         def call(bk=bk, bv=bv, warps=warps):
-            kernel.fn[(b * hq, -(-width // bv), 1 if splits == 1 else 2 * splits)](
+            kernel.fn[(b * hq, -(-width // bv), programs)](
                 states, qf, kf, v, decay, out, index, b * hq, slots * hq, 1 << (b - 1).bit_length(), 1,
                 qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), v.stride(0), v.stride(1),
                 decay.stride(0), decay.stride(1), decay.stride(2),
-                H=hq, K=dk, V=width, DV=dv, KS=-(-dk // splits), PAIR=splits == 1, NORMALIZE=True, INDEXED=True, BK=bk, BV=bv, num_warps=warps,
+                H=hq, K=dk, V=width, DV=dv, NORMALIZE=True, INDEXED=True, BK=bk, BV=bv, num_warps=warps, **split,
             )  # fmt: skip
 
         row[f"{bk}x{bv}w{warps}"] = round(cuda_mean_us(call), 1)

@@ -392,6 +392,13 @@ def dsla_splits(rows: int, features: int) -> int:
     return splits
 
 
+def dsla_split_launch(splits: int, features: int) -> tuple[int, dict[str, Any]]:
+    """The state kernel's launch for ``splits`` (``dsla_splits``) over ``features`` rows: the programs
+    along its grid's third axis (one with both states in it, else one per state and split) and its
+    constexprs KS (rows per split) and PAIR."""
+    return (1 if splits == 1 else 2 * splits), {"KS": -(-features // splits), "PAIR": splits == 1}
+
+
 @torch.library.custom_op("linearize::dsla_state_step", mutates_args=("states",))
 def dsla_state_step(states: Tensor, qf: Tensor, kf: Tensor, v: Tensor, decay: Tensor, normalize: bool,
                     index: Tensor | None = None) -> Tensor:  # fmt: skip
@@ -423,17 +430,18 @@ def dsla_state_step(states: Tensor, qf: Tensor, kf: Tensor, v: Tensor, decay: Te
     if any(x.stride(-1) != 1 for x in (qf, kf, v, decay)):
         raise ValueError("qf, kf, v and decay must be contiguous in their last axis")
     splits = dsla_splits(b * hq, dk)
+    programs, split = dsla_split_launch(splits, dk)
     out = torch.empty(splits, 2, b, hq, width, device=states.device, dtype=torch.float32)
     kernel = _kernels().dsla
 
     def grid(meta):
-        return (b * hq, -(-width // meta["BV"]), 1 if splits == 1 else 2 * splits)
+        return (b * hq, -(-width // meta["BV"]), programs)
 
     kernel[grid](
         states, qf, kf, v, decay, out, index if index is not None else out,
         b * hq, n * hq, 1 << (b - 1).bit_length(), hq // hkv, qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), v.stride(0), v.stride(1),
         decay.stride(0), decay.stride(1), decay.stride(2),
-        H=hq, K=dk, V=width, DV=dv, KS=-(-dk // splits), PAIR=splits == 1, NORMALIZE=normalize, INDEXED=index is not None,
+        H=hq, K=dk, V=width, DV=dv, NORMALIZE=normalize, INDEXED=index is not None, **split,
     )  # fmt: skip
     return out
 
