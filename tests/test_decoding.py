@@ -7,7 +7,7 @@ import torch
 
 from linearize.decoding import StaticDecoder, static_decoding_supported
 from linearize.layers import dsla as dsla_layers
-from linearize.ops import cpu_kernels, fused_decode, fused_lola, fused_prefill
+from linearize.ops import cpu_kernels, fused_decode, fused_dsla, fused_lola, fused_prefill
 from linearize.ops.hybrid import HybridDecodeState, hybrid_attention, hybrid_decode_step
 from linearize.ops.lola import LolaDecodeState, lola_attention, lola_decode_step
 from linearize.ops.states import DecodeClock
@@ -79,14 +79,14 @@ def test_static_decoding_matches_full_forward(name, rows):
 def test_fused_decode_kernels_match_full_forward(name, monkeypatch):
     """With the fused kernels (in Triton's interpreter without a GPU), the prefill's logits (the
     hybrid's fused prefill, DSLA's token-major one) and each step's still equal the full forward's
-    at that position."""
+    at that position; DSLA's prefill runs its two fused kernels (the gates made inside them)."""
     calls, prefills = [], []
     for op in ("hybrid_linear_step", "hybrid_window_read", "dsla_state_step"):
         kernel = getattr(fused_decode, op)
         monkeypatch.setattr(fused_decode, op, lambda *a, kernel=kernel, op=op: calls.append(op) or kernel(*a))
-    for module, fn in ((fused_prefill, "hybrid_prefill"), (dsla_layers, "dsla_prefill")):
+    for module, fn in ((fused_prefill, "hybrid_prefill"), (dsla_layers, "dsla_prefill"), (fused_dsla, "dsla_prefill_fused")):
         prefill = getattr(module, fn)
-        monkeypatch.setattr(module, fn, lambda *a, prefill=prefill, **kw: prefills.append(1) or prefill(*a, **kw))
+        monkeypatch.setattr(module, fn, lambda *a, prefill=prefill, fn=fn, **kw: prefills.append(fn) or prefill(*a, **kw))
     model = _model(name)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = model.to(device)
@@ -94,7 +94,7 @@ def test_fused_decode_kernels_match_full_forward(name, monkeypatch):
     decoder = StaticDecoder(model, batch_size=2, max_length=14, graphs=False)
     with fused_decode.use_fused(True):
         tokens, logits = _prefill_and_step(decoder, prompt, 6)
-    fused_prefills = len(prefills)  # the decoder's (on CUDA the full forward below takes the fused form too)
+    fused_prefills = list(prefills)  # the decoder's (on CUDA the full forward below takes the fused form too)
     seq = torch.cat([prompt, torch.stack(tokens[:-1], dim=1)], dim=1)
     full = model(seq).logits[:, prompt.shape[1] - 1 :]
     tol = 2e-5 if device == "cpu" else 2e-3  # on CUDA the full forward's fla kernels multiply in TF32
@@ -102,7 +102,8 @@ def test_fused_decode_kernels_match_full_forward(name, monkeypatch):
     ops = {"dsla_state_step"} if name.startswith("dsla") else {"hybrid_linear_step", "hybrid_window_read"}
     assert set(calls) == ops
     assert len(calls) == 6 * model.config.num_hidden_layers * len(ops)  # every layer is converted: each op once per layer and step
-    assert fused_prefills == model.config.num_hidden_layers  # every layer's prefill took its fused form
+    fused = "dsla_prefill_fused" if name.startswith("dsla") else "hybrid_prefill"
+    assert fused_prefills == [fused] * model.config.num_hidden_layers  # every layer's prefill took its fused form
 
 
 @pytest.mark.skipif(not fused_decode.triton_available(), reason="needs Triton (the test extra installs it)")

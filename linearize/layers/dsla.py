@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..checks import check_choice, check_int
-from ..ops import cpu_kernels, fused_decode
+from ..ops import cpu_kernels, fused_decode, fused_dsla
 from ..ops.common import accumulation_dtype, repeat_kv
 from ..ops.dsla import DslaDecodeState, dsla_attention, dsla_decode_step, dsla_prefill, init_gate_bias, log_gate
 from ..ops.fused_prefill import for_inference, token_major_features
@@ -126,8 +126,10 @@ class DslaAttention(ConvertedAttention):
         return q, k, v, log_h, log_r, gamma, scale
 
     def _prefill(self, p, x, state, fixed_gamma: float | None, backend: str):
-        """``dsla_prefill`` on token-major inputs: the features written token-major (Hedgehog's in
-        one kernel, without repeated KV heads), both gates from one projection (``stacked_log_gates``)."""
+        """DSLA's inference prefill on token-major inputs, the features written token-major (Hedgehog's
+        in one kernel, without repeated KV heads): where ``fused_dsla.applies`` (half precision, tile
+        sizes), its two kernels, the gates made inside them from their low-rank inputs; else
+        ``dsla_prefill``, both gates from one projection (``stacked_log_gates``)."""
         q, k, v = p.q_lin, p.k_lin, p.v
         n_rep = q.shape[1] // k.shape[1]
         if self.normalize:
@@ -137,8 +139,15 @@ class DslaAttention(ConvertedAttention):
             kf = k.transpose(1, 2)[:, :, :, None].expand(b, t, hkv, n_rep, d).reshape(b, t, hkv * n_rep, d)
             qf, scale = q.transpose(1, 2).contiguous(), self.scaling
         gamma = self.gamma() if fixed_gamma is None else torch.full((), fixed_gamma, device=q.device)
-        return dsla_prefill(qf, kf, v.transpose(1, 2), self.stacked_log_gates(x), gamma, state=expect_state(state, DslaState, self),
-                            scale=scale, backend=backend, normalize=self.normalize, chunk=self.options.chunk)  # fmt: skip
+        state = expect_state(state, DslaState, self)
+        vt = v.transpose(1, 2)
+        rank = self.options.dsla_gate_rank
+        if fused_dsla.applies(qf, vt, rank):  # the gates made inside the kernels, both states in one pass
+            down, up, bias = self.fused_gate_weights()
+            return fused_dsla.dsla_prefill_fused(qf, kf, vt, fused_dsla.gate_inputs(x, down, rank), up, bias, gamma, state=state,
+                                                 scale=scale, normalize=self.normalize)  # fmt: skip
+        return dsla_prefill(qf, kf, vt, self.stacked_log_gates(x), gamma, state=state, scale=scale, backend=backend,
+                            normalize=self.normalize, chunk=self.options.chunk)  # fmt: skip
 
     def _dsla(self, fixed_gamma: float | None) -> Attend:
         def dsla(p, x, valid, state):
@@ -246,6 +255,16 @@ class DslaAttention(ConvertedAttention):
                                           torch.cat((h.up.bias, r.up.bias))))  # fmt: skip
         z = F.linear(F.linear(x.to(down.dtype), down), up, bias)  # (B, T, 2 Hq F)
         return log_gate(z).view(*x.shape[:2], 2, self.num_heads, self.features)
+
+    def fused_gate_weights(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Both gates' weights as the fused prefill takes them, stacked once and kept: the down
+        projections side by side (2 rank, hidden), the up projections (2, R, Hq F) and biases
+        (2, Hq F) in float32 (``fused_dsla.gate_weights``)."""
+        h, r = self.gate_history, self.gate_recent
+        return derived(self, "fused_gates", tuple(t for g in (h, r) for t in (g.down.weight, g.up.weight, g.up.bias)),
+                       lambda: (torch.cat((h.down.weight, r.down.weight)),
+                                *fused_dsla.gate_weights(torch.stack((h.up.weight, r.up.weight)), torch.stack((h.up.bias, r.up.bias)),
+                                                         self.options.dsla_gate_rank)))  # fmt: skip
 
     def decode_gates(self, x: Tensor, dtype: torch.dtype) -> Tensor:
         """(B, 2, Hq, F) gate values alpha = exp(log alpha) of one token x (B, 1, hidden), history

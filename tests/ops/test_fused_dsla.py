@@ -1,0 +1,162 @@
+"""DSLA's fused prefill (``linearize.ops.fused_dsla``) against ``dsla_prefill`` on the torch kernel
+(itself tested against the float32 loop): outputs and both final states, from an empty and a
+continued state, with and without the normaliser, for gates of every strength (on the GPU when
+there is one, else in Triton's interpreter on the CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from linearize.ops import fused_decode, fused_dsla
+from linearize.ops.dsla import FACTORED_DECAY_LIMIT, dsla_prefill, init_gate_bias, log_gate
+from linearize.ops.states import DslaState
+
+pytestmark = pytest.mark.skipif(not fused_decode.triton_available(), reason="needs Triton (the test extra installs it)")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HQ, HKV, F, DV = 4, 2, 32, 16
+
+
+def _inputs(b: int, t: int, rank: int, gen: torch.Generator, normalize: bool, strength: float):
+    """Features (softmax rows with a normaliser: non-negative, as a feature map's), values, the gates'
+    low-rank inputs and up projections (history near 0.999, recent near 0.9; ``strength`` scales the
+    data-dependent part and, when large, pushes the recent gate's pre-activation far below 0)."""
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    qf, kf = rand(b, t, HQ, F), rand(b, t, HQ, F)
+    if normalize:
+        qf, kf = qf.softmax(-1), (2 * kf).softmax(-1)
+    v = rand(b, t, HKV, DV)
+    xr = rand(b, t, 2, rank)
+    up = strength * rand(2, HQ * F, rank) / rank**0.5
+    bias = torch.stack([torch.full((HQ * F,), init_gate_bias(a)) for a in (0.999, 0.9)]) + rand(2, HQ * F)
+    if strength > 1:
+        bias[1] -= 20 * strength  # log gates far below -1 per token: decays the factored form could not hold
+    return [x.to(DEVICE) for x in (qf, kf, v, xr, up, bias)]
+
+
+def _log_gates(xr, up, bias, heads=HQ):
+    b, t = xr.shape[:2]
+    z = torch.einsum("btsr,sor->btso", xr.double(), up.double()) + bias.double()[None, None]  # (B, T, 2, Hq F)
+    return log_gate(z).float().view(b, t, 2, heads, -1)
+
+
+def _reference(qf, kf, v, xr, up, bias, gamma, state, normalize, scale=None):
+    """``dsla_prefill`` (torch kernel) with the log-gates made from the same low-rank inputs."""
+    g = _log_gates(xr, up, bias, qf.shape[2])
+    return dsla_prefill(qf, kf, v, g, gamma, state=state, scale=scale, backend="torch", chunk=16, normalize=normalize)
+
+
+def _lowest_block_decay(xr, up, bias) -> float:
+    """The strongest decay of any feature over any block of the kernels (log, <= 0)."""
+    g = _log_gates(xr, up, bias)
+    blocks = torch.nn.functional.pad(g, (0, 0, 0, 0, 0, 0, 0, -g.shape[1] % fused_dsla.BLOCK))
+    return blocks.unflatten(1, (-1, fused_dsla.BLOCK)).sum(2).min().item()
+
+
+def _fused(qf, kf, v, xr, up, bias, gamma, state, normalize, scale=None):
+    rank = xr.shape[-1]
+    r = fused_dsla.padded_rank(rank)
+    xs = torch.nn.functional.pad(xr, (0, r - rank))
+    u, c = fused_dsla.gate_weights(up, bias, rank)
+    with fused_decode.use_fused(True):
+        return fused_dsla.dsla_prefill_fused(qf, kf, v, xs, u, c, gamma, state=state, scale=scale, normalize=normalize)
+
+
+def _states_close(got: DslaState, want: DslaState, tol: float) -> None:
+    for g, w in zip((got.history, got.recent), (want.history, want.recent)):
+        torch.testing.assert_close(g, w.float(), atol=tol, rtol=tol)
+
+
+# tokens before (the state the call continues), tokens in the call, gate rank, gate strength
+CASES = [(0, 1, 16, 1.0), (0, 70, 16, 1.0), (0, 150, 8, 1.0), (40, 129, 16, 1.0), (0, 100, 16, 6.0), (30, 64, 16, 6.0)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"prior{c[0]}-t{c[1]}-r{c[2]}-s{c[3]:g}")
+@pytest.mark.parametrize("normalize", [True, False], ids=["normalised", "raw"])
+@torch.no_grad()
+def test_fused_dsla_prefill_equals_the_torch_kernel(case, normalize):
+    """Grouped heads, per-head gamma; calls of 1 token, of part of a block, of several blocks, and
+    continuing a state; gates up to e^-20 per token (every exponent the kernels take stays <= 0)."""
+    prior, t, rank, strength = case
+    gen = torch.Generator().manual_seed(t + prior + rank)
+    gamma = torch.rand(HQ, generator=gen).to(DEVICE)
+    state = None
+    if prior:
+        _, state = _reference(*_inputs(2, prior, rank, gen, normalize, strength), gamma, None, normalize)
+    args = _inputs(2, t, rank, gen, normalize, strength)
+    want, want_state = _reference(*args, gamma, state, normalize)
+    got, got_state = _fused(*args, gamma, state, normalize)
+    assert got.shape == want.shape == (2, HQ, t, DV)
+    strong = _lowest_block_decay(*args[3:]) < -FACTORED_DECAY_LIMIT
+    assert strong == (strength > 1)  # the weak gates take the one-matmul blocks, the strong ones the sub-blocks
+    # With decays of e^-7 per token the log decays summed within a block reach -450, whose float32
+    # rounding (3e-5) is the relative error of the decays taken from them (the torch kernel sums
+    # each pair's decay on its own).
+    tol = 1e-4 if strong else 2e-5
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=tol)
+    _states_close(got_state, want_state, tol)
+
+
+@torch.no_grad()
+def test_fused_dsla_prefill_in_pieces_equals_one_call():
+    """Three fused calls, each continuing the states the last one left, equal one torch call."""
+    gen = torch.Generator().manual_seed(3)
+    args = _inputs(1, 170, 16, gen, True, 1.0)
+    gamma = torch.tensor(0.3, device=DEVICE)
+    want, want_state = _reference(*args, gamma, None, True)
+    state, outs = None, []
+    for lo, hi in ((0, 50), (50, 64 + 50), (114, 170)):
+        piece = [x[:, lo:hi] for x in args[:4]] + args[4:]
+        o, state = _fused(*piece, gamma, state, True)
+        outs.append(o)
+    torch.testing.assert_close(torch.cat(outs, dim=2), want, atol=2e-5, rtol=2e-5)
+    _states_close(state, want_state, 2e-5)
+
+
+@torch.no_grad()
+def test_fused_dsla_prefill_names_bad_inputs():
+    gen = torch.Generator().manual_seed(0)
+    qf, kf, v, xr, up, bias = _inputs(1, 8, 16, gen, True, 1.0)
+    u, c = fused_dsla.gate_weights(up, bias, 16)
+    with pytest.raises(ValueError, match="gate inputs"):
+        fused_dsla.dsla_prefill_fused(qf, kf, v, xr[..., :8], u, c, torch.tensor(0.5))
+    with pytest.raises(ValueError, match="powers of two"):
+        fused_dsla.dsla_prefill_fused(qf[..., :24], kf[..., :24], v, xr, u[..., : HQ * 24], c[:, : HQ * 24], torch.tensor(0.5))
+    with pytest.raises(ValueError, match="gamma"):
+        fused_dsla.dsla_prefill_fused(qf, kf, v, xr, u, c, torch.rand(3))
+
+
+def test_padded_rank():
+    assert [fused_dsla.padded_rank(r) for r in (1, 8, 16, 17, 32)] == [16, 16, 16, 32, 32]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the half-precision path runs on CUDA")
+@pytest.mark.parametrize("normalize", [True, False], ids=["normalised", "raw"])
+@torch.no_grad()
+def test_bfloat16_fused_dsla_prefill_is_close_to_float32(normalize):
+    """bf16 features and values at a Llama head size (F 256, Dv 128; states stored in bf16 before
+    each block) against the float32 torch kernel: within bf16 precision."""
+    torch.manual_seed(5)
+    b, hq, hkv, f, dv, t, rank = 2, 8, 2, 256, 128, 1000, 16
+    qf, kf = torch.randn(b, t, hq, f, device="cuda"), torch.randn(b, t, hq, f, device="cuda")
+    if normalize:
+        qf, kf = qf.softmax(-1), kf.softmax(-1)
+    v = torch.randn(b, t, hkv, dv, device="cuda")
+    xr = torch.randn(b, t, 2, rank, device="cuda")
+    up = torch.randn(2, hq * f, rank, device="cuda") / 4
+    bias = torch.stack([torch.full((hq * f,), init_gate_bias(a), device="cuda") for a in (0.999, 0.9)])
+    gamma = torch.rand(hq, device="cuda")
+    want, want_state = _reference(qf, kf, v, xr, up, bias, gamma, None, normalize)
+    u, c = fused_dsla.gate_weights(up, bias, rank)
+    got, got_state = fused_dsla.dsla_prefill_fused(qf.bfloat16(), kf.bfloat16(), v.bfloat16(), xr, u, c, gamma, normalize=normalize)
+    assert got.dtype == torch.bfloat16
+    if normalize:  # a normalised read is a weighted mean of values: compare each element
+        torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
+    else:  # the raw read sums up to ~1000 decayed products: bf16 errors scale with each query's read, not each element
+        err = (got.float() - want).norm(dim=-1) / want.norm(dim=-1)
+        assert err.max() < 2e-2, err.max()
+    for g, w in zip((got_state.history, got_state.recent), (want_state.history, want_state.recent)):
+        assert ((g - w).norm() / w.norm()) < 1e-2
