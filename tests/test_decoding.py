@@ -107,6 +107,34 @@ def test_fused_decode_kernels_match_full_forward(name, monkeypatch):
 
 
 @pytest.mark.skipif(not fused_decode.triton_available(), reason="needs Triton (the test extra installs it)")
+def test_dsla_layers_take_the_fused_prefill_for_inference_only(monkeypatch):
+    """A DSLA model's forward hands its layers' prefill to the fused kernels only without gradients
+    and without padding, and only where the fused kernels are on; the logits are the same either way."""
+    calls = []
+    real = fused_dsla.dsla_prefill_fused
+    monkeypatch.setattr(fused_dsla, "dsla_prefill_fused", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    model = _model("dsla")
+    layers = model.config.num_hidden_layers
+    ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    padded = torch.ones(2, 9, dtype=torch.long)
+    padded[0, :3] = 0
+
+    def run(grad: bool = False, fused: bool = True, mask=None):
+        calls.clear()
+        with fused_decode.use_fused(fused), torch.set_grad_enabled(grad):
+            logits = model(ids, attention_mask=mask).logits
+        return len(calls), logits
+
+    taken, logits = run()
+    assert taken == layers
+    assert run(grad=True)[0] == 0
+    assert run(mask=padded)[0] == 0
+    untaken, exact = run(fused=False)
+    assert untaken == 0
+    torch.testing.assert_close(logits, exact, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.skipif(not fused_decode.triton_available(), reason="needs Triton (the test extra installs it)")
 @torch.no_grad()
 def test_lola_decoder_with_the_fused_state_pass_equals_the_torch_decoder(monkeypatch):
     """LoLA layers under the static decoder with the state's update and read as one kernel (in
