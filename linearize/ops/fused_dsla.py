@@ -48,6 +48,8 @@ from .states import DslaState
 
 BLOCK = 64
 """Tokens per block: the states are stored before each block; one output program per block."""
+BLOCKS = (16, 32, 64, 128)
+"""The block lengths ``dsla_prefill_fused`` takes."""
 SUB = 16
 """Queries per sub-block of the output kernel (its decays within a sub-block are taken pairwise)."""
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -193,7 +195,7 @@ def _kernels() -> _Kernels:
     globals()["_state_reads"] = state_reads
     globals()["_mix_store"] = mix_store
 
-    @tiled(STATE_TILES, ["F", "DV"])
+    @tiled(STATE_TILES, ["F", "DV", "BLOCK"])
     @triton.jit
     def dsla_states(
         kf, values, xr, up, bias, h0, hs, zs, ends, final, T, n_rep, blocks, B,
@@ -243,7 +245,7 @@ def _kernels() -> _Kernels:
             tl.store(final + r * F * W + ok * W + DV, z1, mask=zmask)
             tl.store(final + other + r * F * W + ok * W + DV, z2, mask=zmask)
 
-    @tiled(OUTPUT_TILES, ["F", "DV"])
+    @tiled(OUTPUT_TILES, ["F", "DV", "BLOCK"])
     @triton.jit
     def dsla_output(
         qf, kf, values, xr, up, bias, hs, zs, ends, gamma, out, T, n_rep, scale,
@@ -390,6 +392,7 @@ def dsla_prefill_fused(
     state: DslaState | None = None,
     scale: float | None = None,
     normalize: bool = False,
+    block: int = BLOCK,
 ) -> tuple[Tensor, DslaState]:
     """DSLA's prefill, without padding: ``dsla_attention`` with log-gates logsigmoid(xr W_up + b) / 16.
 
@@ -398,7 +401,8 @@ def dsla_prefill_fused(
     (2, Hq F) their up projections (``gate_weights``), history first; gamma 0-dim or (Hq,) in
     [0, 1]; ``state`` the states the call continues (zeros when None); ``scale`` multiplies q
     without a normaliser (default F ** -0.5). Returns o (B, Hq, T, Dv) in qf's dtype (a view of a
-    token-major tensor) and the final states in float32, as ``dsla_attention``."""
+    token-major tensor) and the final states in float32, as ``dsla_attention``. ``block``: tokens per
+    stored state and per output program (a power of two from ``SUB``; the kernels' tiles scale with it)."""
     b, t, hq, nf = qf.shape
     hkv, dv = v.shape[2], v.shape[3]
     r = xr.shape[-1]
@@ -412,6 +416,8 @@ def dsla_prefill_fused(
                          "from 16 (gate_inputs, gate_weights)")  # fmt: skip
     if not _tile_sized(nf, dv):
         raise ValueError(f"features ({nf}) and value size ({dv}) must be powers of two from 16 for the fused prefill")
+    if block not in BLOCKS:
+        raise ValueError(f"block must be one of {BLOCKS}, got {block}")
     gamma = torch.as_tensor(gamma, device=qf.device, dtype=torch.float32)
     if gamma.numel() not in (1, hq):
         raise ValueError(f"gamma must be a scalar or have one value per query head ({hq}), got {tuple(gamma.shape)}")
@@ -423,7 +429,7 @@ def dsla_prefill_fused(
         if state is not None:
             final[0], final[1] = state.history, state.recent
         return out.transpose(1, 2), DslaState(history=final[0], recent=final[1])
-    blocks = -(-t // BLOCK)
+    blocks = -(-t // block)
     hs = torch.empty(b, blocks, 2, hq, nf, dv, device=qf.device, dtype=qf.dtype)  # states before each block
     zs = torch.empty(b, blocks, 2, hq, nf, device=qf.device, dtype=torch.float32)  # normalisers before each block
     ends = torch.empty_like(zs)  # each block's log decay per feature
@@ -448,14 +454,14 @@ def dsla_prefill_fused(
 
     k.states[state_grid](
         kf, v, xs, up, bias, final if h0 is None else h0, hs, zs, ends, final, t, hq // hkv, blocks, b, *strides,
-        H=hq, F=nf, DV=dv, W=width, R=r, BLOCK=BLOCK, HAS_H0=h0 is not None, NORM=normalize, IEEE=ieee, PIPELINED=not interp,
+        H=hq, F=nf, DV=dv, W=width, R=r, BLOCK=block, HAS_H0=h0 is not None, NORM=normalize, IEEE=ieee, PIPELINED=not interp,
     )  # fmt: skip
     def output_grid(meta):
         return (blocks, b * hq, dv // meta["BV"])
 
     k.output[output_grid](
         qf, kf, v, xs, up, bias, hs, zs, ends, gamma, out, t, hq // hkv, scale, *strides, *_strides(out, 3),
-        H=hq, F=nf, DV=dv, R=r, BLOCK=BLOCK, SUB=SUB, NORM=normalize, IEEE=ieee, EPS=EMPTY_DENOMINATOR, LIMIT=FACTORED_DECAY_LIMIT,
+        H=hq, F=nf, DV=dv, R=r, BLOCK=block, SUB=SUB, NORM=normalize, IEEE=ieee, EPS=EMPTY_DENOMINATOR, LIMIT=FACTORED_DECAY_LIMIT,
     )  # fmt: skip
     return out.transpose(1, 2), DslaState(history=final[0], recent=final[1])
 

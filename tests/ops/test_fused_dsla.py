@@ -56,13 +56,13 @@ def _lowest_block_decay(xr, up, bias) -> float:
     return blocks.unflatten(1, (-1, fused_dsla.BLOCK)).sum(2).min().item()
 
 
-def _fused(qf, kf, v, xr, up, bias, gamma, state, normalize, scale=None):
+def _fused(qf, kf, v, xr, up, bias, gamma, state, normalize, scale=None, block=fused_dsla.BLOCK):
     rank = xr.shape[-1]
     r = fused_dsla.padded_rank(rank)
     xs = torch.nn.functional.pad(xr, (0, r - rank))
     u, c = fused_dsla.gate_weights(up, bias, rank)
     with fused_decode.use_fused(True):
-        return fused_dsla.dsla_prefill_fused(qf, kf, v, xs, u, c, gamma, state=state, scale=scale, normalize=normalize)
+        return fused_dsla.dsla_prefill_fused(qf, kf, v, xs, u, c, gamma, state=state, scale=scale, normalize=normalize, block=block)
 
 
 def _states_close(got: DslaState, want: DslaState, tol: float) -> None:
@@ -100,6 +100,22 @@ def test_fused_dsla_prefill_equals_the_torch_kernel(case, normalize):
     _states_close(got_state, want_state, tol)
 
 
+@pytest.mark.parametrize("block", [16, 32, 128])
+@pytest.mark.parametrize("strength", [1.0, 6.0], ids=["weak", "strong"])
+@torch.no_grad()
+def test_other_block_lengths_equal_the_torch_kernel(block, strength):
+    """Blocks of 16 (one sub-block), 32 and 128 tokens (eight sub-blocks), continuing a state."""
+    gen = torch.Generator().manual_seed(block)
+    gamma = torch.rand(HQ, generator=gen).to(DEVICE)
+    _, state = _reference(*_inputs(1, 20, 16, gen, True, strength), gamma, None, True)
+    args = _inputs(1, 150, 16, gen, True, strength)
+    want, want_state = _reference(*args, gamma, state, True)
+    got, got_state = _fused(*args, gamma, state, True, block=block)
+    tol = 1e-4 if strength > 1 else 2e-5
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=tol)
+    _states_close(got_state, want_state, tol)
+
+
 @torch.no_grad()
 def test_fused_dsla_prefill_in_pieces_equals_one_call():
     """Three fused calls, each continuing the states the last one left, equal one torch call."""
@@ -127,6 +143,8 @@ def test_fused_dsla_prefill_names_bad_inputs():
         fused_dsla.dsla_prefill_fused(qf[..., :24], kf[..., :24], v, xr, u[..., : HQ * 24], c[:, : HQ * 24], torch.tensor(0.5))
     with pytest.raises(ValueError, match="gamma"):
         fused_dsla.dsla_prefill_fused(qf, kf, v, xr, u, c, torch.rand(3))
+    with pytest.raises(ValueError, match="block must be one of"):
+        fused_dsla.dsla_prefill_fused(qf, kf, v, xr, u, c, torch.tensor(0.5), block=48)
 
 
 def test_padded_rank():
