@@ -416,6 +416,8 @@ def dsla_prefill_fused(
                          "from 16 (gate_inputs, gate_weights)")  # fmt: skip
     if not _tile_sized(nf, dv):
         raise ValueError(f"features ({nf}) and value size ({dv}) must be powers of two from 16 for the fused prefill")
+    if qf.dtype not in DTYPES or kf.dtype != qf.dtype or v.dtype != qf.dtype:
+        raise ValueError(f"qf, kf and v must share one dtype of {DTYPES}, got {qf.dtype}, {kf.dtype} and {v.dtype}")
     if block not in BLOCKS:
         raise ValueError(f"block must be one of {BLOCKS}, got {block}")
     gamma = torch.as_tensor(gamma, device=qf.device, dtype=torch.float32)
@@ -423,9 +425,10 @@ def dsla_prefill_fused(
         raise ValueError(f"gamma must be a scalar or have one value per query head ({hq}), got {tuple(gamma.shape)}")
     gamma = gamma.reshape(-1).expand(hq).contiguous()
     scale = nf**-0.5 if scale is None else scale
-    final = torch.zeros(2, b, hq, nf, width, device=qf.device, dtype=torch.float32)
+    final = torch.empty(2, b, hq, nf, width, device=qf.device, dtype=torch.float32)  # every element written
     out = torch.empty(b, t, hq, dv, device=qf.device, dtype=qf.dtype)
     if t == 0:
+        final.zero_()
         if state is not None:
             final[0], final[1] = state.history, state.recent
         return out.transpose(1, 2), DslaState(history=final[0], recent=final[1])
@@ -444,7 +447,7 @@ def dsla_prefill_fused(
     k = _kernels()
     interp = fused_decode.interpreting()
     ieee = qf.dtype == torch.float32
-    xs = xr.float().contiguous()
+    xs, up, bias = (x.float().contiguous() for x in (xr, up, bias))
     hz = (hs.stride(0), hs.stride(1), hs.stride(2), hs.stride(3))
     zz = (zs.stride(0), zs.stride(1), zs.stride(2), zs.stride(3))
     strides = (*_strides(kf, 3), *_strides(v, 3), xs.stride(0), xs.stride(1), *hz, *zz)
@@ -456,6 +459,7 @@ def dsla_prefill_fused(
         kf, v, xs, up, bias, final if h0 is None else h0, hs, zs, ends, final, t, hq // hkv, blocks, b, *strides,
         H=hq, F=nf, DV=dv, W=width, R=r, BLOCK=block, HAS_H0=h0 is not None, NORM=normalize, IEEE=ieee, PIPELINED=not interp,
     )  # fmt: skip
+
     def output_grid(meta):
         return (blocks, b * hq, dv // meta["BV"])
 

@@ -143,6 +143,8 @@ def test_fused_dsla_prefill_names_bad_inputs():
         fused_dsla.dsla_prefill_fused(qf[..., :24], kf[..., :24], v, xr, u[..., : HQ * 24], c[:, : HQ * 24], torch.tensor(0.5))
     with pytest.raises(ValueError, match="gamma"):
         fused_dsla.dsla_prefill_fused(qf, kf, v, xr, u, c, torch.rand(3))
+    with pytest.raises(ValueError, match="share one dtype"):
+        fused_dsla.dsla_prefill_fused(qf, kf.double(), v, xr, u, c, torch.tensor(0.5))
     with pytest.raises(ValueError, match="block must be one of"):
         fused_dsla.dsla_prefill_fused(qf, kf, v, xr, u, c, torch.tensor(0.5), block=48)
 
