@@ -149,11 +149,7 @@ def dsla_prefill(
     gla = BACKENDS.get(backend)
     if gla is None:
         raise ValueError(f"unknown DSLA backend {backend!r}; expected one of {tuple(BACKENDS)}")
-    b, t, hq, dk = qf.shape
-    hkv, dv = v.shape[2], v.shape[3]
-    if kf.shape != qf.shape or v.shape[:2] != (b, t) or hq % hkv:
-        raise ValueError(f"qf {tuple(qf.shape)} and kf {tuple(kf.shape)} must match, and v {tuple(v.shape)} must be (B, T, Hkv, Dv) "
-                         "with Hkv dividing Hq")  # fmt: skip
+    b, t, hq, dk, hkv, dv = token_major_sizes(qf, kf, v)
     if log_alphas.shape != (b, t, 2, hq, dk):
         raise ValueError(f"log_alphas has shape {tuple(log_alphas.shape)}, expected (B, T, 2, Hq, Dk) = {(b, t, 2, hq, dk)}")
     scale = dk**-0.5 if scale is None else scale
@@ -170,6 +166,17 @@ def dsla_prefill(
     o = o.transpose(1, 2).view(b, t, 2, hq, width)  # token-major on "fla" (a view); a copy on "torch"
     s = s.view(b, 2, hq, dk, width)
     return _mix_stacked(o, gamma, dv, normalize, qf.dtype), DslaState(history=s[:, 0].contiguous(), recent=s[:, 1].contiguous())
+
+
+def token_major_sizes(qf: Tensor, kf: Tensor, v: Tensor) -> tuple[int, int, int, int, int, int]:
+    """(B, T, Hq, Dk, Hkv, Dv) of a token-major prefill's features qf, kf (B, T, Hq, Dk) and values
+    v (B, T, Hkv, Dv), checked: qf and kf alike, Hkv dividing Hq."""
+    b, t, hq, dk = qf.shape
+    hkv, dv = v.shape[2], v.shape[3]
+    if kf.shape != qf.shape or v.shape[:2] != (b, t) or hq % hkv:
+        raise ValueError(f"qf {tuple(qf.shape)} and kf {tuple(kf.shape)} must match, and v {tuple(v.shape)} must be (B, T, Hkv, Dv) "
+                         "with Hkv dividing Hq")  # fmt: skip
+    return b, t, hq, dk, hkv, dv
 
 
 def _mix_stacked(o: Tensor, gamma: Tensor, dv: int, normalize: bool, dtype: torch.dtype) -> Tensor:

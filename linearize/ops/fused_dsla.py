@@ -42,8 +42,8 @@ from torch import Tensor
 
 from . import fused_decode
 from .common import EMPTY_DENOMINATOR
-from .dsla import FACTORED_DECAY_LIMIT, GATE_NORMALISER
-from .fused_prefill import _strides, _tile_sized
+from .dsla import FACTORED_DECAY_LIMIT, GATE_NORMALISER, token_major_sizes
+from .fused_prefill import _strides, _tile_sized, state_tiled
 from .states import DslaState
 
 BLOCK = 64
@@ -97,18 +97,6 @@ def _kernels() -> _Kernels:
     import triton
     import triton.language as tl
 
-    def tiled(configs, axes):
-        """Autotuned over (BK, BV, num_warps, num_stages) on a GPU, pruned to the tiles that fit;
-        in Triton's interpreter the widest tiles that fit, up to 32 x 64."""
-        if fused_decode.interpreting():
-            return triton.heuristics({"BK": lambda a: min(a["F"], 32), "BV": lambda a: min(a["DV"], 64)})
-        tuned = [triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=st) for bk, bv, w, st in configs]
-
-        def fitting(configs, named, **kwargs):
-            return [c for c in configs if c.kwargs["BK"] <= kwargs["F"] and c.kwargs["BV"] <= kwargs["DV"]]
-
-        return triton.autotune(tuned, key=axes, prune_configs_by={"early_config_prune": fitting})
-
     @triton.jit
     def log_gates(xr, up, bias, b, s, t, mt, ok, s_xb, s_xt, HF: tl.constexpr, R: tl.constexpr):
         """Log-gates of state ``s`` for tokens ``t`` (valid where ``mt``) and features ``ok`` of one
@@ -129,15 +117,15 @@ def _kernels() -> _Kernels:
         IEEE: tl.constexpr,
     ):  # fmt: skip
         """Store both states (and normalisers) before block n; return them after it."""
+        first = (ok * 0 + iv) == 0  # one value tile's programs store the per-feature vectors
         tile = ok[:, None] * DV + ov[None, :]  # (feature, value) within a head's stored state
         base = hs + b * s_hb + n * s_hn + h * s_hh
         tl.store(base + tile, s1.to(hs.dtype.element_ty))
         tl.store(base + s_hs + tile, s2.to(hs.dtype.element_ty))
         if NORM:
-            zmask = (ok * 0 + iv) == 0  # one value tile's programs store the normalisers
             zbase = zs + b * s_zb + n * s_zn + h * s_zh + ok
-            tl.store(zbase, z1, mask=zmask)
-            tl.store(zbase + s_zs, z2, mask=zmask)
+            tl.store(zbase, z1, mask=first)
+            tl.store(zbase + s_zs, z2, mask=first)
         t = n * BLOCK + tl.arange(0, BLOCK)
         mt = t < T
         kt = tl.load(kf + b * s_fb + t[:, None] * s_ft + h * s_fh + ok[None, :], mask=mt[:, None], other=0.0).to(tl.float32)
@@ -146,7 +134,6 @@ def _kernels() -> _Kernels:
         g2 = _log_gates(xr, up, bias, b, 1, t, mt, h * F + ok, s_xb, s_xt, HF=HF, R=R)
         end1, end2 = tl.sum(g1, axis=0), tl.sum(g2, axis=0)  # (BK,): log decay over the block
         ebase = ends + b * s_zb + n * s_zn + h * s_zh + ok
-        first = (ok * 0 + iv) == 0  # one value tile's programs store them
         tl.store(ebase, end1, mask=first)
         tl.store(ebase + s_zs, end2, mask=first)
         k1 = kt * tl.exp(end1[None, :] - tl.cumsum(g1, axis=0))  # each key decayed to the block's end
@@ -195,7 +182,7 @@ def _kernels() -> _Kernels:
     globals()["_state_reads"] = state_reads
     globals()["_mix_store"] = mix_store
 
-    @tiled(STATE_TILES, ["F", "DV", "BLOCK"])
+    @state_tiled(STATE_TILES, ["F", "DV", "BLOCK"], interpreted=(32, 64))
     @triton.jit
     def dsla_states(
         kf, values, xr, up, bias, h0, hs, zs, ends, final, T, n_rep, blocks, B,
@@ -245,7 +232,7 @@ def _kernels() -> _Kernels:
             tl.store(final + r * F * W + ok * W + DV, z1, mask=zmask)
             tl.store(final + other + r * F * W + ok * W + DV, z2, mask=zmask)
 
-    @tiled(OUTPUT_TILES, ["F", "DV", "BLOCK"])
+    @state_tiled(OUTPUT_TILES, ["F", "DV", "BLOCK"], interpreted=(32, 64))
     @triton.jit
     def dsla_output(
         qf, kf, values, xr, up, bias, hs, zs, ends, gamma, out, T, n_rep, scale,
@@ -403,13 +390,9 @@ def dsla_prefill_fused(
     without a normaliser (default F ** -0.5). Returns o (B, Hq, T, Dv) in qf's dtype (a view of a
     token-major tensor) and the final states in float32, as ``dsla_attention``. ``block``: tokens per
     stored state and per output program (a power of two from ``SUB``; the kernels' tiles scale with it)."""
-    b, t, hq, nf = qf.shape
-    hkv, dv = v.shape[2], v.shape[3]
+    b, t, hq, nf, hkv, dv = token_major_sizes(qf, kf, v)
     r = xr.shape[-1]
     width = dv + int(normalize)
-    if kf.shape != qf.shape or v.shape[:2] != (b, t) or hq % hkv:
-        raise ValueError(f"qf {tuple(qf.shape)} and kf {tuple(kf.shape)} must match, and v {tuple(v.shape)} must be (B, T, Hkv, Dv) "
-                         "with Hkv dividing Hq")  # fmt: skip
     if xr.shape != (b, t, 2, r) or up.shape != (2, r, hq * nf) or bias.shape != (2, hq * nf) or r != padded_rank(r):
         raise ValueError(f"gate inputs {tuple(xr.shape)}, up {tuple(up.shape)} and bias {tuple(bias.shape)} must be (B, T, 2, R), "
                          f"(2, R, Hq F) and (2, Hq F) = {(b, t, 2, 'R')}, {(2, 'R', hq * nf)}, {(2, hq * nf)} with R a power of two "

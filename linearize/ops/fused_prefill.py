@@ -82,6 +82,24 @@ def num_features(phi: FeatureFn, x: Tensor) -> int:
     return count(x.shape[-1]) if count is not None else phi(x[:1, :, :1]).shape[-1]
 
 
+def state_tiled(configs: tuple[tuple[int, int, int, int], ...], keys: list[str], interpreted: tuple[int, int]):
+    """A decorator for a Triton kernel with state tiles BK x BV over its F and DV axes: autotuned
+    over ``configs`` ((BK, BV, num_warps, num_stages)) on a GPU, keyed by ``keys``, pruned to the
+    tiles no wider than their axes; in Triton's interpreter the widest tiles up to ``interpreted``
+    (BK, BV)."""
+    import triton
+
+    if fused_decode.interpreting():
+        bk, bv = interpreted
+        return triton.heuristics({"BK": lambda a: min(a["F"], bk), "BV": lambda a: min(a["DV"], bv)})
+    tuned = [triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=st) for bk, bv, w, st in configs]
+
+    def fitting(configs, named, **kwargs):  # no tile wider than its axis
+        return [c for c in configs if c.kwargs["BK"] <= kwargs["F"] and c.kwargs["BV"] <= kwargs["DV"]]
+
+    return triton.autotune(tuned, key=keys, prune_configs_by={"early_config_prune": fitting})
+
+
 _block_state: Any = None
 """``chunk_states``' step over one block: a Triton function made by ``_kernels`` (see there)."""
 
@@ -207,19 +225,7 @@ def _kernels() -> _Kernels:
     # function's globals only (the compiler also reads closures).
     globals()["_block_state"] = block_state
 
-    def tiled_states(fn):
-        """Autotuned over the state tiles (BK x BV), warps and pipeline stages on a GPU; 64 x 64 tiles
-        in Triton's interpreter."""
-        if fused_decode.interpreting():
-            return triton.heuristics({"BK": lambda a: min(a["F"], 64), "BV": lambda a: min(a["DV"], 64)})(fn)
-        configs = [triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=st) for bk, bv, w, st in CHUNK_STATE_TILES]
-
-        def fitting(configs, named, **kwargs):  # no tile wider than its axis
-            return [c for c in configs if c.kwargs["BK"] <= kwargs["F"] and c.kwargs["BV"] <= kwargs["DV"]]
-
-        return triton.autotune(configs, key=["F", "DV"], prune_configs_by={"early_config_prune": fitting})(fn)
-
-    @tiled_states
+    @state_tiled(CHUNK_STATE_TILES, ["F", "DV"], interpreted=(64, 64))
     @triton.jit
     def chunk_states(
         kf, wvalues, values, h0, hs, final, T, n_rep, blocks,
