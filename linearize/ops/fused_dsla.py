@@ -101,7 +101,8 @@ def _kernels() -> _Kernels:
     def log_gates(xr, up, bias, b, s, t, mt, ok, s_xb, s_xt, HF: tl.constexpr, R: tl.constexpr):
         """Log-gates of state ``s`` for tokens ``t`` (valid where ``mt``) and features ``ok`` of one
         head (``ok`` offset by the head): logsigmoid(x W_down W_up + b) / 16 in float32, 0 where
-        not valid (no decay)."""
+        not valid (no decay). The rank-R product is exact float32 ("ieee"): as "tf32" on sm90
+        (Triton 3.6) the states kernel read out of bounds with 8 warps, the output kernel gave NaN with 16 x 16 tiles."""
         wr = tl.arange(0, R)
         x = tl.load(xr + b * s_xb + t[:, None] * s_xt + s * R + wr[None, :], mask=mt[:, None], other=0.0)  # (rows, R)
         u = tl.load(up + s * R * HF + wr[:, None] * HF + ok[None, :])  # (R, BK)
@@ -119,7 +120,7 @@ def _kernels() -> _Kernels:
         """Store both states (and normalisers) before block n; return them after it."""
         first = (ok * 0 + iv) == 0  # one value tile's programs store the per-feature vectors
         tile = ok[:, None] * DV + ov[None, :]  # (feature, value) within a head's stored state
-        base = hs + b * s_hb + n * s_hn + h * s_hh
+        base = hs + b * s_hb + tl.cast(n, tl.int64) * s_hn + h * s_hh  # int64: past 2^31 elements at 128K tokens
         tl.store(base + tile, s1.to(hs.dtype.element_ty))
         tl.store(base + s_hs + tile, s2.to(hs.dtype.element_ty))
         if NORM:
@@ -240,7 +241,7 @@ def _kernels() -> _Kernels:
         H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
         BK: tl.constexpr, BV: tl.constexpr, NORM: tl.constexpr, IEEE: tl.constexpr, EPS: tl.constexpr, LIMIT: tl.constexpr,
     ):  # fmt: skip
-        n = tl.program_id(0)
+        n = tl.program_id(0).to(tl.int64)  # n * s_hn passes 2^31 at 128K tokens
         r = tl.program_id(1).to(tl.int64)  # one (batch row, query head)
         iv = tl.program_id(2)
         b = r // H

@@ -169,14 +169,20 @@ def test_bfloat16_fused_dsla_prefill_is_close_to_float32(normalize):
     up = torch.randn(2, hq * f, rank, device="cuda") / 4
     bias = torch.stack([torch.full((hq * f,), init_gate_bias(a), device="cuda") for a in (0.999, 0.9)])
     gamma = torch.rand(hq, device="cuda")
-    want, want_state = _reference(qf, kf, v, xr, up, bias, gamma, None, normalize)
+    qf, kf, v = (x.bfloat16() for x in (qf, kf, v))  # the reference takes the same (rounded) inputs
+    want, want_state = _reference(qf.float(), kf.float(), v.float(), xr, up, bias, gamma, None, normalize)
     u, c = fused_dsla.gate_weights(up, bias, rank)
-    got, got_state = fused_dsla.dsla_prefill_fused(qf.bfloat16(), kf.bfloat16(), v.bfloat16(), xr, u, c, gamma, normalize=normalize)
+    got, got_state = fused_dsla.dsla_prefill_fused(qf, kf, v, xr, u, c, gamma, normalize=normalize)
     assert got.dtype == torch.bfloat16
     if normalize:  # a normalised read is a weighted mean of values: compare each element
         torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
-    else:  # the raw read sums up to ~1000 decayed products: bf16 errors scale with each query's read, not each element
-        err = (got.float() - want).norm(dim=-1) / want.norm(dim=-1)
-        assert err.max() < 2e-2, err.max()
+    else:
+        # The raw read sums up to ~1000 decayed products of random sign: bf16 errors (states stored,
+        # decayed keys) scale with the summands, so a read that cancels to a small norm has a large
+        # relative error. Each row's error is taken against its head's mean row norm.
+        err = (got.float() - want).norm(dim=-1)
+        scale = want.norm(dim=-1).mean(dim=-1, keepdim=True)
+        assert (err / scale).max() < 2e-2, (err / scale).max()
+        assert (err / want.norm(dim=-1)).median() < 1e-2
     for g, w in zip((got_state.history, got_state.recent), (want_state.history, want_state.recent)):
         assert ((g - w).norm() / w.norm()) < 1e-2
