@@ -120,7 +120,8 @@ def _kernels() -> _Kernels:
         """Store both states (and normalisers) before block n; return them after it."""
         first = (ok * 0 + iv) == 0  # one value tile's programs store the per-feature vectors
         tile = ok[:, None] * DV + ov[None, :]  # (feature, value) within a head's stored state
-        base = hs + b * s_hb + tl.cast(n, tl.int64) * s_hn + h * s_hh  # int64: past 2^31 elements at 128K tokens
+        n = tl.cast(n, tl.int64)  # offsets past 2^31 elements: the stored states at 128K tokens, the features at 256K
+        base = hs + b * s_hb + n * s_hn + h * s_hh
         tl.store(base + tile, s1.to(hs.dtype.element_ty))
         tl.store(base + s_hs + tile, s2.to(hs.dtype.element_ty))
         if NORM:
@@ -241,7 +242,7 @@ def _kernels() -> _Kernels:
         H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
         BK: tl.constexpr, BV: tl.constexpr, NORM: tl.constexpr, IEEE: tl.constexpr, EPS: tl.constexpr, LIMIT: tl.constexpr,
     ):  # fmt: skip
-        n = tl.program_id(0).to(tl.int64)  # n * s_hn passes 2^31 at 128K tokens
+        n = tl.program_id(0).to(tl.int64)  # offsets past 2^31 elements: the stored states at 128K tokens, the features at 256K
         r = tl.program_id(1).to(tl.int64)  # one (batch row, query head)
         iv = tl.program_id(2)
         b = r // H
