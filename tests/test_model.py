@@ -620,3 +620,24 @@ def test_bfloat16_model_runs_with_float32_new_parameters(name):
     ids, mask = padded_batch(model.config.vocab_size, [7, 5])
     logits = model(input_ids=ids, attention_mask=mask).logits
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits[mask.bool()].float()).all()
+
+
+@pytest.mark.parametrize("linear_rope,mode,rotates", [(False, "hybrid", False), (False, "recent_only", False), (True, "hybrid", True),
+                                                       (False, "sinks_only", True)], ids=str)  # fmt: skip
+@torch.no_grad()
+def test_dsla_skips_rope_only_where_its_mode_reads_no_rotated_qk(monkeypatch, linear_rope, mode, rotates):
+    """A DSLA mode that reads only q/k before RoPE does not compute RoPE, and gives the same
+    logits as with RoPE computed and ignored."""
+    from linearize.layers import base
+
+    model = convert(tiny(), {"attention": "dsla", "linear_rope": linear_rope}, mode)
+    ids, mask = padded_batch(model.config.vocab_size, [9, 6])
+    pos = positions(mask)
+    calls = []
+    apply_rope = base.apply_rope
+    monkeypatch.setattr(base, "apply_rope", lambda *a: calls.append(1) or apply_rope(*a))
+    got = model(ids, attention_mask=mask, position_ids=pos).logits
+    assert bool(calls) == rotates
+    for layer in model.model.layers:
+        monkeypatch.setattr(layer.self_attn, "reads_rotated", lambda mode: True)
+    assert torch.equal(got, model(ids, attention_mask=mask, position_ids=pos).logits)

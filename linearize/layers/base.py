@@ -300,16 +300,27 @@ class ConvertedAttention(nn.Module):
         if slot is not None and t == 1 and fast_decoding() and not torch.is_grad_enabled() and (valid is None or bool(valid.all())):
             out = self.decode_step(hidden_states, position_embeddings, slot)
         if out is None:
-            proj = self.project(hidden_states, position_embeddings)
+            proj = self.project(hidden_states, position_embeddings, rotated=self.reads_rotated(self.mode))
             out, state = self.attend(proj, hidden_states, valid, slot.state if slot is not None else None)
             if slot is not None:
                 slot.store(state, t)
         out = out.transpose(1, 2).reshape(b, t, -1).to(hidden_states.dtype)  # (B, T, Hq * D)
         return self.o_proj(out), None
 
-    def project(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor]) -> Projection:
+    def reads_rotated(self, mode: str) -> bool:
+        """Whether ``mode``'s attention reads q and k after RoPE (``Projection.q``/``k``); a kind
+        whose mode reads only the feature maps' inputs q_lin/k_lin before RoPE returns False, and
+        ``forward`` then skips RoPE."""
+        return True
+
+    def project(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor], rotated: bool = True) -> Projection:
         """q (B, Hq, T, D), k and v (B, Hkv, T, D), RoPE applied to q and k; the feature maps'
-        inputs q_lin, k_lin (before RoPE when ``separate_linear_inputs``)."""
+        inputs q_lin, k_lin (before RoPE when ``separate_linear_inputs``). ``rotated=False`` (only
+        for a caller that reads q_lin/k_lin alone, see ``reads_rotated``), where the feature maps
+        see q/k before RoPE: RoPE is skipped, and q and k are q_lin and k_lin."""
+        if not rotated and self.separate_linear_inputs:
+            q, k, v = qkv_heads(self, hidden_states)
+            return Projection(q, k, v, q, k)
         q, k, v, q_pre, k_pre = project_qkv(self, hidden_states, position_embeddings)
         if self.separate_linear_inputs:
             return Projection(q, k, v, q_pre, k_pre)

@@ -91,6 +91,11 @@ class DslaAttention(ConvertedAttention):
     def separate_linear_inputs(self) -> bool:
         return not self.options.linear_rope
 
+    def reads_rotated(self, mode: str) -> bool:
+        """DSLA's own modes read q_lin/k_lin and v only (no softmax part): RoPE only where the
+        feature maps see it (``linear_rope``) or for the generic ablation modes."""
+        return self.options.linear_rope or mode not in self.GAMMA
+
     def gamma(self) -> Tensor:
         return torch.sigmoid(self.gamma_logit.float())
 
