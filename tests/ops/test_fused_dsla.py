@@ -116,6 +116,30 @@ def test_other_block_lengths_equal_the_torch_kernel(block, strength):
     _states_close(got_state, want_state, tol)
 
 
+@pytest.mark.parametrize("strength", [1.0, 6.0], ids=["weak", "strong"])
+@torch.no_grad()
+def test_several_feature_and_value_tiles_equal_the_torch_kernel(strength):
+    """F 64 and Dv 128: several feature tiles and (in Triton's interpreter, tiles of at most 32 x 64)
+    several value tiles, so the cumulative log-gates the state kernel writes for the output kernel
+    come from one value tile's programs, one feature tile each."""
+    gen = torch.Generator().manual_seed(11)
+    f, dv, hq, hkv, t = 64, 128, 2, 1, 140
+    qf, kf = torch.randn(1, t, hq, f, generator=gen).softmax(-1), torch.randn(1, t, hq, f, generator=gen).softmax(-1)
+    v = torch.randn(1, t, hkv, dv, generator=gen)
+    xr = torch.randn(1, t, 2, 16, generator=gen)
+    up = strength * torch.randn(2, hq * f, 16, generator=gen) / 4
+    bias = torch.stack([torch.full((hq * f,), init_gate_bias(a)) for a in (0.999, 0.9)]) + torch.randn(2, hq * f, generator=gen)
+    if strength > 1:
+        bias[1] -= 20 * strength
+    args = [x.to(DEVICE) for x in (qf, kf, v, xr, up, bias)]
+    gamma = torch.rand(hq, generator=gen).to(DEVICE)
+    want, want_state = _reference(*args, gamma, None, True)
+    got, got_state = _fused(*args, gamma, None, True)
+    tol = 1e-4 if strength > 1 else 2e-5
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=tol)
+    _states_close(got_state, want_state, tol)
+
+
 @torch.no_grad()
 def test_fused_dsla_prefill_in_pieces_equals_one_call():
     """Three fused calls, each continuing the states the last one left, equal one torch call."""
