@@ -7,9 +7,9 @@ through log-sigmoid and written to memory in float32 (2 Hq F floats per token) b
 again for its cumulative sums. ``dsla_prefill_fused`` computes the same outputs and final states
 this way:
 
-- the gates are never written: each kernel takes the gates' low-rank inputs x W_down (B, T, 2, R)
-  and makes log alpha = logsigmoid(x W_down W_up + b) / 16 for the tile it needs, in float32
-  registers (a rank-R matmul per tile), summing them over the block as it goes;
+- no pass of its own for the gates: the state kernel takes the gates' low-rank inputs x W_down
+  (B, T, 2, R) and makes log alpha = logsigmoid(x W_down W_up + b) / 16 for the tile it needs, in
+  float32 registers (a rank-R matmul per tile), summing them over the block as it goes;
 - ``dsla_states``: one program per (row, query head, feature tile, value tile) walks the blocks of
   ``BLOCK`` tokens in order and keeps both states, S = diag(exp(G_end)) S + (phi(k) exp(G_end - G))^T v,
   storing them (in the input dtype) before each block, and the normaliser z beside them (float32),
