@@ -316,10 +316,10 @@ class ConvertedAttention(nn.Module):
     def project(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor], rotated: bool = True) -> Projection:
         """q (B, Hq, T, D), k and v (B, Hkv, T, D), RoPE applied to q and k; the feature maps'
         inputs q_lin, k_lin (before RoPE when ``separate_linear_inputs``). ``rotated=False`` (only
-        for a caller that reads q_lin/k_lin alone, see ``reads_rotated``), where the feature maps
-        see q/k before RoPE: RoPE is skipped, and q and k are q_lin and k_lin."""
-        if not rotated and self.separate_linear_inputs:
-            q, k, v = qkv_heads(self, hidden_states)
+        for a caller that reads q_lin/k_lin alone, see ``reads_rotated``): q and k are
+        ``project_linear``'s q_lin and k_lin, so RoPE is skipped where the feature maps see q/k before it."""
+        if not rotated:
+            q, k, v = self.project_linear(hidden_states, position_embeddings)
             return Projection(q, k, v, q, k)
         q, k, v, q_pre, k_pre = project_qkv(self, hidden_states, position_embeddings)
         if self.separate_linear_inputs:
