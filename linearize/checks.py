@@ -6,6 +6,8 @@ value and what is valid.
 
 from __future__ import annotations
 
+import functools
+import re
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +45,38 @@ def check_text(name: str, value: str, error: type[ValueError] = ValueError) -> N
         raise error(f"{name} is not valid UTF-8 text: it holds {shown} at character {err.start}") from None
 
 
+_FLOAT_12 = r"[-+]?(?:[0-9][0-9_]*\.?[0-9_]*|\.[0-9_]+)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)"
+"""Floats as YAML 1.2 writes them: also ``1e-3`` (YAML 1.1, PyYAML's default, reads it as a string)."""
+
+
+@functools.cache
+def _yaml_loader() -> type:
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        """SafeLoader with YAML 1.2's floats; the integer resolver, registered first, still takes plain integers."""
+
+    Loader.yaml_implicit_resolvers = {first: [r for r in resolvers if r[0] != "tag:yaml.org,2002:float"]
+                                      for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(f"^(?:{_FLOAT_12})$"), list("-+0123456789."))
+    return Loader
+
+
+def load_yaml(text: str) -> Any:
+    """``yaml.safe_load`` of ``text``, with ``1e-3`` read as a float as YAML 1.2 and JSON read it
+    (PyYAML's YAML 1.1 resolver wants a dot, ``1.0e-3``, and otherwise returns the string)."""
+    import yaml
+
+    return yaml.load(text, Loader=_yaml_loader())  # noqa: S506  (a SafeLoader subclass)
+
+
 def read_yaml(path: str | Path, what: str, error: type[ValueError] = ValueError) -> Any:
     """The YAML (or JSON) file ``path``; ``error`` saying ``what`` it is, the line and the problem
     when it is not valid YAML or not UTF-8 text."""
     import yaml
 
     try:
-        return yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        return load_yaml(Path(path).read_text(encoding="utf-8"))
     except UnicodeDecodeError as err:
         raise error(f"{what} {str(path)!r} is not UTF-8 text: {err}") from None
     except yaml.YAMLError as err:

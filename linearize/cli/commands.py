@@ -70,8 +70,9 @@ def stream_to_stdout(text: str) -> None:
 
 
 def parse_overrides(extra: list[str]) -> dict[str, object]:
-    """``--transfer.optim.lr 0.01 --spec.window=32`` -> {"transfer.optim.lr": 0.01, "spec.window": 32} (YAML-typed)."""
-    import yaml
+    """``--transfer.optim.lr 0.01 --spec.window=32`` -> {"transfer.optim.lr": 0.01, "spec.window": 32} (YAML-typed;
+    ``1e-3`` is a float)."""
+    from ..checks import load_yaml
 
     out: dict[str, object] = {}
     i = 0
@@ -84,7 +85,7 @@ def parse_overrides(extra: list[str]) -> dict[str, object]:
             if i + 1 >= len(extra):
                 raise ValueError(f"override --{key} needs a value")
             value, i = extra[i + 1], i + 1
-        out[key.replace("-", "_")] = yaml.safe_load(value)
+        out[key.replace("-", "_")] = load_yaml(value)
         i += 1
     return out
 

@@ -20,10 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from ..api import load_model, save_adapter
-from ..checks import read_yaml
+from ..checks import load_yaml, read_yaml
 from ..convert import convert, converted_layers, new_parameters, set_active, set_mode
 from ..io import atomic_write_text
 from ..spec import ConversionSpec
@@ -46,7 +45,7 @@ def load_recipe(name_or_path: str, overrides: dict[str, Any] | None = None) -> T
     if path.suffix in (".yaml", ".yml") and path.is_file():
         data = read_yaml(path, "recipe", ConfigError) or {}
     elif name_or_path in recipe_names():
-        data = yaml.safe_load(resources.files("linearize.recipes").joinpath(f"{name_or_path}.yaml").read_text()) or {}
+        data = load_yaml(resources.files("linearize.recipes").joinpath(f"{name_or_path}.yaml").read_text()) or {}
     else:
         raise ConfigError(f"unknown recipe {name_or_path!r}; valid recipes: {', '.join(recipe_names())} (or a path to a .yaml file)")
     if not isinstance(data, dict):

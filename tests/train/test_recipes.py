@@ -147,6 +147,22 @@ def test_cli_train_list_and_bad_override(capsys):
     assert "unknown override 'transfer.optim.lrr'" in capsys.readouterr().err
 
 
+def test_overrides_read_exponent_floats_as_yaml_1_2_does(tmp_path):
+    from linearize.checks import load_yaml
+    from linearize.cli.commands import parse_overrides
+
+    # PyYAML's YAML 1.1 resolver returns '1e-3' as a string; the recipe check then rejected it
+    overrides = parse_overrides(["--finetune.optim.lr", "1e-3", "--transfer.optim.lr=2E+0", "--finetune.max_steps=12", "--name=1e3x"])
+    assert overrides == {"finetune.optim.lr": 0.001, "transfer.optim.lr": 2.0, "finetune.max_steps": 12, "name": "1e3x"}
+    assert type(overrides["finetune.max_steps"]) is int
+    config = load_recipe("inference-hybrid", overrides)
+    assert config.finetune.optim.lr == 0.001 and config.transfer.optim.lr == 2.0
+    assert load_yaml("[1, .5, -3.0e-2, 7_0, true, abc, 1e-3x]") == [1, 0.5, -0.03, 70, True, "abc", "1e-3x"]
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("finetune:\n  optim: {lr: 5e-4}\n")
+    assert load_recipe(str(recipe)).finetune.optim.lr == 0.0005
+
+
 @pytest.mark.slow
 def test_two_process_data_parallel_matches_one_process(tiny_model_dir, tiny_corpus, tmp_path):
     """torchrun, 2 CPU processes on gloo, same global batch and seed: same weights, and the same held-out
