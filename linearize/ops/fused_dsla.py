@@ -84,6 +84,8 @@ def padded_rank(rank: int) -> int:
 
 _log_gates: Any = None
 """A block's log-gates from the gates' low-rank inputs: a Triton function made by ``_kernels``."""
+_cum_gates: Any = None
+"""Where a token's cumulative log-gates lie in the float32 (B, T, 2, Hq, F) buffer: a Triton function made by ``_kernels``."""
 _state_block: Any = None
 """``dsla_states``' step over one block: a Triton function made by ``_kernels``."""
 _state_reads: Any = None
@@ -118,6 +120,15 @@ def _kernels() -> _Kernels:
         return tl.where(mt[:, None], ls / _NORMALISER, 0.0)
 
     @triton.jit
+    def cum_gates(cg, b, T, t, h, ok, F: tl.constexpr, HF: tl.constexpr):
+        """Pointers to the first gate's cumulative log-gates of tokens ``t`` and features ``ok`` of
+        head ``h`` in ``cg`` (B, T, 2, Hq, F) contiguous, float32 (the second gate's are HF further):
+        the layout ``dsla_prefill_fused`` allocates, written by ``dsla_states``, read by ``dsla_output``.
+        (Its body names ``tl``: the compiler resolves the annotations among the names a body uses.)"""
+        row = tl.cast(b * T, t.dtype) + t  # (B, T) flattened
+        return cg + row[:, None] * (2 * HF) + h * F + ok[None, :]
+
+    @triton.jit
     def state_block(
         s1, s2, z1, z2, n, kf, values, xr, up, bias, hs, zs, ends, cg, T, b, h, hk, ok, ov, iv,
         s_fb, s_ft, s_fh, s_vb, s_vt, s_vh, s_xb, s_xt, s_hb, s_hn, s_hs, s_hh, s_zb, s_zn, s_zs, s_zh,
@@ -147,7 +158,7 @@ def _kernels() -> _Kernels:
         tl.store(ebase, end1, mask=first)
         tl.store(ebase + s_zs, end2, mask=first)
         c1, c2 = tl.cumsum(g1, axis=0), tl.cumsum(g2, axis=0)  # log decay from the block's start, per token
-        cptr = cg + (b * T + t[:, None]) * (2 * HF) + h * F + ok[None, :]  # (B, T, 2, Hq, F): the output kernel reads them
+        cptr = _cum_gates(cg, b, T, t, h, ok, F=F, HF=HF)  # the output kernel reads them
         tl.store(cptr, c1, mask=mt[:, None] & first[None, :])
         tl.store(cptr + HF, c2, mask=mt[:, None] & first[None, :])
         k1 = kt * tl.exp(end1[None, :] - c1)  # each key decayed to the block's end
@@ -192,6 +203,7 @@ def _kernels() -> _Kernels:
     # globals only (the compiler also reads closures).
     globals()["_NORMALISER"] = tl.constexpr(GATE_NORMALISER)
     globals()["_log_gates"] = log_gates
+    globals()["_cum_gates"] = cum_gates
     globals()["_state_block"] = state_block
     globals()["_state_reads"] = state_reads
     globals()["_mix_store"] = mix_store
@@ -286,7 +298,7 @@ def _kernels() -> _Kernels:
                 ok = kk * BK + tl.arange(0, BK)
                 qa = tl.load(qf + b * s_fb + ta[:, None] * s_ft + h * s_fh + ok[None, :], mask=mt[:, None], other=0.0).to(tl.float32)
                 ka = tl.load(kf + b * s_fb + ta[:, None] * s_ft + h * s_fh + ok[None, :], mask=mt[:, None], other=0.0).to(tl.float32)
-                cptr = cg + (b * T + ta[:, None]) * (2 * HF) + h * F + ok[None, :]  # the states kernel's cumulative log-gates
+                cptr = _cum_gates(cg, b, T, ta, h, ok, F=F, HF=HF)  # the states kernel's cumulative log-gates
                 c1 = tl.load(cptr, mask=mt[:, None], other=0.0)
                 c2 = tl.load(cptr + HF, mask=mt[:, None], other=0.0)
                 q1, q2 = qa * tl.exp(c1), qa * tl.exp(c2)
@@ -432,7 +444,8 @@ def dsla_prefill_fused(
         return out.transpose(1, 2), DslaState(history=final[0], recent=final[1])
     blocks = -(-t // block)
     hs = torch.empty(b, blocks, 2, hq, nf, dv, device=qf.device, dtype=qf.dtype)  # states before each block
-    cg = torch.empty(b, t, 2, hq, nf, device=qf.device, dtype=torch.float32)  # log decays from each token's block start
+    # each token's log decay from its block's start, per gate and feature (the layout: cum_gates)
+    cg = torch.empty(b, t, 2, hq, nf, device=qf.device, dtype=torch.float32)
     zs = torch.empty(b, blocks, 2, hq, nf, device=qf.device, dtype=torch.float32)  # normalisers before each block
     ends = torch.empty_like(zs)  # each block's log decay per feature
     h0 = None
