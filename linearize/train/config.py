@@ -142,7 +142,9 @@ class FinetuneConfig(StageConfig):
     """Stage 2: LoRA fine-tuning (peft) with next-token cross-entropy and/or KL to the teacher."""
 
     lora_rank: int = 8
-    """LoRA rank r."""
+    """LoRA rank r; 0: no LoRA, stage 2 trains only the conversion's new parameters (needs
+    train_new_params), so the teacher's q/k/v/o stay as they are (e.g. for an inference-time hybrid,
+    whose window reads them at inference)."""
     lora_alpha: float = 16.0
     """LoRA alpha."""
     lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
@@ -166,7 +168,9 @@ class FinetuneConfig(StageConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_positive("lora_rank", self.lora_rank)
+        check_int("lora_rank", self.lora_rank, 0, error=ConfigError)
+        if self.lora_rank == 0 and not self.train_new_params:
+            raise ConfigError("finetune.lora_rank 0 (no LoRA) trains nothing unless finetune.train_new_params is true")
         _check_positive("lora_alpha", self.lora_alpha)
         _check_positive("ce_weight", self.ce_weight, allow_zero=True)
         _check_positive("kl_weight", self.kl_weight, allow_zero=True)

@@ -178,10 +178,14 @@ def _run_finetune(config: TrainConfig, model, data, evaluate, common, world: Wor
 
     f = config.finetune
     set_mode(model, f.mode)
-    lora = LoraConfig(r=f.lora_rank, lora_alpha=f.lora_alpha, target_modules=list(f.lora_targets), lora_dropout=f.lora_dropout, bias="none")
-    peft_model = get_peft_model(model, lora)
-    new_names = {f"base_model.model.{n}" for n in new_parameters(model)} if f.train_new_params else set()
-    trainable = {n for n, p in peft_model.named_parameters() if "lora_" in n} | new_names
+    if f.lora_rank == 0:  # the conversion's own parameters alone (the config requires train_new_params)
+        peft_model, trainable = model, set(new_parameters(model))
+    else:
+        lora = LoraConfig(r=f.lora_rank, lora_alpha=f.lora_alpha, target_modules=list(f.lora_targets), lora_dropout=f.lora_dropout,
+                          bias="none")  # fmt: skip
+        peft_model = get_peft_model(model, lora)
+        new_names = {f"base_model.model.{n}" for n in new_parameters(model)} if f.train_new_params else set()
+        trainable = {n for n, p in peft_model.named_parameters() if "lora_" in n} | new_names
     params = _train_only(peft_model, trainable)
     objective = FinetuneObjective(peft_model, ce_weight=f.ce_weight, kl_weight=f.kl_weight, kl_temperature=f.kl_temperature,
                                   swa_dropout=f.swa_dropout, seed=config.seed, rank=world.rank, position_offset=f.position_offset)

@@ -13,6 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 import linearize
+from linearize.api import load_model
+from linearize.convert import convert, new_parameters
+from linearize.spec import ConversionSpec
 from linearize.train.config import ConfigError
 from linearize.train.finetune import FinetuneObjective, ssd_schedule
 from linearize.train.recipes import load_recipe, recipe_names, run
@@ -263,6 +266,31 @@ def test_stage_evaluation_matches_the_reloaded_adapter(dtype, tiny_model_dir, ti
     records = [json.loads(line) for line in (tmp_path / config.name / "metrics.jsonl").read_text().splitlines()]
     last = [r["heldout_loss"] for r in records if r["stage"] == "transfer" and "heldout_loss" in r][-1]
     assert last == pytest.approx(summary["heldout_loss"], rel=2e-2 if dtype == "bf16-mixed" else 1e-5)
+
+
+@pytest.mark.slow
+def test_stage_two_without_lora_trains_only_the_conversion(tiny_model_dir, tiny_corpus, tmp_path):
+    """finetune.lora_rank 0: no LoRA, the feature maps train end to end, the teacher's weights stay."""
+    overrides = tiny_overrides(tiny_model_dir, tiny_corpus, tmp_path, **{
+        "transfer.enabled": False, "finetune.lora_rank": 0, "finetune.train_new_params": True, "finetune.optim.lr": 0.01})
+    config = load_recipe("inference-hybrid", overrides)
+    summary = run(config)
+    adapter = tmp_path / config.name / "adapter"
+    meta = json.loads((adapter / "linearize_adapter.json").read_text())
+    assert not (adapter / "lora.safetensors").exists() and "lora" not in meta
+    assert summary["stages"]["finetune"]["steps"] == 3
+    trained, _ = load_model(str(adapter))
+    untrained = convert(load_model(tiny_model_dir)[0], ConversionSpec.from_dict(meta["spec"]))  # new parameters as initialised
+    new, initial = new_parameters(trained), new_parameters(untrained)
+    assert any(not torch.equal(p, initial[n]) for n, p in new.items()), "stage 2 left the feature maps as they were initialised"
+    teacher = dict(untrained.named_parameters())
+    for n, p in trained.named_parameters():
+        if n not in new:
+            assert torch.equal(p, teacher[n]), f"{n} changed: stage 2 without LoRA must leave the teacher's weights"
+    with pytest.raises(ConfigError, match="lora_rank 0 .* trains nothing unless finetune.train_new_params"):
+        load_recipe("inference-hybrid", {"finetune.lora_rank": 0})
+    with pytest.raises(ConfigError, match="lora_rank must be an integer >= 0, got -1"):
+        load_recipe("inference-hybrid", {"finetune.lora_rank": -1, "finetune.train_new_params": True})
 
 
 def test_run_precision_context_sees_weight_updates():
