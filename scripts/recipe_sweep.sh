@@ -8,8 +8,7 @@
 # (FLAGS: recipe overrides, separated by spaces). A small model leaves most of a GPU idle, so several
 # runs share one. Logs: WORK_DIR/logs/NAME.log. At the end: WORK_DIR/report.md (`linearize train
 # --report` of the runs that finished) and WORK_DIR/NAME.tgz per run (its summary.json,
-# metrics.jsonl, config.yaml and adapter/, the adapter's tensors in bfloat16 as shipped checkpoints
-# hold them: small enough to copy off a lent machine).
+# metrics.jsonl, config.yaml and adapter/ as shipped checkpoints hold it: `ship_adapter.py --pack-to`).
 #
 # Environment: RECIPE (required)  GPUS ("0": the devices the runs are spread over)
 set -u
@@ -44,27 +43,4 @@ for k in "${!pids[@]}"; do
 done
 [ "${#done_runs[@]}" -gt 0 ] || exit 1
 python -m linearize.cli train --report "${done_runs[@]}" | tee "$WORK/report.md"
-python - "$WORK" "${done_runs[@]}" << 'PACK'
-import sys
-import tarfile
-from pathlib import Path
-
-import torch
-from safetensors.torch import load_file, save_file
-
-work = Path(sys.argv[1])
-for run in map(Path, sys.argv[2:]):
-    with tarfile.open(work / f"{run.name}.tgz", "w:gz") as tar:
-        for name in ("summary.json", "metrics.jsonl", "config.yaml"):
-            tar.add(run / name, f"{run.name}/{name}")
-        for path in sorted((run / "adapter").iterdir()):
-            if path.suffix == ".safetensors":
-                small = work / f".{run.name}.{path.name}"
-                tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in load_file(str(path)).items()}
-                save_file(tensors, str(small), metadata={"format": "pt"})
-                tar.add(small, f"{run.name}/adapter/{path.name}")
-                small.unlink()
-            else:
-                tar.add(path, f"{run.name}/adapter/{path.name}")
-    print(f"packed {work / (run.name + '.tgz')}")
-PACK
+python "$(dirname "$0")/ship_adapter.py" "${done_runs[@]}" --pack-to "$WORK"
