@@ -43,7 +43,7 @@ def load_model(
     check_model_name(name_or_path)
     path = shipped_path(str(name_or_path)) or Path(name_or_path)
     if (path / ADAPTER_CONFIG).is_file():
-        model, tokenizer = _load_adapter(path, dtype=dtype, device=device)
+        model, tokenizer = _load_adapter(path, str(name_or_path), dtype=dtype, device=device)
     else:
         model, tokenizer = load_base_model(str(name_or_path), dtype=dtype, device=device)
         if getattr(model.config, "linearize_base_model", None) is None:
@@ -91,6 +91,59 @@ def save_adapter(
     return Path(directory)
 
 
+def scrub_paths(obj):
+    """A JSON value with every absolute path in it reduced to its last component (a machine's data
+    caches, tokenizer and output folders), for metadata that leaves the machine it was written on."""
+    if isinstance(obj, dict):
+        return {k: scrub_paths(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [scrub_paths(v) for v in obj]
+    if isinstance(obj, str) and obj.startswith("/"):
+        return Path(obj).name
+    return obj
+
+
+def copy_adapter(source: str | Path, target: str | Path, *, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """The adapter folder ``source`` (as ``save_adapter`` writes it) into the folder ``target``
+    (created if missing), every tensor stored as ``dtype`` (``load_model`` casts to the model's
+    dtype), its config scrubbed of machine paths (``scrub_paths``; LoRA's base_model_name_or_path
+    becomes the base model's name) and marked with its storage dtype. Not atomic by itself: write
+    into an ``io.atomic_dir``.
+
+    A run started from another adapter (``--model ADAPTER_DIR``) names that folder as its base. The
+    copy must stand alone, so a base that is an adapter without LoRA weights is replaced by that
+    adapter's own base (every new parameter is in ``source``: the parent adds nothing), recorded as
+    ``started_from``; a parent with LoRA weights (merged into the q/k/v/o this adapter trained on)
+    is refused."""
+    source, target = Path(source), Path(target)
+    if not (source / ADAPTER_CONFIG).is_file():
+        raise FileNotFoundError(f"{source} holds no adapter (no {ADAPTER_CONFIG})")
+    base, parents = json.loads((source / ADAPTER_CONFIG).read_text())["base_model"], []
+    while (Path(base) / ADAPTER_CONFIG).is_file():
+        if (Path(base) / LORA_WEIGHTS).is_file():
+            raise ValueError(f"adapter {str(source)!r} starts from adapter {base!r}, whose LoRA weights are merged into the "
+                             "weights it trained on: it cannot stand alone; train from the base model, or ship the parent with it")
+        parents.append(base)
+        base = json.loads((Path(base) / ADAPTER_CONFIG).read_text())["base_model"]
+    target.mkdir(parents=True, exist_ok=True)
+    for path in sorted(source.iterdir()):
+        if path.suffix == ".safetensors":
+            tensors = {k: v.to(dtype).contiguous() for k, v in load_file(str(path)).items()}
+            save_file(tensors, str(target / path.name), metadata={"format": "pt"})
+        elif path.name == ADAPTER_CONFIG:
+            meta = json.loads(path.read_text())
+            if parents:
+                meta["base_model"], meta["started_from"] = base, parents
+            meta = scrub_paths(meta)
+            meta["storage_dtype"] = str(dtype).removeprefix("torch.")
+            if isinstance(meta.get("lora"), dict):
+                meta["lora"]["base_model_name_or_path"] = meta["base_model"]
+            (target / path.name).write_text(json.dumps(meta, indent=2, sort_keys=True))
+        elif path.is_file():
+            (target / path.name).write_bytes(path.read_bytes())
+    return target
+
+
 def _jsonable(value) -> bool:
     try:
         json.dumps(sorted(value) if isinstance(value, set) else value)
@@ -106,7 +159,7 @@ def _read_adapter_file(path: Path, name: str, read):
         raise ValueError(f"adapter {str(path)!r}: {name} cannot be read ({' '.join(str(err).split())})") from err
 
 
-def _load_adapter(path: Path, *, dtype, device):
+def _load_adapter(path: Path, source_name: str, *, dtype, device):
     meta = _read_adapter_file(path, ADAPTER_CONFIG, lambda file: json.loads(file.read_text()))
     if not isinstance(meta, dict) or meta.get("format") != ADAPTER_FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else meta
@@ -135,4 +188,5 @@ def _load_adapter(path: Path, *, dtype, device):
             peft_model = get_peft_model(model, LoraConfig(**config))
         set_peft_model_state_dict(peft_model, lora_tensors)
         model = peft_model.merge_and_unload()  # LoRA folded into q/k/v/o: plain model, no overhead
+        model.config.linearize_base_model = source_name  # what an adapter saved from it builds on: these merged weights
     return model, tokenizer

@@ -41,20 +41,13 @@ if [ "${1:-}" = --pack ]; then  # --pack WORK OUT [WAIT]: wait for DONE (up to W
   python - "$WORK" "$out" <<'EOF'
 import sys, tarfile
 from pathlib import Path
-import torch
-from safetensors.torch import load_file, save_file
+from linearize.api import copy_adapter
 work, out = Path(sys.argv[1]), Path(sys.argv[2])
 groups, size, group = [], 0, []
 for adapter in sorted(work.glob("runs/*/adapter")):
     if not (adapter.parent / "summary.json").is_file():
         continue
-    dst = work / "pack" / adapter.parent.name
-    dst.mkdir(parents=True, exist_ok=True)
-    for p in adapter.iterdir():  # bf16 storage, as shipped checkpoints are
-        if p.suffix == ".safetensors":
-            save_file({k: v.to(torch.bfloat16).contiguous() for k, v in load_file(str(p)).items()}, str(dst / p.name), metadata={"format": "pt"})
-        else:
-            (dst / p.name).write_bytes(p.read_bytes())
+    dst = copy_adapter(adapter, work / "pack" / adapter.parent.name)  # bf16 storage, as shipped checkpoints are
     n = sum(f.stat().st_size for f in dst.iterdir())
     if group and size + n > 14e6:
         groups.append(group); group, size = [], 0

@@ -7,8 +7,9 @@
 Copies RUN_DIR/adapter (new parameters, LoRA, spec, base model name) with every tensor stored as
 bfloat16, which halves the repository's size; load_model upcasts to the model's dtype. The run's
 summary.json goes beside it as training.json. Absolute paths of the machine that trained it (data
-caches, tokenizer folders, output folders) are reduced to their last component, and LoRA's
-base_model_name_or_path becomes the base model's name. Written atomically.
+caches, tokenizer folders, output folders) are reduced to their last component, LoRA's
+base_model_name_or_path becomes the base model's name, and a run started from another adapter is
+re-based on that adapter's base (``linearize.api.copy_adapter``). Written atomically.
 
 --pack-to DIR writes each run instead as DIR/NAME.tgz: the same adapter files (bfloat16 tensors,
 scrubbed config) with the run's summary.json, metrics.jsonl and config.yaml, small enough to copy a
@@ -19,28 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import tarfile
 import tempfile
 from pathlib import Path
-from typing import Any
 
-import torch
-from safetensors.torch import load_file, save_file
-
-from linearize.names import ADAPTER_CONFIG, SHIPPED, checkpoint_dir
-from linearize.io import atomic_dir
-
-
-def scrub(obj: Any) -> Any:
-    """Every absolute path inside a JSON value reduced to its last component."""
-    if isinstance(obj, dict):
-        return {k: scrub(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [scrub(v) for v in obj]
-    if isinstance(obj, str) and obj.startswith("/"):
-        return Path(obj).name
-    return obj
+from linearize.api import copy_adapter, scrub_paths
+from linearize.names import SHIPPED, checkpoint_dir
+from linearize.io import atomic_dir, atomic_write
 
 
 def ship(run_dir: Path, name: str | None = None) -> Path:
@@ -53,36 +39,24 @@ def ship(run_dir: Path, name: str | None = None) -> Path:
         raise SystemExit(f"run {name!r} is not a shipped name; shipped names: {', '.join(SHIPPED)}")
     target = checkpoint_dir(name)
     with atomic_dir(target) as tmp:
-        copy_bf16(run_dir / "adapter", tmp)
-        (tmp / "training.json").write_text(json.dumps(scrub(summary), indent=2))
+        copy_adapter(run_dir / "adapter", tmp)
+        (tmp / "training.json").write_text(json.dumps(scrub_paths(summary), indent=2))
     return target
 
 
-def copy_bf16(source: Path, target: Path) -> None:
-    """The adapter folder ``source`` into the existing folder ``target``: every tensor as bfloat16,
-    the config scrubbed of machine paths (LoRA's base_model_name_or_path: the base model's name)."""
-    for path in sorted(source.iterdir()):
-        if path.suffix == ".safetensors":
-            tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in load_file(str(path)).items()}
-            save_file(tensors, str(target / path.name), metadata={"format": "pt"})
-        elif path.name == ADAPTER_CONFIG:
-            meta = scrub(json.loads(path.read_text()))
-            meta["storage_dtype"] = "bfloat16"
-            if isinstance(meta.get("lora"), dict):
-                meta["lora"]["base_model_name_or_path"] = meta["base_model"]
-            (target / path.name).write_text(json.dumps(meta, indent=2, sort_keys=True))
-        else:
-            shutil.copy2(path, target / path.name)
-
-
 def pack(run_dir: Path, out_dir: Path) -> Path:
-    """OUT_DIR/NAME.tgz: NAME/{summary.json, metrics.jsonl, config.yaml} and NAME/adapter/ as ``copy_bf16`` writes it."""
+    """OUT_DIR/NAME.tgz: NAME/{summary.json, metrics.jsonl, config.yaml} and NAME/adapter/ as ``copy_adapter`` writes it."""
     archive = out_dir / f"{run_dir.name}.tgz"
-    with tempfile.TemporaryDirectory(dir=out_dir) as tmp, tarfile.open(archive, "w:gz") as tar:
-        for name in ("summary.json", "metrics.jsonl", "config.yaml"):
-            tar.add(run_dir / name, f"{run_dir.name}/{name}")
-        copy_bf16(run_dir / "adapter", Path(tmp))
-        tar.add(tmp, f"{run_dir.name}/adapter")
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        copy_adapter(run_dir / "adapter", Path(tmp))
+
+        def write(file) -> None:
+            with tarfile.open(fileobj=file, mode="w:gz") as tar:
+                for name in ("summary.json", "metrics.jsonl", "config.yaml"):
+                    tar.add(run_dir / name, f"{run_dir.name}/{name}")
+                tar.add(tmp, f"{run_dir.name}/adapter")
+
+        atomic_write(archive, write)
     return archive
 
 

@@ -518,6 +518,56 @@ def test_save_pretrained_and_adapter_round_trip(tmp_path, spec):
     assert torch.equal(adapted.eval()(ids, attention_mask=mask).logits, ref)
 
 
+@torch.no_grad()
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft wrapping, below
+def test_adapter_copied_in_bfloat16_loads_as_the_rounded_model(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the copy names its base model "base": found relative to here
+    tiny().save_pretrained(tmp_path / "base")
+    model, _ = linearize.load_model(str(tmp_path / "base"))
+    linearize.convert(model, {"attention": "hybrid", "window": 4, "mix": "gate", "learn_gate": True})
+    for p in linearize.new_parameters(model).values():
+        p.add_(0.01 * torch.randn_like(p))
+    linearize.save_adapter(model, tmp_path / "adapter", extra={"data": {"cache": str(tmp_path / "cache.pt")}})
+
+    copied = linearize.api.copy_adapter(tmp_path / "adapter", tmp_path / "bf16")
+    meta = json.loads((copied / "linearize_adapter.json").read_text())
+    assert meta["base_model"] == "base" and meta["data"]["cache"] == "cache.pt"  # no machine paths left
+    assert meta["storage_dtype"] == "bfloat16"
+    for p in linearize.new_parameters(model).values():  # what the copy holds: each weight rounded once
+        p.copy_(p.to(torch.bfloat16).float())
+    ids, mask = padded_batch(model.config.vocab_size, [9, 6])
+    adapted, _ = linearize.load_model(str(copied))
+    assert torch.equal(adapted.eval()(ids, attention_mask=mask).logits, model.eval()(ids, attention_mask=mask).logits)
+    with pytest.raises(FileNotFoundError, match="holds no adapter"):
+        linearize.api.copy_adapter(tmp_path / "base", tmp_path / "not-an-adapter")
+
+    # a run started from that adapter names it as its base; the copy stands alone on the teacher
+    child, _ = linearize.load_model(str(tmp_path / "adapter"))
+    for p in linearize.new_parameters(child).values():
+        p.add_(0.01 * torch.randn_like(p))
+    linearize.save_adapter(child, tmp_path / "child", base_model=str(tmp_path / "adapter"))  # as `train --model` does
+    meta = json.loads((linearize.api.copy_adapter(tmp_path / "child", tmp_path / "child-bf16") / "linearize_adapter.json").read_text())
+    assert meta["base_model"] == "base" and meta["started_from"] == ["adapter"]
+    for p in linearize.new_parameters(child).values():
+        p.copy_(p.to(torch.bfloat16).float())
+    alone, _ = linearize.load_model(str(tmp_path / "child-bf16"))
+    assert torch.equal(alone.eval()(ids, attention_mask=mask).logits, child.eval()(ids, attention_mask=mask).logits)
+    assert json.loads((linearize.save_adapter(child, tmp_path / "default") / "linearize_adapter.json").read_text())["base_model"] == str(tmp_path / "base")
+
+    # a parent with LoRA: its merged q/k/v/o are part of what a child trains on
+    from peft import LoraConfig, get_peft_model
+
+    wrapped = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    linearize.save_adapter(wrapped, tmp_path / "with-lora")
+    merged, _ = linearize.load_model(str(tmp_path / "with-lora"))
+    default = linearize.save_adapter(merged, tmp_path / "child-of-lora")  # its base defaults to the LoRA adapter
+    assert json.loads((default / "linearize_adapter.json").read_text())["base_model"] == str(tmp_path / "with-lora")
+    again, _ = linearize.load_model(str(default))
+    assert torch.equal(again.eval()(ids, attention_mask=mask).logits, merged.eval()(ids, attention_mask=mask).logits)
+    with pytest.raises(ValueError, match="cannot stand alone"):
+        linearize.api.copy_adapter(default, tmp_path / "refused")
+
+
 def test_reconverting_keeps_trained_parameters_and_can_restore_teacher():
     model = convert(tiny(), {"attention": "hybrid", "window": 4}, None)
     fm = model.model.layers[0].self_attn.feature_map_q.weight
