@@ -118,29 +118,29 @@ def copy_adapter(source: str | Path, target: str | Path, *, dtype: torch.dtype =
     source, target = Path(source), Path(target)
     if not (source / ADAPTER_CONFIG).is_file():
         raise FileNotFoundError(f"{source} holds no adapter (no {ADAPTER_CONFIG})")
-    base, parents = json.loads((source / ADAPTER_CONFIG).read_text())["base_model"], []
-    while (Path(base) / ADAPTER_CONFIG).is_file():
-        if (Path(base) / LORA_WEIGHTS).is_file():
-            raise ValueError(f"adapter {str(source)!r} starts from adapter {base!r}, whose LoRA weights are merged into the "
+    meta = json.loads((source / ADAPTER_CONFIG).read_text())
+    parents = []
+    while (Path(meta["base_model"]) / ADAPTER_CONFIG).is_file():
+        parent = Path(meta["base_model"])
+        if (parent / LORA_WEIGHTS).is_file():
+            raise ValueError(f"adapter {str(source)!r} starts from adapter {str(parent)!r}, whose LoRA weights are merged into the "
                              "weights it trained on: it cannot stand alone; train from the base model, or ship the parent with it")
-        parents.append(base)
-        base = json.loads((Path(base) / ADAPTER_CONFIG).read_text())["base_model"]
+        parents.append(str(parent))
+        meta["base_model"] = json.loads((parent / ADAPTER_CONFIG).read_text())["base_model"]
+    if parents:
+        meta["started_from"] = parents
+    meta = scrub_paths(meta)
+    meta["storage_dtype"] = str(dtype).removeprefix("torch.")
+    if isinstance(meta.get("lora"), dict):
+        meta["lora"]["base_model_name_or_path"] = meta["base_model"]
     target.mkdir(parents=True, exist_ok=True)
     for path in sorted(source.iterdir()):
         if path.suffix == ".safetensors":
             tensors = {k: v.to(dtype).contiguous() for k, v in load_file(str(path)).items()}
             save_file(tensors, str(target / path.name), metadata={"format": "pt"})
-        elif path.name == ADAPTER_CONFIG:
-            meta = json.loads(path.read_text())
-            if parents:
-                meta["base_model"], meta["started_from"] = base, parents
-            meta = scrub_paths(meta)
-            meta["storage_dtype"] = str(dtype).removeprefix("torch.")
-            if isinstance(meta.get("lora"), dict):
-                meta["lora"]["base_model_name_or_path"] = meta["base_model"]
-            (target / path.name).write_text(json.dumps(meta, indent=2, sort_keys=True))
-        elif path.is_file():
+        elif path.is_file() and path.name != ADAPTER_CONFIG:
             (target / path.name).write_bytes(path.read_bytes())
+    (target / ADAPTER_CONFIG).write_text(json.dumps(meta, indent=2, sort_keys=True))
     return target
 
 
