@@ -94,6 +94,32 @@ def kept_modes(model: PreTrainedModel) -> Iterator[dict[int, ConvertedAttention]
             m.mode = saved[i]
 
 
+@contextlib.contextmanager
+def inference_form(model: PreTrainedModel, changes: dict[str, Any] | None = None) -> Iterator[dict[int, ConvertedAttention]]:
+    """Inside the block the converted layers run as they will ship: mode 'hybrid' (layers in mode
+    'teacher', a nested family's inactive ones, stay so) with the flat option ``changes`` (a recipe's
+    ``inference_spec``, e.g. ``{"overlap": True}``) applied to each layer's spec in place, so the
+    parameters being trained are the ones evaluated. Modes and specs are put back after the block.
+    Changes of attention kind or of layer selection cannot be made in place: SpecError."""
+    changes = dict(changes or {})
+    structural = sorted(k for k in changes if k in ("attention", "layers", "overrides", "order", "active"))
+    if structural:
+        raise SpecError(f"inference_form changes layer options in place; {structural} change which module runs and need "
+                        "apply_spec (a reload), not an in-place change")
+    layers = converted_layers(model)
+    saved = {i: (m.mode, m.spec) for i, m in layers.items()}
+    try:
+        for m in layers.values():
+            if changes:
+                m.spec = m.spec.layer_replace(**changes)
+            if m.mode != "teacher":
+                m.set_mode("hybrid")
+        yield layers
+    finally:
+        for i, m in layers.items():
+            m.mode, m.spec = saved[i]
+
+
 def layer_modes(model: PreTrainedModel) -> dict[int, str]:
     return {i: m.mode for i, m in converted_layers(model).items()}
 
@@ -113,4 +139,4 @@ def _teacher_params(attn) -> list[torch.nn.Parameter]:
     return list(teacher.parameters())
 
 
-__all__ = ["convert", "set_mode", "set_active", "layer_modes", "kept_modes", "converted_layers", "running_layers", "new_parameters", "MODES", "GENERIC_MODES"]
+__all__ = ["convert", "set_mode", "set_active", "layer_modes", "kept_modes", "inference_form", "converted_layers", "running_layers", "new_parameters", "MODES", "GENERIC_MODES"]

@@ -25,6 +25,7 @@ DSLA layers (any mode: the layer's normal output)."""
 SWA_DROPOUT_SCHEDULES = ("none", "a", "b", "c")
 SCHEDULES = ("constant", "cosine")
 FINETUNE_MODES = ("hybrid", "la_only")
+HELDOUT_FORMS = ("training", "inference")
 ORDER_SOURCES = ("measured", "entropy", "given")
 DTYPES = ("auto", "float32", "bfloat16", "bf16-mixed")
 
@@ -94,6 +95,9 @@ class StageConfig:
     """Checkpoint (for --resume) every N steps."""
     early_stopping_patience: int | None = None
     """Stop when the held-out loss has not improved for N evaluations; keep the best weights."""
+    keep_best: bool = False
+    """End the stage with the weights of its best held-out evaluation, not its last step (always so
+    with early_stopping_patience)."""
     position_offset: int = 0
     """Each training row's position ids start at a random offset in 0..position_offset (one draw per
     row and step, from the seed): the converted layers see absolute positions up to position_offset
@@ -163,6 +167,12 @@ class FinetuneConfig(StageConfig):
     """Component mode the converted layers train in: hybrid | la_only (inference-time hybrid)."""
     swa_dropout: str = "none"
     """Scheduled sliding-window dropout (SSD): none | a | b | c (HedgeCATs paper schedules)."""
+    heldout_form: str = "training"
+    """The model the held-out evaluations score, and so what keep_best and early stopping select:
+    training (the converted layers as this stage trains them, ``mode``) | inference (as they ship:
+    mode hybrid with the recipe's inference_spec applied, e.g. an inference-time hybrid's window
+    beside the linear part it trains alone). With inference, the training form's loss is logged
+    beside it as heldout_loss_training_form."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
     """Optimiser of stage 2 (the papers: lr 1e-4)."""
 
@@ -179,6 +189,7 @@ class FinetuneConfig(StageConfig):
             raise ConfigError("finetune needs ce_weight > 0 or kl_weight > 0")
         _check_choice("finetune mode", self.mode, FINETUNE_MODES)
         _check_choice("swa_dropout", self.swa_dropout, SWA_DROPOUT_SCHEDULES)
+        _check_choice("finetune heldout_form", self.heldout_form, HELDOUT_FORMS)
 
 
 @dataclass
@@ -255,6 +266,10 @@ class TrainConfig:
                 ConversionSpec.from_dict(self.spec).replace(**self.inference_spec)
         except SpecError as err:
             raise ConfigError(f"spec: {err}") from None
+        structural = sorted(set(self.inference_spec or {}) & {"attention", "layers", "overrides", "order", "active"})
+        if self.finetune.enabled and self.finetune.heldout_form == "inference" and structural:
+            raise ConfigError(f"finetune.heldout_form 'inference' evaluates the trained layers in place, and inference_spec changes "
+                              f"{structural}, which swap modules: use heldout_form 'training'")
         c = self.chained
         if c.enabled and c.recall_weight > 0 and 2 * c.recall_passage >= self.data.seq_len:
             raise ConfigError(f"chained.recall_passage {c.recall_passage} leaves no gap between a passage and its repeat in rows of "

@@ -24,7 +24,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -172,14 +172,16 @@ def run_stage(
     device: torch.device,
     world: World,
     metrics: MetricsLog,
-    heldout_loss: Callable[[], float] | None = None,
+    heldout_loss: Callable[[], float | Mapping[str, float]] | None = None,
     resume: bool = False,
     log_every: int = 10,
     on_epoch: Callable[[int], None] | None = None,
 ) -> LoopState:
     """Train ``params`` of ``objective`` on ``train`` (N, T) token ids; returns the final loop state.
 
-    With early stopping the best held-out weights are restored at the end. ``on_epoch(epoch)`` runs
+    ``heldout_loss()`` returns the held-out loss, or a mapping with it under ``heldout_loss`` and
+    other values to log beside it (e.g. the same loss in another form of the model). With early
+    stopping or ``cfg.keep_best`` the best held-out weights are restored at the end. ``on_epoch(epoch)`` runs
     before each epoch's first step (schedules that change per epoch). ``cfg.max_minutes`` bounds the
     wall time after this call's first step (``state.seconds - state.warmup_seconds``): the first step
     pays for compiling and autotuning kernels, which would otherwise eat a short budget. One function
@@ -302,18 +304,20 @@ def _out_of_time(seconds: float, max_minutes: float | None, world: World, device
 def _evaluate(stage, state: LoopState, params, best, heldout_loss, cfg: StageConfig, metrics: MetricsLog, objective) -> tuple[bool, dict | None]:
     objective.eval()
     with torch.no_grad():
-        value = float(heldout_loss())
+        result = heldout_loss()
     objective.train()
+    extra = {k: float(v) for k, v in result.items() if k != "heldout_loss"} if isinstance(result, Mapping) else {}
+    value = float(result["heldout_loss"] if isinstance(result, Mapping) else result)
     improved = value < state.best_heldout
     if improved:
         state.best_heldout, state.best_step, state.evals_without_improvement = value, state.step, 0
-        if cfg.early_stopping_patience is not None:
+        if cfg.early_stopping_patience is not None or cfg.keep_best:
             best = {name: p.detach().cpu().clone() for name, p in params.items()}
     else:
         state.evals_without_improvement += 1
-    state.history.append({"step": state.step, "heldout_loss": value})
+    state.history.append({"step": state.step, "heldout_loss": value, **extra})
     metrics.write({"stage": stage, "step": state.step, "tokens": state.tokens, "heldout_loss": value,
-                   "heldout_ppl": math.exp(min(value, 50.0))})
+                   "heldout_ppl": math.exp(min(value, 50.0)), **extra})
     patience = cfg.early_stopping_patience
     stop = patience is not None and state.evals_without_improvement >= patience
     if stop:

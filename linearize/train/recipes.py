@@ -23,7 +23,7 @@ import torch
 
 from ..api import load_model, save_adapter
 from ..checks import load_yaml, read_yaml
-from ..convert import convert, converted_layers, new_parameters, set_active, set_mode
+from ..convert import convert, converted_layers, inference_form, new_parameters, set_active, set_mode
 from ..io import atomic_write_text
 from ..spec import ConversionSpec
 from .config import ConfigError, TrainConfig, apply_overrides, from_dict
@@ -190,14 +190,28 @@ def _run_finetune(config: TrainConfig, model, data, evaluate, common, world: Wor
     objective = FinetuneObjective(peft_model, ce_weight=f.ce_weight, kl_weight=f.kl_weight, kl_temperature=f.kl_temperature,
                                   swa_dropout=f.swa_dropout, seed=config.seed, rank=world.rank, position_offset=f.position_offset)
     state = run_stage(stage="finetune", objective=objective, params=params, train=data.train, cfg=f, optim=f.optim,
-                      heldout_loss=evaluate(f), on_epoch=objective.on_epoch, **common)
-    summary["stages"]["finetune"] = _stage_summary(state)
+                      heldout_loss=_finetune_heldout(config, unwrap(peft_model), evaluate(f)), on_epoch=objective.on_epoch, **common)
+    summary["stages"]["finetune"] = {**_stage_summary(state), "heldout_form": f.heldout_form}
     set_mode(unwrap(peft_model), "hybrid")
     if f.swa_dropout != "none":  # keep the window the schedule ended with
         window = next(m.options.window for m in converted_layers(unwrap(peft_model)).values())
         spec = ConversionSpec.from_dict(unwrap(peft_model).config.linearize)
         unwrap(peft_model).config.linearize = spec.replace(window=window).to_dict()
     return peft_model
+
+
+def _finetune_heldout(config: TrainConfig, model, training_form):
+    """Stage 2's held-out evaluation: ``training_form`` (the model as it trains) or, with
+    heldout_form 'inference', the model as it ships scored first and the training form logged beside it."""
+    if config.finetune.heldout_form == "training":
+        return training_form
+
+    def both() -> dict[str, float]:
+        with inference_form(model, config.inference_spec):
+            shipped = training_form()
+        return {"heldout_loss": shipped, "heldout_loss_training_form": training_form()}
+
+    return both
 
 
 def _run_chained(config: TrainConfig, model, data, layers, evaluate, common, eval_batch, device) -> dict[str, Any]:

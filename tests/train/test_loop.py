@@ -91,3 +91,29 @@ def test_resumed_stage_excludes_its_own_first_step_from_the_budget(tmp_path):
     state = _run_slow(SlowStart(first=0.4, each=0.02), tmp_path, max_minutes=0.5 / 60, resume=True, save_every=1)
     assert state.warmup_seconds >= 0.8 and state.step > 6
     assert 0.5 <= state.seconds - state.warmup_seconds < 0.9
+
+
+@pytest.mark.parametrize("keep_best", [False, True])
+def test_keep_best_ends_on_the_best_evaluation_of_any_logged_form(keep_best, tmp_path):
+    """Training pulls w to 1 while the held-out value, (w - 0.3)^2 summed, is best part of the way:
+    keep_best ends on that evaluation's weights, and values logged beside the held-out loss land in
+    metrics.jsonl."""
+    toy = Toy(poison=set())
+
+    def heldout():
+        w = toy.w.detach()
+        return {"heldout_loss": float(((w - 0.3) ** 2).sum()), "heldout_loss_other": float(((w - 1) ** 2).sum())}
+
+    state = run_stage(stage="toy", objective=toy, params={"w": toy.w}, train=torch.zeros(64, 4, dtype=torch.long),
+                      cfg=StageConfig(max_steps=12, eval_every=1, keep_best=keep_best), optim=OptimConfig(lr=0.1, batch_size=2),
+                      run_dir=tmp_path, seed=0, device=torch.device("cpu"), world=World(),
+                      metrics=MetricsLog(tmp_path / "metrics.jsonl", World()), heldout_loss=heldout, log_every=100)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "heldout_loss" in r]
+    assert [r["step"] for r in evals] == list(range(1, 13)) and all("heldout_loss_other" in r for r in evals)
+    assert 1 < state.best_step < 12, "the toy must peak mid-stage for this test to mean anything"
+    final = heldout()
+    if keep_best:
+        assert final["heldout_loss"] == pytest.approx(state.best_heldout, abs=1e-7)
+    else:
+        assert final["heldout_loss"] == pytest.approx(evals[-1]["heldout_loss"], abs=1e-7) and final["heldout_loss"] > state.best_heldout + 1e-3

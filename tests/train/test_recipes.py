@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 
 import linearize
 from linearize.api import load_model
-from linearize.convert import convert, new_parameters
-from linearize.spec import ConversionSpec
+from linearize.convert import convert, converted_layers, inference_form, new_parameters, set_mode
+from linearize.spec import ConversionSpec, SpecError
 from linearize.train.config import ConfigError
 from linearize.train.finetune import FinetuneObjective, ssd_schedule
 from linearize.train.recipes import load_recipe, recipe_names, run
@@ -291,6 +291,60 @@ def test_stage_two_without_lora_trains_only_the_conversion(tiny_model_dir, tiny_
         load_recipe("inference-hybrid", {"finetune.lora_rank": 0})
     with pytest.raises(ConfigError, match="lora_rank must be an integer >= 0, got -1"):
         load_recipe("inference-hybrid", {"finetune.lora_rank": -1, "finetune.train_new_params": True})
+
+
+def test_inference_form_runs_the_layers_as_they_ship_and_puts_them_back(tiny_model_dir):
+    """Inside inference_form, a model training its linear part alone computes what the shipped
+    adapter (hybrid mode, inference_spec applied) computes; after it, the training form is back."""
+    spec = ConversionSpec.from_dict({"attention": "hybrid", "window": 4, "mix": "gate", "overlap": False, "linear_rope": False})
+    model = convert(load_model(tiny_model_dir)[0], spec)
+    for p in new_parameters(model).values():  # move the maps off their initialisation
+        torch.nn.init.normal_(p, std=0.3)
+    shipped = load_model(tiny_model_dir)[0]
+    convert(shipped, spec.replace(overlap=True))
+    shipped.load_state_dict(model.state_dict())
+    set_mode(model, "la_only")
+    ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        training = model(ids).logits
+        with inference_form(model, {"overlap": True}) as layers:
+            inside = model(ids).logits
+            assert all(m.mode == "hybrid" and m.options.overlap for m in layers.values())
+        after = model(ids).logits
+        expected = shipped(ids).logits
+    torch.testing.assert_close(inside, expected, rtol=0, atol=0)
+    assert not torch.allclose(training, expected, atol=1e-3), "la_only and the shipped hybrid must differ for the test to mean anything"
+    torch.testing.assert_close(after, training, rtol=0, atol=0)
+    assert all(m.mode == "la_only" and not m.options.overlap for m in converted_layers(model).values())
+    with pytest.raises(SpecError, match=r"\['attention'\] change which module runs"):
+        with inference_form(model, {"attention": "lola"}):
+            pass
+
+
+@pytest.mark.slow
+def test_stage_two_selects_the_best_shipped_form(tiny_model_dir, tiny_corpus, tmp_path):
+    """heldout_form inference + keep_best: stage 2 scores the model as it ships (its la_only loss
+    logged beside), and the adapter it saves is the best of those evaluations."""
+    overrides = tiny_overrides(tiny_model_dir, tiny_corpus, tmp_path, **{
+        "transfer.enabled": False, "finetune.lora_rank": 0, "finetune.train_new_params": True, "finetune.optim.lr": 0.2,
+        "finetune.max_steps": 6, "finetune.eval_every": 1, "finetune.eval_batches": 1000,
+        "finetune.heldout_form": "inference", "finetune.keep_best": True})
+    config = load_recipe("inference-hybrid", overrides)
+    summary = run(config)
+    records = [json.loads(line) for line in (tmp_path / config.name / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if r["stage"] == "finetune" and "heldout_loss" in r]
+    assert len(evals) == 6
+    assert all(abs(r["heldout_loss"] - r["heldout_loss_training_form"]) > 1e-5 for r in evals), "the two forms were not both scored"
+    best = min(evals, key=lambda r: r["heldout_loss"])
+    stage = summary["stages"]["finetune"]
+    assert stage["heldout_form"] == "inference" and stage["best_step"] == best["step"]
+    assert summary["heldout_loss"] == pytest.approx(best["heldout_loss"], rel=1e-5), "the saved adapter is not the best evaluation's"
+    if best is not evals[-1]:
+        assert summary["heldout_loss"] != pytest.approx(evals[-1]["heldout_loss"], rel=1e-7)
+    with pytest.raises(ConfigError, match="unknown finetune heldout_form 'shipped'; valid choices: training, inference"):
+        load_recipe("inference-hybrid", {"finetune.heldout_form": "shipped"})
+    with pytest.raises(ConfigError, match=r"inference_spec changes \['attention'\]"):
+        load_recipe("inference-hybrid", {"finetune.heldout_form": "inference", "inference_spec": {"attention": "lola"}})
 
 
 def test_run_precision_context_sees_weight_updates():
