@@ -2,6 +2,7 @@
 
     python scripts/ship_adapter.py RUN_DIR [RUN_DIR ...]
     python scripts/ship_adapter.py RUN_DIR --name smollm2-135m-dsla-chained   (a run made under another name)
+    python scripts/ship_adapter.py RUN_DIR --parent STAGE1_RUN_DIR   (a run started from STAGE1_RUN_DIR's adapter)
     python scripts/ship_adapter.py RUN_DIR [RUN_DIR ...] --pack-to DIR   (DIR/NAME.tgz each, nothing shipped)
 
 Copies RUN_DIR/adapter (new parameters, LoRA, spec, base model name) with every tensor stored as
@@ -29,8 +30,23 @@ from linearize.names import SHIPPED, checkpoint_dir
 from linearize.io import atomic_dir, atomic_write
 
 
-def ship(run_dir: Path, name: str | None = None) -> Path:
+def with_parent(summary: dict, parent: dict) -> dict:
+    """The summary of a run started from another run's adapter (``train --model ADAPTER``), completed
+    with that run's: its stages first, the real teacher's held-out loss (the child's "teacher" is the
+    parent's adapter), and the parent's own held-out result kept as ``parent``."""
+    out = dict(summary)
+    out["stages"] = {**parent["stages"], **summary["stages"]}
+    out["model"] = parent["model"]
+    out["teacher_heldout_loss"], out["teacher_heldout_ppl"] = parent["teacher_heldout_loss"], parent["teacher_heldout_ppl"]
+    out["parent"] = {"name": parent["name"], "heldout_loss": parent["heldout_loss"], "heldout_ppl": parent["heldout_ppl"],
+                     "started_as": summary["model"]}
+    return out
+
+
+def ship(run_dir: Path, name: str | None = None, parent: Path | None = None) -> Path:
     summary = json.loads((run_dir / "summary.json").read_text())
+    if parent is not None:
+        summary = with_parent(summary, json.loads((parent / "summary.json").read_text()))
     if name is not None:
         summary["trained_as"] = summary["name"]
         summary["name"] = name
@@ -65,9 +81,13 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", type=Path)
     parser.add_argument("--name", help="ship under this name (one run only), e.g. smollm2-135m-dsla-chained")
     parser.add_argument("--pack-to", type=Path, metavar="DIR", help="write DIR/NAME.tgz per run instead of shipping")
+    parser.add_argument("--parent", type=Path, metavar="RUN_DIR",
+                        help="the run whose adapter this one started from (one run only): its stages and teacher go into training.json")
     args = parser.parse_args()
     if args.name and len(args.runs) != 1:
         parser.error("--name takes exactly one RUN_DIR")
+    if args.parent and (len(args.runs) != 1 or args.pack_to is not None):
+        parser.error("--parent takes exactly one RUN_DIR, shipped (not with --pack-to)")
     if args.pack_to is not None:
         if args.name:
             parser.error("--pack-to names each archive after its run; it does not take --name")
@@ -75,7 +95,7 @@ def main() -> None:
             print(f"packed {run_dir} -> {pack(run_dir, args.pack_to)}")
         return
     for run_dir in args.runs:
-        print(f"shipped {run_dir} -> {ship(run_dir, args.name)}")
+        print(f"shipped {run_dir} -> {ship(run_dir, args.name, args.parent)}")
 
 
 if __name__ == "__main__":

@@ -70,8 +70,11 @@ def test_recipe_runs_end_to_end_on_a_tiny_model(name, tiny_model_dir, tiny_corpu
         assert summary["spec"]["attention"] == "lola" and summary["spec"]["options"]["sparse_cache"] == 4
     model, _ = linearize.load_model(summary["adapter"])
     assert model.config.linearize["attention"] == config.spec["attention"]
-    if config.finetune.enabled:
-        assert (tmp_path / config.name / "adapter" / "lora.safetensors").is_file()
+    if config.finetune.enabled:  # LoRA saved where the recipe trains one (inference-hybrid trains its feature maps alone)
+        assert (tmp_path / config.name / "adapter" / "lora.safetensors").is_file() == (config.finetune.lora_rank > 0)
+    if name == "inference-hybrid":  # its stage 2 ends on the best evaluation of the form it ships in
+        stage = summary["stages"]["finetune"]
+        assert stage["heldout_form"] == "inference" and stage["best_heldout_loss"] == pytest.approx(summary["heldout_loss"], rel=1e-5)
 
 
 @pytest.mark.slow
@@ -288,7 +291,7 @@ def test_stage_two_without_lora_trains_only_the_conversion(tiny_model_dir, tiny_
         if n not in new:
             assert torch.equal(p, teacher[n]), f"{n} changed: stage 2 without LoRA must leave the teacher's weights"
     with pytest.raises(ConfigError, match="lora_rank 0 .* trains nothing unless finetune.train_new_params"):
-        load_recipe("inference-hybrid", {"finetune.lora_rank": 0})
+        load_recipe("inference-hybrid", {"finetune.lora_rank": 0, "finetune.train_new_params": False})
     with pytest.raises(ConfigError, match="lora_rank must be an integer >= 0, got -1"):
         load_recipe("inference-hybrid", {"finetune.lora_rank": -1, "finetune.train_new_params": True})
 
