@@ -12,7 +12,7 @@ from transformers import PreTrainedModel
 from .layers.base import GENERIC_MODES, ConvertedAttention
 from .layers.registry import all_modes
 from .modeling import apply_spec, check_spec, decoder_layers
-from .spec import ConversionSpec, SpecError
+from .spec import SELECTION_FIELDS, ConversionSpec, SpecError
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def inference_form(model: PreTrainedModel, changes: dict[str, Any] | None = None
     parameters being trained are the ones evaluated. Modes and specs are put back after the block.
     Changes of attention kind or of layer selection cannot be made in place: SpecError."""
     changes = dict(changes or {})
-    structural = sorted(k for k in changes if k in ("attention", "layers", "overrides", "order", "active"))
+    structural = sorted(k for k in changes if k in ("attention", *SELECTION_FIELDS))
     if structural:
         raise SpecError(f"inference_form changes layer options in place; {structural} change which module runs and need "
                         "apply_spec (a reload), not an in-place change")

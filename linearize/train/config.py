@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from ..checks import check_choice, check_int
-from ..spec import ConversionSpec, SpecError
+from ..spec import SELECTION_FIELDS, ConversionSpec, SpecError
 from ..data import DataConfig
 
 OBJECTIVES = ("weights", "la_weights", "la_mse", "hybrid_mse", "output_mse")
@@ -266,7 +266,7 @@ class TrainConfig:
                 ConversionSpec.from_dict(self.spec).replace(**self.inference_spec)
         except SpecError as err:
             raise ConfigError(f"spec: {err}") from None
-        structural = sorted(set(self.inference_spec or {}) & {"attention", "layers", "overrides", "order", "active"})
+        structural = sorted(set(self.inference_spec or {}) & {"attention", *SELECTION_FIELDS})
         if self.finetune.enabled and self.finetune.heldout_form == "inference" and structural:
             raise ConfigError(f"finetune.heldout_form 'inference' evaluates the trained layers in place, and inference_spec changes "
                               f"{structural}, which swap modules: use heldout_form 'training'")
