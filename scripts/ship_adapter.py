@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 from linearize.api import copy_adapter, scrub_paths
-from linearize.names import SHIPPED, checkpoint_dir
+from linearize.names import ADAPTER_CONFIG, SHIPPED, checkpoint_dir
 from linearize.io import atomic_dir, atomic_write
 
 
@@ -56,6 +56,10 @@ def ship(run_dir: Path, name: str | None = None, parent: Path | None = None) -> 
     target = checkpoint_dir(name)
     with atomic_dir(target) as tmp:
         copy_adapter(run_dir / "adapter", tmp)
+        if parent is not None:  # the adapter's own training record (save_adapter's) is the child run's alone
+            meta = json.loads((tmp / ADAPTER_CONFIG).read_text())
+            meta["training"] = scrub_paths({k: v for k, v in summary.items() if k != "data"})
+            (tmp / ADAPTER_CONFIG).write_text(json.dumps(meta, indent=2, sort_keys=True))
         (tmp / "training.json").write_text(json.dumps(scrub_paths(summary), indent=2))
     return target
 
