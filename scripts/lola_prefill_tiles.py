@@ -1,6 +1,6 @@
-"""Time LoLA's fused prefill (``ops.fused_lola.lola_prefill``: one program per row and query head,
-the chunks in a loop inside it) with each tile of its [S | z] passes, at one layer's prefill shape
-(CUDA, bfloat16 model), against flash softmax over the same q, k, v.
+"""Time LoLA's fused prefill (``ops.fused_lola.lola_prefill``: the selection kernel, one program per
+row and query head through the chunks, then the read kernel, one program per chunk) with each tiling,
+at one layer's prefill shape (CUDA, bfloat16 model), against flash softmax over the same q, k, v.
 
     python scripts/lola_prefill_tiles.py OUT_DIR [--lengths 8192,32768] [--batch 1] [--shape llama3-8b] [--sparse 256]
 
@@ -8,8 +8,9 @@ The layer (``--shape``: a name of ``linearize bench --layer``) is read as LoLA w
 64 and 256 sparse slots, a square Hedgehog map (2 x head_dim features). OUT_DIR/lola_prefill_tiles.json holds, per length, the
 milliseconds of softmax (SDPA, causal, grouped heads), of the whole op from an empty memory
 (``lola_attention``: the features of every query and key, the kernel, the memory gathered) with each
-tile (``FxVwW``: feature rows x value columns of a state tile, warps; a failed compile gives its
-error), of the kernel alone at the best tile, and the best tile's call by kernel (``profile_ms``).
+tiling (``cCfFvVwWrRrfG``: cache entries per candidate block, feature rows x value columns of a state
+tile, warps of the selection kernel, warps of the read kernel, feature rows of its state tile; a failed compile gives its error),
+and the best tiling's call by kernel (``profile_ms``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,32 @@ from linearize.ops import fused_lola
 from linearize.ops.feature_maps import hedgehog
 from linearize.ops.lola import lola_attention
 
-TILES = ((64, 128, 4), (64, 128, 8), (64, 64, 4), (128, 128, 8))
+TILES = ((128, 128, 64, 8, 8, 64), (128, 128, 128, 8, 4, 64), (128, 128, 64, 8, 8, 128))
+"""(cache block, feature rows, value columns, selection warps, read warps, read feature rows)."""
+
+
+def _use(tile: tuple[int, ...]) -> None:
+    (
+        fused_lola.PREFILL_BLOCK_CACHE,
+        fused_lola.PREFILL_BLOCK_FEATURES,
+        fused_lola.PREFILL_BLOCK_VALUES,
+        fused_lola.PREFILL_WARPS,
+        fused_lola.PREFILL_READ_WARPS,
+        fused_lola.PREFILL_READ_BLOCK_FEATURES,
+    ) = tile
+
+
+def _name(tile: tuple[int, ...]) -> str:
+    return "c{}f{}v{}w{}r{}rf{}".format(*tile)
+
+
+def _profile(call) -> dict[str, float]:
+    """Milliseconds by CUDA kernel of one call, the ten longest."""
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    kernels = {e.key: e.device_time_total / 1e3 for e in prof.key_averages() if e.device_time_total > 0}
+    return dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:10])
 
 
 def main() -> None:
@@ -53,27 +79,24 @@ def main() -> None:
         rows = {"softmax_ms": cuda_mean_us(softmax, repeats=5, warmup=2) / 1e3}
         call = functools.partial(lola_attention, q, k, v, phi_q=phi_q, phi_k=phi_k, window=w, sparse=lam, chunk=w,
                                  window_factor=torch.ones(hq, device=dev), sinks=4, linear_weight=0.1)  # fmt: skip
-        for fb, vb, warps in TILES:
-            name = f"{fb}x{vb}w{warps}"
-            fused_lola.PREFILL_BLOCK_FEATURES, fused_lola.PREFILL_BLOCK_VALUES, fused_lola.PREFILL_WARPS = fb, vb, warps
+        for tile in TILES:
+            name = _name(tile)
+            _use(tile)
             try:
                 with torch.no_grad():
                     rows[name] = cuda_mean_us(call, repeats=3, warmup=1) / 1e3
+                prof = _profile(call)
+                rows[f"{name}_kernels_ms"] = {k: prof[k] for k in prof if k.startswith("lola_")}
             except Exception as e:  # noqa: BLE001 (a tile that does not compile is reported, not fatal)
                 rows[name] = f"{type(e).__name__}: {str(e)[:200]}"
             print(t, name, rows[name], flush=True)
-        tiles = [k for k in rows if isinstance(rows[k], float) and k != "softmax_ms"]
+        tiles = [_name(x) for x in TILES if isinstance(rows.get(_name(x)), float)]
         best = min(tiles, key=rows.get, default=None)
         if best:
-            fb, vb, warps = next(x for x in TILES if f"{x[0]}x{x[1]}w{x[2]}" == best)
-            fused_lola.PREFILL_BLOCK_FEATURES, fused_lola.PREFILL_BLOCK_VALUES, fused_lola.PREFILL_WARPS = fb, vb, warps
+            _use(next(x for x in TILES if _name(x) == best))
             rows["best"] = best
             rows["best_over_softmax"] = rows[best] / rows["softmax_ms"]
-            with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                call()
-                torch.cuda.synchronize()
-            kernels = {e.key: e.device_time_total / 1e3 for e in prof.key_averages() if e.device_time_total > 0}
-            rows["profile_ms"] = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:10])
+            rows["profile_ms"] = _profile(call)
         report["lengths"][t] = rows
         print(json.dumps(rows, indent=1), flush=True)
         args.out.mkdir(parents=True, exist_ok=True)

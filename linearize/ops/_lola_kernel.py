@@ -275,216 +275,244 @@ def _exact(a, b, LOWP: tl.constexpr):
 
 
 @triton.jit
-def _candidates(cache, r, par, ci, p0, n, LAM: tl.constexpr, C: tl.constexpr, ETA: tl.constexpr):
-    """Candidates ``ci`` (BC,) of a chunk starting at position p0 with n real tokens: the sparse cache
-    (parity ``par``; indices < LAM, in position order, empty slots last), then the window's n oldest
-    slots (positions p0 - ETA + s). Returns their positions (0 where not valid) and validity."""
-    in_cache = ci < LAM
-    ctok = tl.load(cache + (r * 2 + par) * LAM + ci, mask=in_cache, other=-1).to(tl.int64)
-    s = ci - LAM
-    ltok = p0 - ETA + s
-    val = tl.where(in_cache, ctok >= 0, (s >= 0) & (s < n) & (ltok >= 0))
-    tok = tl.where(in_cache, ctok, ltok)
-    return tl.where(val, tok, 0), val
+def _recall_errors(kphi, v, frow, vrow, tok, val, base, zbase, sinks, R: tl.constexpr, F: tl.constexpr, DV: tl.constexpr,
+                   BF: tl.constexpr, BV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr):  # fmt: skip
+    """Self-recall errors (R,) float32 of the tokens ``tok`` (features at kphi row frow + tok, values
+    at v row vrow + tok) against [S | z] at ``base`` / ``zbase``: sinks +inf, not ``val`` -inf."""
+    nrm = tl.zeros([R], dtype=tl.float32)
+    err2 = tl.zeros([R], dtype=tl.float32)
+    for v0 in tl.static_range(0, DV, BV):
+        ov = v0 + tl.arange(0, BV)
+        mv = ov < DV
+        acc = tl.zeros([R, BV], dtype=tl.float32)
+        for f0 in tl.static_range(0, F, BF):
+            of = f0 + tl.arange(0, BF)
+            mf = of < F
+            kf = tl.load(kphi + (frow + tok)[:, None] * F + of[None, :], mask=val[:, None] & mf[None, :], other=0.0).to(tl.float32)
+            st = tl.load(base + of[:, None] * DV + ov[None, :], mask=mf[:, None] & mv[None, :], other=0.0)
+            acc += _product(kf, st, LOWP)
+            if v0 == 0:
+                z = tl.load(zbase + of, mask=mf, other=0.0)
+                nrm += tl.sum(kf * z[None, :], axis=1)
+        ok = nrm > EPS
+        vv = tl.load(v + (vrow + tok)[:, None] * DV + ov[None, :], mask=val[:, None] & mv[None, :], other=0.0).to(tl.float32)
+        diff = tl.where(ok[:, None], acc / tl.where(ok, nrm, 1.0)[:, None], 0.0) - vv
+        diff = tl.where(mv[None, :], diff, 0.0)
+        err2 += tl.sum(diff * diff, axis=1)
+    e = tl.where(tok < sinks, float("inf"), tl.sqrt(err2))
+    return tl.where(val, e, float("-inf"))
 
 
 @triton.jit
-def lola_prefill_kernel(
-    q, k, v, qphi, kphi, n_real, factor, lw,
-    out, lin, zs, cache, errs, flags, wlist, rbuf, rbz,
-    t_len, sinks, n_rep, scale, weight_tokens,
-    H: tl.constexpr, D: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, ETA: tl.constexpr, C: tl.constexpr,
-    LAM: tl.constexpr, BC: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BF: tl.constexpr,
-    BV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr, READ_STATE: tl.constexpr, READ_SPARSE: tl.constexpr,
-    CHUNKS: tl.constexpr,
+def lola_select_kernel(
+    v, kphi, n_real, lin, zs, held_buf, hist, lkept, nread, errs, wlist, snap, snapz,
+    t_len, n_chunks, c_first, c_last, n_seg, sinks, n_rep,
+    H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, ETA: tl.constexpr, C: tl.constexpr, LAM: tl.constexpr,
+    BC: tl.constexpr, BL: tl.constexpr, BN: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, LOWP: tl.constexpr,
+    EPS: tl.constexpr, SNAP: tl.constexpr, CH0: tl.constexpr, CH1: tl.constexpr,
 ):  # fmt: skip
-    """LoLA's chunked prefill from an empty memory for one (row, query head), chunk by chunk
-    (``ops.lola.lola_attention``'s rule): select, write the state, read. Tokens are addressed by
-    position (the row's real tokens packed first), so the sparse cache is a list of positions. Every
-    row runs the batch's chunks; past its real tokens a chunk has no candidate to write and no query."""
+    """The sequential half of LoLA's chunked prefill for one (row, query head), chunks c_first ..
+    c_last - 1 (``ops.lola.lola_attention``'s rule): per chunk the candidates' (the cache, then the
+    window's leavers) self-recall errors against [S | z], the lambda largest kept (the stable
+    sort's rule: ties to the earlier candidate), the new cache as a list of positions in ``hist``,
+    the cache entries not kept written into [S | z] (the state the chunk's queries read, saved in
+    ``snap`` / ``snapz`` when SNAP), then the leavers not kept. No query is read here."""
     r = tl.program_id(0).to(tl.int64)  # one (batch row, query head)
     b = r // H
     h = r % H
     kr = b * (H // n_rep) + h // n_rep
-    NC: tl.constexpr = LAM + C  # candidates per chunk
-    NCP: tl.constexpr = LAM + BC  # their scratch row
-    base = lin + r * F * DV  # S (F, DV), rows aligned for wide loads
+    NCP: tl.constexpr = LAM + BC  # a candidate row of the scratch: the cache, then the leavers
+    base = lin + r * F * DV  # S (F, DV)
     zbase = zs + r * F  # z (F,)
-    qrow = r * t_len  # first token of this (row, query head) in q, qphi, kphi, out
-    krow = kr * t_len  # and of its KV head in k, v
+    frow = r * t_len  # first token of this (row, query head) in kphi
+    vrow = kr * t_len  # and of its KV head in v
     nr = tl.load(n_real + b).to(tl.int64)
-    f = tl.load(factor + h)
-    lw_h = tl.load(lw + h)
+    held = tl.load(held_buf + r)
+    ob = tl.arange(0, BC)
+    oa = tl.arange(0, BN)
+    o16 = tl.arange(0, 16).to(tl.int64)
+    # Chunks as constants where Triton's interpreter runs the kernel (it passes runtime scalars as
+    # one-element arrays, which NumPy 2 refuses as a loop bound).
+    for chunk in range(CH0 if CH1 > 0 else c_first, CH1 if CH1 > 0 else c_last):
+        p0 = chunk * C
+        n = tl.maximum(tl.minimum(nr - p0, C), 0)
+        prev = hist + (r * (n_chunks + 1) + chunk) * LAM  # the cache before the chunk (positions, -1 empty, last)
+        new = prev + LAM
+
+        # 1. Every candidate's error against the state before the chunk, into the scratch row.
+        for c0 in tl.static_range(0, LAM, BL):
+            ci = c0 + tl.arange(0, BL)
+            mi = ci < LAM
+            tok = tl.load(prev + ci, mask=mi, other=-1).to(tl.int64)
+            val = tok >= 0
+            e = _recall_errors(kphi, v, frow, vrow, tl.where(val, tok, 0), val, base, zbase, sinks, BL, F, DV, BF, BV, LOWP, EPS)
+            tl.store(errs + r * NCP + ci, e, mask=mi)
+        ltok = p0 - ETA + ob  # the leavers: the window's n oldest slots
+        lval = (ob < n) & (ltok >= 0)
+        e = _recall_errors(kphi, v, frow, vrow, tl.where(lval, ltok, 0), lval, base, zbase, sinks, BC, F, DV, BF, BV, LOWP, EPS)
+        tl.store(errs + r * NCP + LAM + ob, e)
+        tl.debug_barrier()
+
+        # 2. Keep the lambda largest: the lambda-th largest error's key found 4 bits at a time
+        # (keys: the float's bits + 1, monotone for errors >= 0 and +inf; 0 for -inf), every key
+        # above it kept and, of those equal to it, the earliest candidates.
+        ea = tl.load(errs + r * NCP + oa, mask=oa < NCP, other=float("-inf"))
+        key = tl.where(ea > float("-inf"), ea.to(tl.int32, bitcast=True).to(tl.int64) + 1, 0)
+        thr = tl.full([], 0, tl.int64)
+        for sh in tl.static_range(28, -4, -4):
+            probe = thr | (o16 << sh)
+            cnt = tl.sum((key[:, None] >= probe[None, :]).to(tl.int32), axis=0)
+            thr = thr | (tl.max(tl.where(cnt >= LAM, o16, 0), axis=0) << sh)
+        above = key > thr
+        eq = (key == thr).to(tl.int32)
+        need = LAM - tl.sum(above.to(tl.int32), axis=0)
+        kept = (above | ((eq != 0) & (tl.cumsum(eq, axis=0) - eq < need))) & (key > 0)
+        ctok = tl.load(prev + oa, mask=oa < LAM, other=-1)
+        tok_a = tl.where(oa < LAM, ctok, (p0 - ETA + oa - LAM).to(tl.int32))
+        ki = kept.to(tl.int32)
+        tl.store(new + tl.cumsum(ki, axis=0) - ki, tok_a, mask=kept)
+        nk = tl.sum(ki, axis=0)
+        tl.store(new + oa, tl.full([BN], -1, tl.int32), mask=(oa < LAM) & (oa >= nk))
+        wc = ((oa < LAM) & (ctok >= 0) & (kept == 0)).to(tl.int32)  # cache entries not kept: written first
+        tl.store(wlist + r * BC + tl.cumsum(wc, axis=0) - wc, ctok, mask=wc != 0)
+        nw = tl.sum(wc, axis=0)
+        tl.store(wlist + r * BC + ob, tl.full([BC], -1, tl.int32), mask=ob >= nw)
+        tl.store(lkept + (r * n_chunks + chunk) * BC + oa - LAM, ki.to(tl.int8), mask=(oa >= LAM) & (oa < NCP))
+        tl.store(nread + r * n_chunks + chunk, (held + nw).to(tl.int32))
+        tl.debug_barrier()
+
+        # 3. One pass over [S | z]: the cache entries not kept join it (the state the chunk's
+        # queries read, saved), then the leavers not kept.
+        wtok = tl.load(wlist + r * BC + ob).to(tl.int64)
+        wval = wtok >= 0
+        wtok = tl.where(wval, wtok, 0)
+        lk = tl.load(lkept + (r * n_chunks + chunk) * BC + ob)
+        lw = lval & (lk == 0)
+        ltok = tl.where(lw, ltok, 0)
+        sv = snap + ((r * n_seg + chunk - c_first) * F) * DV  # this chunk's saved state
+        sz = snapz + (r * n_seg + chunk - c_first) * F
+        for v0 in tl.static_range(0, DV, BV):
+            ov = v0 + tl.arange(0, BV)
+            mv = ov < DV
+            vc = tl.load(v + (vrow + wtok)[:, None] * DV + ov[None, :], mask=wval[:, None] & mv[None, :], other=0.0)
+            vl = tl.load(v + (vrow + ltok)[:, None] * DV + ov[None, :], mask=lw[:, None] & mv[None, :], other=0.0)
+            for f0 in tl.static_range(0, F, BF):
+                of = f0 + tl.arange(0, BF)
+                mf = of < F
+                m2 = mf[:, None] & mv[None, :]
+                kc = tl.load(kphi + (frow + wtok)[:, None] * F + of[None, :], mask=wval[:, None] & mf[None, :], other=0.0)
+                kl = tl.load(kphi + (frow + ltok)[:, None] * F + of[None, :], mask=lw[:, None] & mf[None, :], other=0.0)
+                ptr = base + of[:, None] * DV + ov[None, :]
+                st = tl.load(ptr, mask=m2, other=0.0) + _exact(tl.trans(kc), vc, LOWP)
+                if SNAP:
+                    tl.store(sv + of[:, None] * DV + ov[None, :], st, mask=m2)
+                tl.store(ptr, st + _exact(tl.trans(kl), vl, LOWP), mask=m2)
+                if v0 == 0:
+                    zc = tl.load(zbase + of, mask=mf, other=0.0) + tl.sum(kc.to(tl.float32), axis=0)
+                    if SNAP:
+                        tl.store(sz + of, zc, mask=mf)
+                    tl.store(zbase + of, zc + tl.sum(kl.to(tl.float32), axis=0), mask=mf)
+        held += nw + tl.sum(lw.to(tl.int32), axis=0)
+        tl.debug_barrier()
+    tl.store(held_buf + r, held)
+
+
+@triton.jit
+def lola_read_kernel(
+    q, k, v, qphi, kphi, n_real, factor, lw, out, hist, lkept, nread, snap, snapz,
+    t_len, n_chunks, c_first, n_seg, sinks, n_rep, scale, weight_tokens,
+    H: tl.constexpr, D: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, ETA: tl.constexpr, C: tl.constexpr,
+    LAM: tl.constexpr, BC: tl.constexpr, BL: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+    BF: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr, READ_STATE: tl.constexpr, READ_SPARSE: tl.constexpr,
+):  # fmt: skip
+    """The parallel half: the output of one chunk's queries for one (row, query head), from what
+    ``lola_select_kernel`` left: each query's true window and the chunk's new cache entries older
+    than it exactly (one running max, the window factor), the saved state and the leavers written
+    that have left its window linearly (the length weight counting what it reads)."""
+    r = tl.program_id(0).to(tl.int64)  # one (batch row, query head)
+    chunk = c_first + tl.program_id(1)
+    b = r // H
+    h = r % H
+    kr = b * (H // n_rep) + h // n_rep
+    qrow = r * t_len
+    krow = kr * t_len
+    p0 = chunk * C
+    n = tl.maximum(tl.minimum(tl.load(n_real + b).to(tl.int64) - p0, C), 0)
     ob = tl.arange(0, BC)
     od = tl.arange(0, BD)
     md = od < D
     odv = tl.arange(0, BDV)
     mdv = odv < DV
-    held = tl.full([], 0, tl.int64)
-    # A row's chunks past its real tokens change nothing. CHUNKS: their number as a constant where
-    # Triton's interpreter runs the kernel (it passes runtime scalars as one-element arrays, which
-    # NumPy 2 refuses as a loop bound).
-    for chunk in range(0, CHUNKS if CHUNKS > 0 else tl.cdiv(t_len, C)):
-        p0 = chunk * C
-        n = tl.maximum(tl.minimum(nr - p0, C), 0)
-        par = chunk % 2
+    qtok = p0 + ob
+    qval = ob < n
+    qtok = tl.where(qval, qtok, 0)
+    first = qtok - ETA + 1  # the oldest position of each query's window
 
-        # 1. Every candidate's self-recall error against the state before the chunk: phi [S | z]
-        # tile by tile, z with the first value tile.
-        for c0 in range(0, NC, BC):
-            ci = c0 + ob
-            tok, val = _candidates(cache, r, par, ci, p0, n, LAM, C, ETA)
-            val = val & (ci < NC)
-            nrm = tl.zeros([BC], dtype=tl.float32)
-            err2 = tl.zeros([BC], dtype=tl.float32)
-            for v0 in range(0, DV, BV):
-                ov = v0 + tl.arange(0, BV)
-                mv = ov < DV
-                acc = tl.zeros([BC, BV], dtype=tl.float32)
-                for f0 in range(0, F, BF):
-                    of = f0 + tl.arange(0, BF)
-                    mf = of < F
-                    kf = tl.load(kphi + (qrow + tok)[:, None] * F + of[None, :], mask=val[:, None] & mf[None, :], other=0.0).to(tl.float32)
-                    st = tl.load(base + of[:, None] * DV + ov[None, :], mask=mf[:, None] & mv[None, :], other=0.0)
-                    acc += _product(kf, st, LOWP)
-                    if v0 == 0:
-                        z = tl.load(zbase + of, mask=mf, other=0.0)
-                        nrm += tl.sum(kf * z[None, :], axis=1)
-                ok = nrm > EPS
-                vv = tl.load(v + (krow + tok)[:, None] * DV + ov[None, :], mask=val[:, None] & mv[None, :], other=0.0).to(tl.float32)
-                diff = tl.where(ok[:, None], acc / tl.where(ok, nrm, 1.0)[:, None], 0.0) - vv
-                diff = tl.where(mv[None, :], diff, 0.0)
-                err2 += tl.sum(diff * diff, axis=1)
-            e = tl.where(tok < sinks, float("inf"), tl.sqrt(err2))
-            e = tl.where(val, e, float("-inf"))
-            tl.store(errs + r * NCP + ci, e, mask=ci < NC)
-        tl.debug_barrier()
+    # The exact read.
+    qx = tl.load(q + (qrow + qtok)[:, None] * D + od[None, :], mask=qval[:, None] & md[None, :], other=0.0)
+    ow = tl.arange(0, BW)
+    wpos = p0 - ETA + ow  # the window before the chunk, then the chunk
+    wreal = (ow < ETA + n) & (wpos >= 0)
+    wtk = tl.where(wreal, wpos, 0)
+    kw = tl.load(k + (krow + wtk)[:, None] * D + od[None, :], mask=wreal[:, None] & md[None, :], other=0.0)
+    s = _exact(qx, tl.trans(kw), LOWP) * scale
+    okw = wreal[None, :] & (wpos[None, :] >= first[:, None]) & (wpos[None, :] <= qtok[:, None]) & qval[:, None]
+    s = tl.where(okw, s, float("-inf"))
+    m = tl.max(s, axis=1)
+    m = tl.where(m > float("-inf"), m, 0.0)
+    p = tl.exp(s - m[:, None])
+    vw = tl.load(v + (krow + wtk)[:, None] * DV + odv[None, :], mask=wreal[:, None] & mdv[None, :], other=0.0)
+    acc = _product_left(p, vw, LOWP)
+    den = tl.sum(p, axis=1)
+    if READ_SPARSE:
+        cache = hist + (r * (n_chunks + 1) + chunk + 1) * LAM  # the cache after the chunk's choice
+        for c0 in tl.static_range(0, LAM, BL):
+            oc = c0 + tl.arange(0, BL)
+            ctok = tl.load(cache + oc, mask=oc < LAM, other=-1).to(tl.int64)
+            cval = ctok >= 0
+            ctk = tl.where(cval, ctok, 0)
+            kc = tl.load(k + (krow + ctk)[:, None] * D + od[None, :], mask=cval[:, None] & md[None, :], other=0.0)
+            sc = _exact(qx, tl.trans(kc), LOWP) * scale
+            sc = tl.where(cval[None, :] & (ctok[None, :] < first[:, None]) & qval[:, None], sc, float("-inf"))
+            m_new = tl.maximum(m, tl.max(sc, axis=1))
+            alpha = tl.exp(m - m_new)
+            pc = tl.exp(sc - m_new[:, None])
+            vc = tl.load(v + (krow + ctk)[:, None] * DV + odv[None, :], mask=cval[:, None] & mdv[None, :], other=0.0)
+            acc = acc * alpha[:, None] + _product_left(pc, vc, LOWP)
+            den = den * alpha + tl.sum(pc, axis=1)
+            m = m_new
+    f = tl.load(factor + h)
+    num = f * acc
+    den = f * den
 
-        # 2. Keep the lambda largest (a stable descending sort: ties to the earlier candidate), in
-        # candidate order, which is position order: the new cache. The cache entries not kept are
-        # listed for the state's write; the leavers' choices are flagged.
-        oa = tl.arange(0, BN)
-        ea = tl.load(errs + r * NCP + oa, mask=oa < NC, other=float("-inf"))  # every candidate's error
-        nk = tl.full([], 0, tl.int32)
-        nw = tl.full([], 0, tl.int32)
-        for c0 in range(0, NC, BC):
-            ci = c0 + ob
-            mi = ci < NC
-            tok, val = _candidates(cache, r, par, ci, p0, n, LAM, C, ETA)
-            ei = tl.load(errs + r * NCP + ci, mask=mi, other=float("-inf"))
-            ahead = (ea[None, :] > ei[:, None]) | ((ea[None, :] == ei[:, None]) & (oa[None, :] < ci[:, None]))
-            rank = tl.sum((ahead & (oa < NC)[None, :]).to(tl.int32), axis=1)
-            kk = ((rank < LAM) & (ei > float("-inf")) & mi).to(tl.int32)
-            tl.store(flags + r * NCP + ci, kk.to(tl.int8), mask=mi)
-            slot = nk + tl.cumsum(kk, axis=0) - kk
-            tl.store(cache + (r * 2 + 1 - par) * LAM + slot, tok.to(tl.int32), mask=kk != 0)
-            wc = (val & mi & (kk == 0) & (ci < LAM)).to(tl.int32)
-            wslot = nw + tl.cumsum(wc, axis=0) - wc
-            tl.store(wlist + r * BC + wslot, tok.to(tl.int32), mask=wc != 0)
-            nk += tl.sum(kk, axis=0)
-            nw += tl.sum(wc, axis=0)
-        for c0 in range(0, LAM, BC):
-            oi = c0 + ob
-            tl.store(cache + (r * 2 + 1 - par) * LAM + oi, tl.full([BC], -1, tl.int32), mask=(oi < LAM) & (oi >= nk))
-        tl.store(wlist + r * BC + ob, tl.full([BC], -1, tl.int32), mask=ob >= nw)
-        tl.debug_barrier()
-
-        # 3. One pass over [S | z]: the cache entries not kept join it (older than every query's
-        # window), the queries read it, then the window's leavers not kept join it. With the first
-        # value tile: z, and the queries' products with the leavers' features (read on the fly).
-        wtok = tl.load(wlist + r * BC + ob).to(tl.int64)
-        wval = wtok >= 0
-        wtok = tl.where(wval, wtok, 0)
+    if READ_STATE:  # LoLCATs convention: the linear term is not rescaled by exp(-m)
         ltok = p0 - ETA + ob  # the leavers (window slot ob)
-        lkept = tl.load(flags + r * NCP + LAM + ob, mask=ob < C, other=0)
-        lval = (ob < n) & (ltok >= 0) & (lkept == 0)  # written
+        lk = tl.load(lkept + (r * n_chunks + chunk) * BC + ob)
+        lval = (ob < n) & (ltok >= 0) & (lk == 0)  # written into the state
         ltok = tl.where(lval, ltok, 0)
-        qtok = p0 + ob
-        qval = ob < n
-        qtok = tl.where(qval, qtok, 0)
-        qz = tl.zeros([BC], dtype=tl.float32)
+        gone = (ltok[None, :] < first[:, None]) & lval[None, :]  # (query, leaver) written and out of the window
+        sv = snap + ((r * n_seg + chunk - c_first) * F) * DV
+        sz = snapz + (r * n_seg + chunk - c_first) * F
+        lin_num = tl.zeros([BC, BDV], dtype=tl.float32)
+        lin_den = tl.zeros([BC], dtype=tl.float32)
         a = tl.zeros([BC, BC], dtype=tl.float32)  # phi(q_i) . phi(k_s), query i, leaver s
-        for v0 in range(0, DV, BV):
-            ov = v0 + tl.arange(0, BV)
-            mv = ov < DV
-            vc = tl.load(v + (krow + wtok)[:, None] * DV + ov[None, :], mask=wval[:, None] & mv[None, :], other=0.0)
-            vl = tl.load(v + (krow + ltok)[:, None] * DV + ov[None, :], mask=lval[:, None] & mv[None, :], other=0.0)
-            qacc = tl.zeros([BC, BV], dtype=tl.float32)
-            for f0 in range(0, F, BF):
-                of = f0 + tl.arange(0, BF)
-                mf = of < F
-                kc = tl.load(kphi + (qrow + wtok)[:, None] * F + of[None, :], mask=wval[:, None] & mf[None, :], other=0.0)
-                kl = tl.load(kphi + (qrow + ltok)[:, None] * F + of[None, :], mask=lval[:, None] & mf[None, :], other=0.0)
-                qf = tl.load(qphi + (qrow + qtok)[:, None] * F + of[None, :], mask=qval[:, None] & mf[None, :], other=0.0)
-                ptr = base + of[:, None] * DV + ov[None, :]
-                m2 = mf[:, None] & mv[None, :]
-                st = tl.load(ptr, mask=m2, other=0.0) + _exact(tl.trans(kc), vc, LOWP)
-                if READ_STATE:
-                    qacc += _product(qf.to(tl.float32), st, LOWP)
-                st = st + _exact(tl.trans(kl), vl, LOWP)
-                tl.store(ptr, st, mask=m2)
-                if v0 == 0:
-                    zc = tl.load(zbase + of, mask=mf, other=0.0) + tl.sum(kc.to(tl.float32), axis=0)
-                    tl.store(zbase + of, zc + tl.sum(kl.to(tl.float32), axis=0), mask=mf)
-                    if READ_STATE:
-                        qz += tl.sum(qf.to(tl.float32) * zc[None, :], axis=1)
-                        a += _exact(qf, tl.trans(kl), LOWP)
-            if READ_STATE:
-                tl.store(rbuf + (r * BC + ob)[:, None] * DV + ov[None, :], qacc, mask=mv[None, :])
-        if READ_STATE:
-            tl.store(rbz + r * BC + ob, qz)
-        tl.debug_barrier()
-
-        # 4. The read: each query's true window and the new cache's entries older than it exactly
-        # (one running max, the window factor), the state and the leavers it has lost linearly.
-        qpos = p0 + ob
-        first = qpos - ETA + 1  # the oldest position of each query's window
-        qx = tl.load(q + (qrow + qtok)[:, None] * D + od[None, :], mask=qval[:, None] & md[None, :], other=0.0)
-        ow = tl.arange(0, BW)
-        wpos = p0 - ETA + ow  # the window before the chunk, then the chunk
-        wreal = (ow < ETA + n) & (wpos >= 0)
-        wtk = tl.where(wreal, wpos, 0)
-        kw = tl.load(k + (krow + wtk)[:, None] * D + od[None, :], mask=wreal[:, None] & md[None, :], other=0.0)
-        s = _exact(qx, tl.trans(kw), LOWP) * scale
-        okw = wreal[None, :] & (wpos[None, :] >= first[:, None]) & (wpos[None, :] <= qpos[:, None]) & qval[:, None]
-        s = tl.where(okw, s, float("-inf"))
-        m = tl.max(s, axis=1)
-        m = tl.where(m > float("-inf"), m, 0.0)
-        p = tl.exp(s - m[:, None])
-        vw = tl.load(v + (krow + wtk)[:, None] * DV + odv[None, :], mask=wreal[:, None] & mdv[None, :], other=0.0)
-        acc = _product_left(p, vw, LOWP)
-        den = tl.sum(p, axis=1)
-        if READ_SPARSE:
-            for c0 in range(0, LAM, BC):
-                oc = c0 + ob
-                ctok = tl.load(cache + (r * 2 + 1 - par) * LAM + oc, mask=oc < LAM, other=-1).to(tl.int64)
-                cval = ctok >= 0
-                ctk = tl.where(cval, ctok, 0)
-                kc = tl.load(k + (krow + ctk)[:, None] * D + od[None, :], mask=cval[:, None] & md[None, :], other=0.0)
-                sc = _exact(qx, tl.trans(kc), LOWP) * scale
-                sc = tl.where(cval[None, :] & (ctok[None, :] < first[:, None]) & qval[:, None], sc, float("-inf"))
-                m_new = tl.maximum(m, tl.max(sc, axis=1))
-                alpha = tl.exp(m - m_new)
-                pc = tl.exp(sc - m_new[:, None])
-                vc = tl.load(v + (krow + ctk)[:, None] * DV + odv[None, :], mask=cval[:, None] & mdv[None, :], other=0.0)
-                acc = acc * alpha[:, None] + _product_left(pc, vc, LOWP)
-                den = den * alpha + tl.sum(pc, axis=1)
-                m = m_new
-        num = f * acc
-        den = f * den
-        lpos = p0 - ETA + ob
-        gone = (lpos[None, :] < first[:, None]) & lval[None, :]  # (query, leaver) written and out of the window
-        if READ_STATE:  # LoLCATs convention: the linear term is not rescaled by exp(-m)
-            n_read = held + nw + tl.sum(gone.to(tl.int32), axis=1)
-            lf = tl.minimum(weight_tokens / tl.maximum(n_read, 1).to(tl.float32), 1.0)
-            wt = lw_h * tl.where(weight_tokens > 0, lf, 1.0)
-            a = tl.where(gone, a, 0.0)
-            vl = tl.load(v + (krow + ltok)[:, None] * DV + odv[None, :], mask=lval[:, None] & mdv[None, :], other=0.0)
-            lin_num = tl.load(rbuf + (r * BC + ob)[:, None] * DV + odv[None, :], mask=mdv[None, :], other=0.0) + _product_left(a, vl, LOWP)
-            lin_den = tl.load(rbz + r * BC + ob) + tl.sum(a, axis=1)
-            num += wt[:, None] * lin_num
-            den += wt * lin_den
-        o = tl.where(den[:, None] > EPS, num / tl.where(den > EPS, den, 1.0)[:, None], 0.0)
-        tl.store(out + (qrow + qtok)[:, None] * DV + odv[None, :], o.to(out.dtype.element_ty), mask=qval[:, None] & mdv[None, :])
-        held += (nw + tl.sum(lval.to(tl.int32), axis=0)).to(tl.int64)
-        tl.debug_barrier()
+        for f0 in tl.static_range(0, F, BF):
+            of = f0 + tl.arange(0, BF)
+            mf = of < F
+            qf = tl.load(qphi + (qrow + qtok)[:, None] * F + of[None, :], mask=qval[:, None] & mf[None, :], other=0.0)
+            kl = tl.load(kphi + (qrow + ltok)[:, None] * F + of[None, :], mask=lval[:, None] & mf[None, :], other=0.0)
+            st = tl.load(sv + of[:, None] * DV + odv[None, :], mask=mf[:, None] & mdv[None, :], other=0.0)
+            lin_num += _product(qf.to(tl.float32), st, LOWP)
+            lin_den += tl.sum(qf.to(tl.float32) * tl.load(sz + of, mask=mf, other=0.0)[None, :], axis=1)
+            a += _exact(qf, tl.trans(kl), LOWP)
+        n_read = tl.load(nread + r * n_chunks + chunk) + tl.sum(gone.to(tl.int32), axis=1)
+        lf = tl.minimum(weight_tokens / tl.maximum(n_read, 1).to(tl.float32), 1.0)
+        wt = tl.load(lw + h) * tl.where(weight_tokens > 0, lf, 1.0)
+        a = tl.where(gone, a, 0.0)
+        vl = tl.load(v + (krow + ltok)[:, None] * DV + odv[None, :], mask=lval[:, None] & mdv[None, :], other=0.0)
+        lin_num += _product_left(a, vl, LOWP)
+        lin_den += tl.sum(a, axis=1)
+        num += wt[:, None] * lin_num
+        den += wt * lin_den
+    o = tl.where(den[:, None] > EPS, num / tl.where(den > EPS, den, 1.0)[:, None], 0.0)
+    tl.store(out + (qrow + qtok)[:, None] * DV + odv[None, :], o.to(out.dtype.element_ty), mask=qval[:, None] & mdv[None, :])

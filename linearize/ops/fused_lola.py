@@ -1,5 +1,5 @@
 """LoLA's per-token decode step as two Triton kernels (selection, state pass, cache update, read),
-and its chunked prefill from an empty memory as one (``lola_prefill``, at the end of this module).
+and its chunked prefill from an empty memory as two more (``lola_prefill``, at the end of this module).
 
 Each token, every query head of every row scores the lambda sparse-cache entries and the token
 leaving the window by self-recall error against its linear state [S | z], writes the one not kept
@@ -31,17 +31,29 @@ and the rest): about 16 bits of S's mantissa instead of float32's 24, so a near-
 candidates may go the other way than in the torch step; a float32 model runs the products in
 float32. Tests: tests/ops/test_fused_lola.py (the torch step and the chunked op, token by token).
 
-The prefill kernel runs one program per (row, query head) through all the chunks of the prompt, as
-``ops.lola.lola_attention`` does them one after another: per chunk the candidates' errors against
-[S | z] (the features of every query and key computed before, in torch), the lambda largest kept
-(ranks with the stable sort's tie rule; the sparse cache is a list of positions), one pass over S
-that writes the tokens not kept and reads it for the chunk's queries, and the exact read of each
-query's window and of the cache with the linear term. It is latency-bound: one program per head,
-about 40 dependent tile steps per chunk (docs/results/performance/prefill.md).
+The prefill splits what is sequential from what is not. Only the choice of what the cache keeps
+depends on the chunks before; once each chunk's cache and the state its queries read are known, every
+chunk's output can be computed at once. So:
+
+1. the selection, one program per (row, query head) through the chunks, as ``ops.lola.lola_attention``
+   does them one after another: the candidates' errors against [S | z] (the features of every query
+   and key computed before, in torch), the lambda largest kept (the lambda-th largest error's bits
+   found 4 at a time; ties to the earlier candidate, the stable sort's rule), the new cache as a list
+   of positions per chunk, the cache entries not kept written into [S | z] and that state saved (the
+   one the chunk's queries read), then the window's leavers not kept written;
+2. the read, one program per (row, query head, chunk), in parallel: each query's window and the
+   cache entries older than it exactly, the saved state and the leavers that have left its window
+   linearly.
+
+A long prompt runs as segments of chunks (the saved states within ``PREFILL_SAVED_BYTES``); on CUDA
+each segment's read runs on a second stream beside the next one's selection, which leaves most SMs
+idle. The selection is latency-bound: one program per head, a few dependent phases per chunk
+(docs/results/performance/prefill.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -64,11 +76,11 @@ SELECT_BLOCK = 1024
 
 @functools.cache
 def _kernels():
-    """The Triton kernels (the step's errors and commit, the prefill), compiled on first use (Triton
-    is imported only then)."""
-    from linearize.ops._lola_kernel import lola_commit_kernel, lola_errors_kernel, lola_prefill_kernel
+    """The decode step's Triton kernels (errors, commit), compiled on first use (Triton is imported
+    only then)."""
+    from linearize.ops._lola_kernel import lola_commit_kernel, lola_errors_kernel
 
-    return lola_errors_kernel, lola_commit_kernel, lola_prefill_kernel
+    return lola_errors_kernel, lola_commit_kernel
 
 
 def _pow2(n: int) -> int:
@@ -158,7 +170,7 @@ def lola_step(
     out = torch.empty(rows, dv, device=linear.device, dtype=q.dtype)
     rbuf = torch.empty(rows, dv + 1, device=linear.device, dtype=torch.float32)
     errs = torch.empty(rows, lam + 1, device=linear.device, dtype=torch.float32)
-    errors, commit, _ = _kernels()
+    errors, commit = _kernels()
     map_keys = cache_map_keys if separate else cache_keys
     block = min(BLOCK_ROWS, _pow2(lam))
     shape = dict(H=hq, L=lam, D=d, FH=fh, DV=dv, BL=block, BD=_pow2(d), BF=_pow2(fh),
@@ -185,12 +197,37 @@ def _(linear, held, qphi, q, cache_keys, cache_map_keys, cache_values, cache_val
     return q.new_empty(linear.shape[0], cache_values.shape[-1])
 
 
-PREFILL_BLOCK_FEATURES = 64
-"""Feature rows per tile of [S | z] in the prefill kernel."""
-PREFILL_BLOCK_VALUES = 64
-"""Value columns per tile of [S | z] in the prefill kernel."""
-PREFILL_WARPS = 4
-"""Warps per program of the prefill kernel."""
+PREFILL_BLOCK_FEATURES = 128
+"""Feature rows per tile of [S | z] in the selection kernel."""
+PREFILL_BLOCK_VALUES = 128
+"""Value columns per tile of [S | z] in the selection kernel."""
+PREFILL_BLOCK_CACHE = 128
+"""Cache entries per block of candidates (errors) and of keys (the exact read)."""
+PREFILL_WARPS = 8
+"""Warps per program of the selection kernel."""
+PREFILL_READ_WARPS = 4
+"""Warps per program of the read kernel."""
+PREFILL_READ_BLOCK_FEATURES = 64
+"""Feature rows per tile of the saved state in the read kernel (all value columns at once)."""
+PREFILL_SAVED_BYTES = 256 * 2**20
+"""Most bytes of saved states (one [S | z] per chunk, row and query head) between the two kernels:
+a longer prompt runs as segments of chunks, each selected, then read."""
+PREFILL_SEGMENT_CHUNKS = 32
+"""Most chunks per segment on CUDA: the selection of a segment runs beside the read of the one
+before, so the last segment's read is the only one not hidden."""
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream the prefill's reads run on beside its selection, one per device."""
+    return torch.cuda.Stream(device)
+
+
+@functools.cache
+def _prefill_kernels():
+    from linearize.ops._lola_kernel import lola_read_kernel, lola_select_kernel
+
+    return lola_select_kernel, lola_read_kernel
 
 
 @torch.library.custom_op("linearize::lola_prefill", mutates_args=())
@@ -199,7 +236,9 @@ def lola_prefill(
     window: int, sparse: int, chunk: int, sinks: int, scale: float, weight_tokens: int, read_state: bool, read_sparse: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """LoLA's chunked prefill from an empty memory (``ops.lola.lola_attention``'s rule, chunk by
-    chunk) as one Triton program per (row, query head), the chunks in a loop inside it.
+    chunk) as two Triton kernels per segment of chunks: the selection (one program per row and
+    query head, the chunks in a loop: errors, choice, the state's writes, the state each chunk's
+    queries read saved), then the read (one program per row, query head and chunk, in parallel).
 
     - ``q`` (B, Hq, T, D), ``k`` (B, Hkv, T, D), ``v`` (B, Hkv, T, Dv): each row's real tokens
       first (``n_real`` (B,) long of them), in the model's dtype (bfloat16 or float32);
@@ -232,23 +271,53 @@ def lola_prefill(
     out = torch.zeros(b, hq, t, dv, device=dev, dtype=q.dtype)
     kv = torch.zeros(b, hq, feats, dv, device=dev, dtype=torch.float32)
     k_sum = torch.zeros(b, hq, feats, device=dev, dtype=torch.float32)
-    cache = torch.full((rows, 2, sparse), -1, device=dev, dtype=torch.int32)
+    held = torch.zeros(rows, device=dev, dtype=torch.int32)
+    hist = torch.full((rows, n_chunks + 1, sparse), -1, device=dev, dtype=torch.int32)  # the cache before and after each chunk
+    lkept = torch.zeros(rows, n_chunks, bc, device=dev, dtype=torch.int8)
+    nread = torch.empty(rows, n_chunks, device=dev, dtype=torch.int32)
     errs = torch.empty(rows, sparse + bc, device=dev, dtype=torch.float32)
-    flags = torch.empty(rows, sparse + bc, device=dev, dtype=torch.int8)
     wlist = torch.empty(rows, bc, device=dev, dtype=torch.int32)
-    rbuf = torch.empty(rows, bc, dv, device=dev, dtype=torch.float32)
-    rbz = torch.empty(rows, bc, device=dev, dtype=torch.float32)
-    *_, prefill = _kernels()
-    prefill[(rows,)](
-        q, k, v, qphi, kphi, n_real, factor, weights, out, kv, k_sum, cache, errs, flags, wlist, rbuf, rbz,
-        t, sinks, hq // hkv, scale, weight_tokens,
-        H=hq, D=d, F=feats, DV=dv, ETA=window, C=chunk, LAM=sparse, BC=bc, BN=_pow2(sparse + chunk), BW=_pow2(window + chunk),
-        BD=_pow2(d), BDV=_pow2(dv),
-        BF=min(PREFILL_BLOCK_FEATURES, _pow2(feats)), BV=min(PREFILL_BLOCK_VALUES, _pow2(dv)), LOWP=q.dtype == torch.bfloat16,
-        EPS=EMPTY_DENOMINATOR, READ_STATE=read_state, READ_SPARSE=read_sparse, num_warps=PREFILL_WARPS,
-        CHUNKS=n_chunks if fused_decode.interpreting() else 0,
-    )  # fmt: skip
-    positions = cache[:, n_chunks % 2].long().view(b, hq, sparse)  # the buffer the last chunk wrote
+    # Segments of chunks: the saved states of one segment (two on CUDA, where the read of a segment
+    # runs on a second stream beside the selection of the next: the selection's programs leave most
+    # SMs idle) within PREFILL_SAVED_BYTES.
+    overlap = q.is_cuda and not fused_decode.interpreting()
+    per_chunk = rows * (feats * dv + feats) * 4
+    n_seg = max(1, min(n_chunks, PREFILL_SEGMENT_CHUNKS if overlap else n_chunks, PREFILL_SAVED_BYTES // ((1 + overlap) * per_chunk)))
+    n_buf = (1 + overlap) if read_state else 1
+    snap = torch.empty(n_buf, rows, n_seg if read_state else 1, feats * dv, device=dev, dtype=torch.float32)
+    snapz = torch.empty(n_buf, rows, n_seg if read_state else 1, feats, device=dev, dtype=torch.float32)
+    select, read = _prefill_kernels()
+    interp = fused_decode.interpreting()
+    block = min(PREFILL_BLOCK_CACHE, _pow2(sparse))
+    common = dict(H=hq, F=feats, DV=dv, ETA=window, C=chunk, LAM=sparse, BC=bc, BL=block, LOWP=q.dtype == torch.bfloat16,
+                  EPS=EMPTY_DENOMINATOR)  # fmt: skip
+    main = torch.cuda.current_stream(dev) if overlap else None
+    side = _side_stream(dev) if overlap else None
+    read_done: list = [None] * n_buf  # the event after the last read of each buffer
+    for i, c0 in enumerate(range(0, n_chunks, n_seg)):
+        c1, buf = min(n_chunks, c0 + n_seg), i % n_buf
+        if overlap and read_done[buf] is not None:
+            main.wait_event(read_done[buf])  # the buffer's previous segment is read
+        select[(rows,)](
+            v, kphi, n_real, kv, k_sum, held, hist, lkept, nread, errs, wlist, snap[buf], snapz[buf],
+            t, n_chunks, c0, c1, n_seg, sinks, hq // hkv, **common, BN=_pow2(sparse + bc),
+            BF=min(PREFILL_BLOCK_FEATURES, _pow2(feats)), BV=min(PREFILL_BLOCK_VALUES, _pow2(dv)), SNAP=read_state,
+            CH0=c0 if interp else 0, CH1=c1 if interp else 0, num_warps=PREFILL_WARPS,
+        )  # fmt: skip
+        with torch.cuda.stream(side) if overlap else contextlib.nullcontext():
+            if overlap:
+                side.wait_stream(main)
+            read[(rows, c1 - c0)](
+                q, k, v, qphi, kphi, n_real, factor, weights, out, hist, lkept, nread, snap[buf], snapz[buf],
+                t, n_chunks, c0, n_seg, sinks, hq // hkv, scale, weight_tokens, **common,
+                D=d, BW=_pow2(window + chunk), BD=_pow2(d), BDV=_pow2(dv), BF=min(PREFILL_READ_BLOCK_FEATURES, _pow2(feats)),
+                READ_STATE=read_state, READ_SPARSE=read_sparse, num_warps=PREFILL_READ_WARPS,
+            )  # fmt: skip
+            if overlap:
+                read_done[buf] = side.record_event()
+    if overlap:
+        main.wait_stream(side)
+    positions = hist[:, n_chunks].long().view(b, hq, sparse)  # the cache after the last chunk
     return out, kv, k_sum, positions
 
 

@@ -64,8 +64,9 @@ does not depend on ``linear_weight``.
 query over lists of token indices, in ``linearize.ops.naive``, re-exported here; it shares no code
 with the fast path); ``lola_attention`` is the vectorised op (loop over chunks only) that continues
 from a ``LolaState``. From an empty memory at inference where the fused kernels run, it hands the
-whole prompt to ``fused_lola.lola_prefill`` (one Triton program per row and query head, the chunks
-in a loop inside it; the same numbers, tested against the loop).
+whole prompt to ``fused_lola.lola_prefill`` (a Triton selection kernel, one program per row and
+query head with the chunks in a loop inside it, then a parallel read kernel; the same numbers, tested
+against the loop).
 """
 
 from __future__ import annotations
@@ -205,9 +206,10 @@ def _fused_prefill_applies(q: Tensor, k: Tensor, v: Tensor, sparse: int, q_lin: 
 def _prefill_fused(q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, *, phi_q: FeatureFn, phi_k: FeatureFn, window: int, sparse: int,
                    window_factor: Tensor, chunk: int, scale: float, read_state: bool, read_sparse: bool, q_lin: Tensor | None,
                    k_lin: Tensor | None, sinks: int, weights: Tensor, weight_tokens: int) -> tuple[Tensor, LolaState]:
-    """``lola_attention`` from an empty memory through ``fused_lola.lola_prefill`` (one program per
-    row and query head, the chunks in a loop inside it): the features of every query and key
-    computed first, then the kernel; the memory it leaves is gathered into a ``LolaState``. ``valid``
+    """``lola_attention`` from an empty memory through ``fused_lola.lola_prefill`` (the selection, one
+    program per row and query head with the chunks in a loop inside it, then the read): the features
+    of every query and key computed first, then the kernels; the memory they leave is gathered into a
+    ``LolaState``. ``valid``
     None: no padding (nothing packed); no value goes back to the host."""
     batch, hq, t_len, d = q.shape
     hkv = k.shape[1]

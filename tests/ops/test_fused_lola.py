@@ -260,6 +260,18 @@ def test_fused_prefill_equals_the_chunked_op(case):
     _assert_same_prefill(ref, got)
 
 
+@pytest.mark.parametrize("read_state", [True, False])
+@torch.no_grad()
+def test_fused_prefill_in_segments_equals_the_chunked_op(monkeypatch, read_state):
+    """Room for the saved states of 3 chunks only: the prompt's 10 chunks run as segments (each
+    selected, then read, the state and the cache carried over), and the result is the torch op's."""
+    f, dv, rows = 8, 16, 2 * 4
+    monkeypatch.setattr(fused_lola, "PREFILL_SAVED_BYTES", 3 * rows * (2 * f * dv + 2 * f) * 4)
+    ref, got, calls = _prefill_pair(padded=True, sinks=1, weight_tokens=12, read_state=read_state, f=f, dv=dv)
+    assert calls == [1]
+    _assert_same_prefill(ref, got)
+
+
 @torch.no_grad()
 def test_fused_prefill_breaks_ties_as_the_chunked_op():
     """Every token alike, so all candidates' errors tie: the stable sort's rule (the earlier
@@ -308,11 +320,13 @@ def test_fused_prefill_rejects_bad_arguments():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bfloat16 tensor-core products need a GPU")
 @torch.no_grad()
-def test_fused_prefill_in_bfloat16_on_cuda():
+def test_fused_prefill_in_bfloat16_on_cuda(monkeypatch):
     """A bfloat16 model at the Llama-3-8B layer's sizes (D 128, f 128, window 64, lambda 256, 32
-    query heads on 8 KV heads), 2,048 tokens: the fused prefill keeps almost the same cache as the
-    torch op (a near-tie at bfloat16 precision may go the other way, and the state then differs by
-    that token) and its output follows the torch op's."""
+    query heads on 8 KV heads), 2,048 tokens in 4 segments (each read on the second stream beside
+    the next one's selection): the fused prefill keeps almost the same cache as the torch op (a
+    near-tie at bfloat16 precision may go the other way, and the state then differs by that token)
+    and its output follows the torch op's."""
+    monkeypatch.setattr(fused_lola, "PREFILL_SEGMENT_CHUNKS", 8)
     (out_r, st_r), (out_g, st_g), calls = _prefill_pair(b=1, hq=32, hkv=8, t=2048, d=128, f=128, dv=128, w=64, lam=256, chunk=64,
                                                         dtype=torch.bfloat16, sinks=4, linear_weight=0.1)  # fmt: skip
     assert calls == [1]
