@@ -423,14 +423,16 @@ def lola_read_kernel(
     t_len, n_chunks, c_first, n_seg, sinks, n_rep, scale, weight_tokens,
     H: tl.constexpr, D: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, ETA: tl.constexpr, C: tl.constexpr,
     LAM: tl.constexpr, BC: tl.constexpr, BL: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-    BF: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr, READ_STATE: tl.constexpr, READ_SPARSE: tl.constexpr,
+    BF: tl.constexpr, BQ: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr, READ_STATE: tl.constexpr,
+    READ_SPARSE: tl.constexpr,
 ):  # fmt: skip
-    """The parallel half: the output of one chunk's queries for one (row, query head), from what
+    """The parallel half: the output of BQ of a chunk's queries for one (row, query head), from what
     ``lola_select_kernel`` left: each query's true window and the chunk's new cache entries older
     than it exactly (one running max, the window factor), the saved state and the leavers written
     that have left its window linearly (the length weight counting what it reads)."""
     r = tl.program_id(0).to(tl.int64)  # one (batch row, query head)
     chunk = c_first + tl.program_id(1)
+    q0 = tl.program_id(2) * BQ  # the first of this program's queries in the chunk
     b = r // H
     h = r % H
     kr = b * (H // n_rep) + h // n_rep
@@ -443,16 +445,17 @@ def lola_read_kernel(
     md = od < D
     odv = tl.arange(0, BDV)
     mdv = odv < DV
-    qtok = p0 + ob
-    qval = ob < n
+    oq = q0 + tl.arange(0, BQ)
+    qtok = p0 + oq
+    qval = oq < n
     qtok = tl.where(qval, qtok, 0)
     first = qtok - ETA + 1  # the oldest position of each query's window
 
     # The exact read.
     qx = tl.load(q + (qrow + qtok)[:, None] * D + od[None, :], mask=qval[:, None] & md[None, :], other=0.0)
     ow = tl.arange(0, BW)
-    wpos = p0 - ETA + ow  # the window before the chunk, then the chunk
-    wreal = (ow < ETA + n) & (wpos >= 0)
+    wpos = p0 + q0 - ETA + ow  # the window before the first query, then the queries
+    wreal = (ow < ETA + BQ) & (wpos < p0 + n) & (wpos >= 0)
     wtk = tl.where(wreal, wpos, 0)
     kw = tl.load(k + (krow + wtk)[:, None] * D + od[None, :], mask=wreal[:, None] & md[None, :], other=0.0)
     s = _exact(qx, tl.trans(kw), LOWP) * scale
@@ -493,9 +496,9 @@ def lola_read_kernel(
         gone = (ltok[None, :] < first[:, None]) & lval[None, :]  # (query, leaver) written and out of the window
         sv = snap + ((r * n_seg + chunk - c_first) * F) * DV
         sz = snapz + (r * n_seg + chunk - c_first) * F
-        lin_num = tl.zeros([BC, BDV], dtype=tl.float32)
-        lin_den = tl.zeros([BC], dtype=tl.float32)
-        a = tl.zeros([BC, BC], dtype=tl.float32)  # phi(q_i) . phi(k_s), query i, leaver s
+        lin_num = tl.zeros([BQ, BDV], dtype=tl.float32)
+        lin_den = tl.zeros([BQ], dtype=tl.float32)
+        a = tl.zeros([BQ, BC], dtype=tl.float32)  # phi(q_i) . phi(k_s), query i, leaver s
         for f0 in tl.static_range(0, F, BF):
             of = f0 + tl.arange(0, BF)
             mf = of < F

@@ -209,6 +209,8 @@ PREFILL_READ_WARPS = 4
 """Warps per program of the read kernel."""
 PREFILL_READ_BLOCK_FEATURES = 64
 """Feature rows per tile of the saved state in the read kernel (all value columns at once)."""
+PREFILL_READ_QUERIES = 64
+"""Queries per program of the read kernel (a chunk's queries over several programs where fewer)."""
 PREFILL_SAVED_BYTES = 256 * 2**20
 """Most bytes of saved states (one [S | z] per chunk, row and query head) between the two kernels:
 a longer prompt runs as segments of chunks, each selected, then read."""
@@ -289,6 +291,7 @@ def lola_prefill(
     select, read = _prefill_kernels()
     interp = fused_decode.interpreting()
     block = min(PREFILL_BLOCK_CACHE, _pow2(sparse))
+    bq = max(16, min(PREFILL_READ_QUERIES, bc))  # both powers of two
     common = dict(H=hq, F=feats, DV=dv, ETA=window, C=chunk, LAM=sparse, BC=bc, BL=block, LOWP=q.dtype == torch.bfloat16,
                   EPS=EMPTY_DENOMINATOR)  # fmt: skip
     main = torch.cuda.current_stream(dev) if overlap else None
@@ -307,10 +310,10 @@ def lola_prefill(
         with torch.cuda.stream(side) if overlap else contextlib.nullcontext():
             if overlap:
                 side.wait_stream(main)
-            read[(rows, c1 - c0)](
+            read[(rows, c1 - c0, bc // bq)](
                 q, k, v, qphi, kphi, n_real, factor, weights, out, hist, lkept, nread, snap[buf], snapz[buf],
                 t, n_chunks, c0, n_seg, sinks, hq // hkv, scale, weight_tokens, **common,
-                D=d, BW=_pow2(window + chunk), BD=_pow2(d), BDV=_pow2(dv), BF=min(PREFILL_READ_BLOCK_FEATURES, _pow2(feats)),
+                D=d, BW=_pow2(window + bq), BD=_pow2(d), BDV=_pow2(dv), BF=min(PREFILL_READ_BLOCK_FEATURES, _pow2(feats)), BQ=bq,
                 READ_STATE=read_state, READ_SPARSE=read_sparse, num_warps=PREFILL_READ_WARPS,
             )  # fmt: skip
             if overlap:

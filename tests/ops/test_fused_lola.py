@@ -273,6 +273,16 @@ def test_fused_prefill_in_segments_equals_the_chunked_op(monkeypatch, read_state
 
 
 @torch.no_grad()
+def test_fused_prefill_with_a_chunk_read_by_several_programs(monkeypatch):
+    """A chunk of 24 queries (a block of 32) read 16 queries per program: each program's window
+    starts at its first query, the last one's queries past the chunk are masked."""
+    monkeypatch.setattr(fused_lola, "PREFILL_READ_QUERIES", 16)
+    ref, got, calls = _prefill_pair(chunk=24, w=32, t=70, padded=True, sinks=1, weight_tokens=20, linear_weight=0.4)
+    assert calls == [1]
+    _assert_same_prefill(ref, got)
+
+
+@torch.no_grad()
 def test_fused_prefill_breaks_ties_as_the_chunked_op():
     """Every token alike, so all candidates' errors tie: the stable sort's rule (the earlier
     candidate first) decides which are kept, as in the torch op."""
