@@ -236,7 +236,7 @@ def _prefill_kernels():
 def lola_prefill(
     q: Tensor, k: Tensor, v: Tensor, qphi: Tensor, kphi: Tensor, n_real: Tensor, factor: Tensor, weights: Tensor,
     window: int, sparse: int, chunk: int, sinks: int, scale: float, weight_tokens: int, read_state: bool, read_sparse: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """LoLA's chunked prefill from an empty memory (``ops.lola.lola_attention``'s rule, chunk by
     chunk) as two Triton kernels per segment of chunks: the selection (one program per row and
     query head, the chunks in a loop: errors, choice, the state's writes, the state each chunk's
@@ -250,7 +250,8 @@ def lola_prefill(
 
     Returns the output (B, Hq, T, Dv) in ``q``'s dtype (zero past ``n_real``), the linear state
     S (B, Hq, F, Dv) and z (B, Hq, F) float32, the sparse cache as positions (B, Hq, lambda) long in
-    position order (-1 in empty slots, last).
+    position order (-1 in empty slots, last), and the cache after each chunk's choice (B, Hq, chunks,
+    lambda) int32 the same way (what the chunk's queries read).
     """
     b, hq, t, d = q.shape
     hkv, dv = k.shape[1], v.shape[-1]
@@ -321,7 +322,7 @@ def lola_prefill(
     if overlap:
         main.wait_stream(side)
     positions = hist[:, n_chunks].long().view(b, hq, sparse)  # the cache after the last chunk
-    return out, kv, k_sum, positions
+    return out, kv, k_sum, positions, hist[:, 1:].reshape(b, hq, n_chunks, sparse)
 
 
 @lola_prefill.register_fake
@@ -329,4 +330,4 @@ def _(q, k, v, qphi, kphi, n_real, factor, weights, window, sparse, chunk, sinks
     b, hq, t, _ = q.shape
     dv, feats = v.shape[-1], kphi.shape[-1]
     return (q.new_empty(b, hq, t, dv), q.new_empty(b, hq, feats, dv, dtype=torch.float32), q.new_empty(b, hq, feats, dtype=torch.float32),
-            q.new_empty(b, hq, sparse, dtype=torch.long))  # fmt: skip
+            q.new_empty(b, hq, sparse, dtype=torch.long), q.new_empty(b, hq, -(-t // chunk), sparse, dtype=torch.int32))  # fmt: skip

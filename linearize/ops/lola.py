@@ -73,9 +73,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+import dataclasses
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from linearize.ops import fused_decode, fused_lola
@@ -154,11 +156,17 @@ def lola_attention(
     if chunk > window:
         logger.debug("lola_attention: chunk %d capped at the window %d", chunk, window)
         chunk = window
-    if state is None and _fused_prefill_applies(q, k, v, sparse, q_lin, k_lin):
+    fused = state is None and _fused_prefill_applies(q, k, v, sparse, q_lin, k_lin)
+    training = fused and _needs_grad(q, k, v, q_lin, k_lin, phi_q, phi_k)
+    if training and window % chunk == 0 and (valid is None or bool(valid.all())):
+        return _prefill_parallel(q, k, v, phi_q=phi_q, phi_k=phi_k, window=window, sparse=sparse, window_factor=window_factor,
+                                 chunk=chunk, scale=scale, read_state=read_state, read_sparse=read_sparse, q_lin=q_lin, k_lin=k_lin,
+                                 sinks=sinks, weights=weights, weight_tokens=weight_tokens)  # fmt: skip
+    if fused and not training:
         return _prefill_fused(q, k, v, None if valid is None else default_valid(q, valid), phi_q=phi_q, phi_k=phi_k, window=window,
                               sparse=sparse, window_factor=window_factor, chunk=chunk, scale=scale, read_state=read_state,
                               read_sparse=read_sparse, q_lin=q_lin, k_lin=k_lin, sinks=sinks, weights=weights,
-                              weight_tokens=weight_tokens)  # fmt: skip
+                              weight_tokens=weight_tokens)[:2]  # fmt: skip
     valid = default_valid(q, valid)
     separate = k_lin is not None  # the feature maps see their own inputs (e.g. before RoPE)
     if state is None:
@@ -197,20 +205,20 @@ def lola_attention(
 
 def _fused_prefill_applies(q: Tensor, k: Tensor, v: Tensor, sparse: int, q_lin: Tensor | None, k_lin: Tensor | None) -> bool:
     """A prefill (from an empty memory) with a sparse cache, of a bfloat16 or float32 model, where
-    the fused kernels run (``fused_decode.enabled``), with no gradient asked for."""
+    the fused kernels run (``fused_decode.enabled``)."""
     inputs = [x for x in (q, k, v, q_lin, k_lin) if x is not None]
-    return (sparse > 0 and fused_decode.enabled(q) and fused_lola.supports(q.dtype)
-            and all(x.dtype == q.dtype for x in inputs) and not (torch.is_grad_enabled() and any(x.requires_grad for x in inputs)))
+    return sparse > 0 and fused_decode.enabled(q) and fused_lola.supports(q.dtype) and all(x.dtype == q.dtype for x in inputs)
 
 
 def _prefill_fused(q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, *, phi_q: FeatureFn, phi_k: FeatureFn, window: int, sparse: int,
                    window_factor: Tensor, chunk: int, scale: float, read_state: bool, read_sparse: bool, q_lin: Tensor | None,
-                   k_lin: Tensor | None, sinks: int, weights: Tensor, weight_tokens: int) -> tuple[Tensor, LolaState]:
+                   k_lin: Tensor | None, sinks: int, weights: Tensor, weight_tokens: int) -> tuple[Tensor, LolaState, Tensor]:
     """``lola_attention`` from an empty memory through ``fused_lola.lola_prefill`` (the selection, one
     program per row and query head with the chunks in a loop inside it, then the read): the features
     of every query and key computed first, then the kernels; the memory they leave is gathered into a
-    ``LolaState``. ``valid``
-    None: no padding (nothing packed); no value goes back to the host."""
+    ``LolaState``, with the cache each chunk's queries read (B, Hq, chunks, lambda) int32 positions
+    (over each row's real tokens). ``valid`` None: no padding (nothing packed); no value goes back to
+    the host."""
     batch, hq, t_len, d = q.shape
     hkv = k.shape[1]
     n_rep = hq // hkv
@@ -225,16 +233,26 @@ def _prefill_fused(q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, *, phi
     qphi = phi_q(q if q_lin is None else q_lin).to(q.dtype) if read_state else kphi  # (B, Hq, T, F) (unread without the state)
     n_real = valid.sum(1) if packed else torch.full((batch,), t_len, device=q.device)  # (B,)
     factor = window_factor.to(q.device, torch.float32).contiguous()
-    out, kv, k_sum, positions = fused_lola.lola_prefill(
+    out, kv, k_sum, positions, history = fused_lola.lola_prefill(
         q, k, v, qphi, kphi, n_real, factor, weights.to(q.device).contiguous(), window, sparse, chunk, sinks, scale, weight_tokens,
         read_state, read_sparse,
     )  # fmt: skip
     if packed:
         out = gather_tokens(out, torch.argsort(order, dim=1))
 
-    # The memory: the window is each row's last ``window`` real tokens (right-aligned), the cache
-    # the kernel's positions (per query head; a KV head's keys gathered for its query heads).
-    pos = n_real[:, None] - window + torch.arange(window, device=q.device)  # (B, eta)
+    state = _memory(k, v, k_lin, n_real, positions, LinearState(kv=kv, k_sum=k_sum), window, n_rep)
+    return out, state, history
+
+
+def _memory(k: Tensor, v: Tensor, k_lin: Tensor | None, n_real: Tensor, positions: Tensor, linear: LinearState, window: int,
+            n_rep: int) -> LolaState:
+    """The memory after a prefill of each row's ``n_real`` real tokens (packed first) whose last
+    chunk left the sparse cache at ``positions`` (B, Hq, lambda) long (-1 empty): the window is each
+    row's last ``window`` real tokens (right-aligned), the cache those positions' keys and values (a
+    KV head's gathered for its query heads), ``linear`` the state."""
+    batch, hkv = k.shape[:2]
+    hq, sparse = positions.shape[1], positions.shape[2]
+    pos = n_real[:, None] - window + torch.arange(window, device=k.device)  # (B, eta)
     w_valid = pos >= 0
     at = pos.clamp(min=0)
 
@@ -250,12 +268,144 @@ def _prefill_fused(q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, *, phi
         got = x.gather(2, slots[..., None].expand(-1, -1, -1, x.shape[-1])).view(batch, hq, sparse, x.shape[-1])
         return got.float() * c_valid[..., None]
 
-    state = LolaState(
+    return LolaState(
         window=WindowState(keys=win(k), values=win(v), valid=w_valid, positions=torch.where(w_valid, pos, -1), linear_keys=win(k_lin)),
         sparse=SparseCacheState(keys=kept(k), values=kept(v), valid=c_valid, positions=positions, linear_keys=kept(k_lin)),
-        linear=LinearState(kv=kv, k_sum=k_sum),
+        linear=linear,
     )
-    return out, state
+
+
+def _needs_grad(q: Tensor, k: Tensor, v: Tensor, q_lin: Tensor | None, k_lin: Tensor | None, phi_q: FeatureFn, phi_k: FeatureFn) -> bool:
+    """Whether a gradient is asked of the output: grad mode on and an input or a feature map's
+    parameters requiring one (the maps are probed on one token)."""
+    if not torch.is_grad_enabled():
+        return False
+    if any(x is not None and x.requires_grad for x in (q, k, v, q_lin, k_lin)):
+        return True
+    probe_q = (q if q_lin is None else q_lin)[:1, :, :1]  # (1, Hq, 1, D)
+    probe_k = repeat_kv((k if k_lin is None else k_lin)[:1, :, :1], q.shape[1] // k.shape[1])  # (1, Hq, 1, D)
+    return phi_q(probe_q).requires_grad or phi_k(probe_k).requires_grad
+
+
+def _prefill_parallel(q: Tensor, k: Tensor, v: Tensor, *, phi_q: FeatureFn, phi_k: FeatureFn, window: int, sparse: int,
+                      window_factor: Tensor, chunk: int, scale: float, read_state: bool, read_sparse: bool, q_lin: Tensor | None,
+                      k_lin: Tensor | None, sinks: int, weights: Tensor, weight_tokens: int) -> tuple[Tensor, LolaState]:
+    """``lola_attention`` from an empty memory with gradients where the fused kernels run, no padding,
+    ``window`` a multiple of ``chunk``: the choice of each chunk's cache made by the kernels without
+    gradients, then the output of every chunk at once given those caches (``lola_given_caches``) and
+    the memory, both differentiable in q, k, v, the window factor and the feature maps, as the
+    chunk loop's are."""
+    with torch.no_grad():
+        _, state, history = _prefill_fused(q, k, v, None, phi_q=phi_q, phi_k=phi_k, window=window, sparse=sparse,
+                                           window_factor=window_factor, chunk=chunk, scale=scale, read_state=False, read_sparse=False,
+                                           q_lin=q_lin, k_lin=k_lin, sinks=sinks, weights=weights, weight_tokens=weight_tokens)  # fmt: skip
+    history = history.long()
+    out = lola_given_caches(q, k, v, history, phi_q=phi_q, phi_k=phi_k, window=window, window_factor=window_factor,
+                            chunk=chunk, scale=scale, read_state=read_state, read_sparse=read_sparse, q_lin=q_lin, k_lin=k_lin,
+                            weights=weights, weight_tokens=weight_tokens)  # fmt: skip
+    # The memory, differentiable: the state holds every token that left the window, less the cache.
+    batch, hq, t_len, _ = q.shape
+    n_rep = hq // k.shape[1]
+    left = max(t_len - window, 0)
+    mem = _memory(k, v, k_lin, torch.full((batch,), t_len, device=q.device), history[:, :, -1], state.linear, window, n_rep)
+    c_phi = phi_k((mem.sparse.linear_keys if k_lin is not None else mem.sparse.keys).to(q.dtype)).float() * mem.sparse.valid[..., None]
+    kv, k_sum = -c_phi.transpose(-1, -2) @ mem.sparse.values, -c_phi.sum(-2)  # (B, Hq, F, Dv), (B, Hq, F)
+    if left:
+        k_phi = phi_k(repeat_kv((k if k_lin is None else k_lin)[:, :, :left], n_rep).to(q.dtype)).float()  # (B, Hq, left, F)
+        kv, k_sum = kv + k_phi.transpose(-1, -2) @ repeat_kv(v[:, :, :left], n_rep).float(), k_sum + k_phi.sum(-2)
+    linear = LinearState(kv=kv, k_sum=k_sum)
+    return out, dataclasses.replace(mem, linear=linear)
+
+
+def lola_given_caches(q: Tensor, k: Tensor, v: Tensor, caches: Tensor, *, phi_q: FeatureFn, phi_k: FeatureFn, window: int,
+                      window_factor: Tensor, chunk: int, scale: float, read_state: bool = True, read_sparse: bool = True,
+                      q_lin: Tensor | None = None, k_lin: Tensor | None = None, weights: Tensor, weight_tokens: int = 0) -> Tensor:
+    """LoLA's output from an empty memory (no padding, ``window`` a multiple of ``chunk``) given the
+    cache each chunk's queries read, ``caches`` (B, Hq, chunks, lambda) long positions (-1 empty):
+    every chunk at once, differentiable in q, k, v and the feature maps (the choice itself has no
+    gradient, as in the chunk loop).
+
+    What a query reads linearly is every token older than its window that is not in its chunk's
+    cache, so LoLA's read is the hybrid's (the window exactly, everything older linearly) with each
+    cache entry older than the window moved from the linear term to the exact one:
+
+        num_i = f (sum_window + sum_G_i) e^(s_ij - m_i) v_j + w_i (L_i - sum_G_i phi(q_i).phi(k_j) v_j)
+
+    (den_i likewise with 1 for v_j), L_i the linear read of every token older than the window, m_i
+    the max over the window and G_i, w_i the linear weight (times min(1, N / n_i) with
+    ``weight_tokens`` N, n_i the tokens read linearly). Float32; returns (B, Hq, T, Dv) in q's
+    dtype. Memory O(T (window + chunk + lambda)) per head, plus one F x Dv state per chunk."""
+    batch, hq, t_len, d = q.shape
+    hkv, dv = k.shape[1], v.shape[-1]
+    n_rep, c, eta = hq // hkv, chunk, window
+    n_chunks, lam = caches.shape[2], caches.shape[3]
+    if eta % c or n_chunks != -(-t_len // c):
+        raise ValueError(f"needs window ({eta}) a multiple of chunk ({c}) and one cache per chunk ({-(-t_len // c)}), got {n_chunks}")
+    tp = n_chunks * c
+    pad = tp - t_len
+
+    def chunks(x: Tensor) -> Tensor:  # (B, H, T, X) -> (B, H, chunks, C, X) float32, zero past T
+        return F.pad(x.float(), (0, 0, 0, pad)).view(x.shape[0], x.shape[1], n_chunks, c, x.shape[-1])
+
+    def band(x: Tensor) -> Tensor:  # (B, H, T, X) -> (B, H, chunks, eta + C, X): positions p0 - eta .. p0 + C - 1
+        xp = F.pad(x.float(), (0, 0, eta, pad))
+        return xp.unfold(2, eta + c, c).transpose(-1, -2)
+
+    dev = q.device
+    qc = chunks(q)  # (B, Hq, n, C, D)
+    pos = torch.arange(tp, device=dev).view(n_chunks, c)  # (n, C) each query's position
+    first = pos - eta + 1  # (n, C) the oldest position of each query's window
+    band_pos = pos[:, :1] - eta + torch.arange(eta + c, device=dev)  # (n, eta + C)
+    w_ok = (band_pos[:, None, :] >= first[..., None]) & (band_pos[:, None, :] <= pos[..., None]) & (band_pos[:, None, :] >= 0)
+    s_w = (qc @ band(repeat_kv(k, n_rep)).transpose(-1, -2)) * scale  # (B, Hq, n, C, eta + C)
+    s_w = s_w.masked_fill(~w_ok, -torch.inf)
+
+    valid = caches >= 0  # (B, Hq, n, L)
+    idx = caches.clamp(min=0).view(batch, hq, n_chunks * lam)
+
+    def gather(x: Tensor) -> Tensor:  # (B, Hq, T, X) -> (B, Hq, n, L, X): the cache entries, zero where empty
+        got = x.float().gather(2, idx[..., None].expand(-1, -1, -1, x.shape[-1])).view(batch, hq, n_chunks, lam, x.shape[-1])
+        return got * valid[..., None]
+
+    older = valid[:, :, :, None, :] & (caches[:, :, :, None, :] < first[None, None, :, :, None])  # (B, Hq, n, C, L) G_i
+    kc, vc = gather(repeat_kv(k, n_rep)), gather(repeat_kv(v, n_rep))  # (B, Hq, n, L, D / Dv)
+    s_c = (qc @ kc.transpose(-1, -2)) * scale  # (B, Hq, n, C, L)
+    s_c = s_c.masked_fill(~(older & read_sparse), -torch.inf)
+    m = torch.maximum(s_w.amax(-1), s_c.amax(-1))  # (B, Hq, n, C) the shared max
+    m = torch.where(torch.isfinite(m), m, 0)[..., None]
+    f = window_factor.to(dev, torch.float32).view(1, hq, 1, 1, 1)
+    p_w, p_c = f * torch.exp(s_w - m), f * torch.exp(s_c - m)
+    num = p_w @ band(repeat_kv(v, n_rep)) + p_c @ vc  # (B, Hq, n, C, Dv)
+    den = p_w.sum(-1) + p_c.sum(-1)  # (B, Hq, n, C)
+    if read_state:
+        dtype = q.dtype
+        q_phi = chunks(phi_q((q if q_lin is None else q_lin).to(dtype)))  # (B, Hq, n, C, F)
+        k_phi = phi_k(repeat_kv(k if k_lin is None else k_lin, n_rep).to(dtype))  # (B, Hq, T, F)
+        kb, vb = chunks(k_phi), chunks(repeat_kv(v, n_rep))  # (B, Hq, n, C, F / Dv)
+        lag = eta // c  # a query's leavers are the chunk `lag` chunks back
+        states = kb.transpose(-1, -2) @ vb  # (B, Hq, n, F, Dv) each chunk's sum
+        before = torch.cumsum(states, dim=2) - states  # (B, Hq, n, F, Dv) the chunks before each
+        sums = torch.cumsum(kb.sum(-2), dim=2) - kb.sum(-2)  # (B, Hq, n, F)
+
+        def back(x: Tensor) -> Tensor:  # chunk c - lag's x for chunk c (zero before the first)
+            return F.pad(x, (0,) * (2 * (x.dim() - 3)) + (lag, 0))[:, :, :n_chunks]
+
+        k_leave, v_leave = back(kb), back(vb)  # (B, Hq, n, C, F / Dv) the tokens leaving each query's window
+        gone = torch.ones(c, c, dtype=torch.bool, device=dev).tril()  # leaver s has left query i's window for s <= i
+        a_l = (q_phi @ k_leave.transpose(-1, -2)) * gone  # (B, Hq, n, C, C)
+        lin_num = q_phi @ back(before) + a_l @ v_leave  # (B, Hq, n, C, Dv)
+        lin_den = (q_phi @ back(sums)[..., None]).squeeze(-1) + a_l.sum(-1)  # (B, Hq, n, C)
+        a_c = (q_phi @ gather(k_phi).transpose(-1, -2)) * older  # (B, Hq, n, C, L) read exactly, not linearly
+        lin_num = lin_num - a_c @ vc
+        lin_den = lin_den - a_c.sum(-1)
+        weight = weights.to(dev, torch.float32).view(1, hq, 1, 1)
+        if weight_tokens:
+            n_read = first.clamp(min=0)[None, None] - older.sum(-1)  # (B, Hq, n, C)
+            weight = weight * length_factor(n_read, weight_tokens)
+        num = num + weight[..., None] * lin_num
+        den = den + weight * lin_den
+    out = safe_divide(num, den).reshape(batch, hq, tp, dv)[:, :, :t_len]
+    return out.to(q.dtype)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """LoLA's fused decode step (``ops.fused_lola``: selection, state pass, cache update and read in two
-kernels) against the torch decode step and the chunked op: outputs and memory token by token (on the
-GPU when there is one, else in Triton's interpreter on the CPU)."""
+kernels) against the torch decode step and the chunked op: outputs and memory token by token; its
+fused prefill and its training path (the kernels' choices, a differentiable read of every chunk)
+against the chunk loop (on the GPU when there is one, else in Triton's interpreter on the CPU)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from linearize.ops import fused_decode, fused_lola
+from linearize.ops import lola as lola_ops
 from linearize.ops.feature_maps import hedgehog
 from linearize.ops.lola import LolaDecodeState, lola_attention, lola_decode_step
 
@@ -292,7 +294,10 @@ def test_fused_prefill_breaks_ties_as_the_chunked_op():
 
 @torch.no_grad()
 def test_fused_prefill_only_from_an_empty_memory_and_without_gradients():
-    """A call that continues a state, asks for gradients or has no sparse cache takes the torch op."""
+    """A call that continues a state or has no sparse cache takes the torch op. One that asks for
+    gradients takes the kernels for the choice of the caches only (without gradients) and reads
+    through torch (``lola_given_caches``), so its output has a gradient; with padding it takes the
+    torch op."""
     torch.manual_seed(1)
     phi_q, phi_k, _ = _maps(2, 16, 8)
     q, k, v = (torch.randn(1, 2, 9, 16, device=DEVICE) for _ in range(3))
@@ -305,9 +310,14 @@ def test_fused_prefill_only_from_an_empty_memory_and_without_gradients():
         assert calls == [1]
         lola_attention(q, k, v, sparse=3, state=state, **kw)
         lola_attention(q, k, v, sparse=0, **kw)
+        assert calls == [1]
         with torch.enable_grad():
-            lola_attention(q.requires_grad_(), k, v, sparse=3, **kw)
-    assert calls == [1]
+            out, _ = lola_attention(q.clone().requires_grad_(), k, v, sparse=3, **kw)
+            assert out.requires_grad and calls == [1, 1]
+            padded = torch.ones(1, 9, dtype=torch.bool, device=DEVICE)
+            padded[0, 0] = False
+            out, _ = lola_attention(q.clone().requires_grad_(), k, v, sparse=3, valid=padded, **kw)
+            assert out.requires_grad and calls == [1, 1]
 
 
 def test_fused_prefill_rejects_bad_arguments():
@@ -346,3 +356,93 @@ def test_fused_prefill_in_bfloat16_on_cuda(monkeypatch):
     assert err <= 2e-2, f"mean relative output difference {err:.3g}"
     assert torch.equal(st_g.window.positions, st_r.window.positions)
     torch.testing.assert_close(st_g.window.keys, st_r.window.keys)
+
+
+# ----------------------------------------------------------------------------- the training path
+
+
+def _trainable_maps(hq: int, d: int, f: int):
+    """Hedgehog maps whose weights ask for gradients, as in attention transfer: (phi_q, phi_k, [weights])."""
+    g = torch.Generator().manual_seed(11)
+    wq, wk = ((torch.randn(hq, d, f, generator=g) * 0.5).to(DEVICE).requires_grad_(True) for _ in range(2))
+    bias = torch.zeros(hq, f, device=DEVICE)
+    return functools.partial(hedgehog, weight=wq, bias=bias), functools.partial(hedgehog, weight=wk, bias=bias), [wq, wk]
+
+
+TRAINING_CASES = {
+    "gqa-sinks-weights": dict(window=8, sparse=5, chunk=4, t=37, sinks=1, linear_weight=[0.2, 0.5, 1.0, 0.0]),
+    "chunk-equals-window": dict(window=6, sparse=7, chunk=6, t=40, weight_tokens=9),
+    "separate-maps": dict(window=8, sparse=4, chunk=2, t=23, separate=True, sinks=2, linear_weight=0.3, weight_tokens=7),
+    "no-state": dict(window=4, sparse=3, chunk=4, t=21, read_state=False),
+    "no-sparse-read": dict(window=4, sparse=6, chunk=2, t=19, read_sparse=False, sinks=1),
+    "shorter-than-the-window": dict(window=8, sparse=3, chunk=4, t=6),
+}
+
+
+@pytest.mark.parametrize("case", list(TRAINING_CASES.values()), ids=list(TRAINING_CASES))
+def test_training_path_equals_the_chunk_loop(case, monkeypatch):
+    """With gradients asked for (of the feature maps' weights, as in attention transfer, and of q, k,
+    v and the window factor), no padding and the window a multiple of the chunk, the kernels choose
+    each chunk's cache without gradients and ``lola_given_caches`` reads every chunk at once: the
+    output, the memory and every gradient equal the chunk loop's (run from an explicit empty
+    memory), in float32."""
+    case = dict(case)
+    t, separate = case.pop("t"), case.pop("separate", False)
+    b, hq, hkv, d, f = 2, 4, 2, 8, 8
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(b, h, t, d, device=DEVICE) for h in (hq, hkv, hkv))
+    lin = (torch.randn_like(q), torch.randn_like(k)) if separate else None
+    phi_q, phi_k, maps = _trainable_maps(hq, d, f)
+    factor = 0.1 + 0.8 * torch.rand(hq, device=DEVICE)
+    calls = []
+    given = lola_ops.lola_given_caches
+    monkeypatch.setattr(lola_ops, "lola_given_caches", lambda *a, **kw: calls.append(1) or given(*a, **kw))
+    results = []
+    for explicit_state in (False, True):
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v, factor)]
+        extra = {} if lin is None else dict(q_lin=lin[0].clone().requires_grad_(True), k_lin=lin[1].clone().requires_grad_(True))
+        if explicit_state:  # the chunk loop
+            extra["state"] = lola_ops.lola_state_empty(b, hq, hkv, case["window"], case["sparse"], d, d, 2 * f, DEVICE,
+                                                       linear_keys=separate)  # fmt: skip
+        with fused_decode.use_fused(True):
+            out, state = lola_attention(*leaves[:3], phi_q=phi_q, phi_k=phi_k, window_factor=leaves[3], **case, **extra)
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+        loss = (out * w).sum() + state.linear.kv.sum() + 0.1 * state.linear.k_sum.sum() + state.sparse.values.sum()
+        wrt = leaves + maps + [extra[n] for n in ("q_lin", "k_lin") if n in extra]
+        grads = torch.autograd.grad(loss, wrt, allow_unused=True)  # phi_q is unread without the state
+        results.append((out, state, [torch.zeros_like(x) if g is None else g for g, x in zip(grads, wrt)]))
+    assert calls == [1]  # the first call read every chunk at once, the second ran the loop
+    (out_p, st_p, g_p), (out_l, st_l, g_l) = results
+    torch.testing.assert_close(out_p, out_l, atol=1e-5, rtol=1e-4)
+    assert torch.equal(st_p.sparse.positions, st_l.sparse.positions)
+    for a, r in zip(st_p.tensors(), st_l.tensors()):
+        torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-4)
+    for i, (a, r) in enumerate(zip(g_p, g_l)):
+        if i < 3 or (i < 5 and t > case["window"] and case.get("read_state", True)):
+            assert r.abs().sum() > 0, f"gradient {i} is zero"  # the maps are read once a token has left the window
+        torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-4, msg=lambda m, i=i: f"gradient {i}: {m}")
+
+
+def test_training_path_only_where_it_applies(monkeypatch):
+    """Padding, a chunk that does not divide the window, no gradient asked for, or the kernels turned
+    off keep the other paths."""
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(2, h, 17, 8, device=DEVICE) for h in (4, 2, 2))
+    phi_q, phi_k, _ = _trainable_maps(4, 8, 8)
+    kw = dict(phi_q=phi_q, phi_k=phi_k, sparse=3, chunk=4, window_factor=torch.ones(4, device=DEVICE))
+    padded = torch.ones(2, 17, dtype=torch.bool, device=DEVICE)
+    padded[1, :2] = False
+    calls = []
+    given = lola_ops.lola_given_caches
+    monkeypatch.setattr(lola_ops, "lola_given_caches", lambda *a, **kw_: calls.append(1) or given(*a, **kw_))
+    with fused_decode.use_fused(True):
+        lola_attention(q, k, v, window=6, **kw)
+        assert lola_attention(q, k, v, window=4, valid=padded, **kw)[0].requires_grad
+        with torch.no_grad():
+            lola_attention(q, k, v, window=4, **kw)
+    with fused_decode.use_fused(False):
+        assert lola_attention(q, k, v, window=4, **kw)[0].requires_grad
+    assert calls == []
+    with fused_decode.use_fused(True):
+        assert lola_attention(q, k, v, window=4, **kw)[0].requires_grad
+    assert calls == [1]

@@ -716,3 +716,4 @@ def test_sinks_and_weight_invalid_raise(change, match):
     q, k, v, kw = make(b=1, hq=2, hkv=1, t=6)
     with pytest.raises(ValueError, match=match):
         lola_attention(q, k, v, window=2, sparse=3, **change, **kw)
+
