@@ -283,14 +283,14 @@ def lola_prefill(
     # Segments of chunks: the saved states of one segment (two on CUDA, where the read of a segment
     # runs on a second stream beside the selection of the next: the selection's programs leave most
     # SMs idle) within PREFILL_SAVED_BYTES.
-    overlap = q.is_cuda and not fused_decode.interpreting()
+    interp = fused_decode.interpreting()
+    overlap = q.is_cuda and not interp
     per_chunk = rows * (feats * dv + feats) * 4
     n_seg = max(1, min(n_chunks, PREFILL_SEGMENT_CHUNKS if overlap else n_chunks, PREFILL_SAVED_BYTES // ((1 + overlap) * per_chunk)))
     n_buf = (1 + overlap) if read_state else 1
     snap = torch.empty(n_buf, rows, n_seg if read_state else 1, feats * dv, device=dev, dtype=torch.float32)
     snapz = torch.empty(n_buf, rows, n_seg if read_state else 1, feats, device=dev, dtype=torch.float32)
     select, read = _prefill_kernels()
-    interp = fused_decode.interpreting()
     block = min(PREFILL_BLOCK_CACHE, _pow2(sparse))
     bq = max(16, min(PREFILL_READ_QUERIES, bc))  # both powers of two
     common = dict(H=hq, F=feats, DV=dv, ETA=window, C=chunk, LAM=sparse, BC=bc, BL=block, LOWP=q.dtype == torch.bfloat16,

@@ -73,8 +73,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -166,7 +165,7 @@ def lola_attention(
         return _prefill_fused(q, k, v, None if valid is None else default_valid(q, valid), phi_q=phi_q, phi_k=phi_k, window=window,
                               sparse=sparse, window_factor=window_factor, chunk=chunk, scale=scale, read_state=read_state,
                               read_sparse=read_sparse, q_lin=q_lin, k_lin=k_lin, sinks=sinks, weights=weights,
-                              weight_tokens=weight_tokens)[:2]  # fmt: skip
+                              weight_tokens=weight_tokens)  # fmt: skip
     valid = default_valid(q, valid)
     separate = k_lin is not None  # the feature maps see their own inputs (e.g. before RoPE)
     if state is None:
@@ -212,16 +211,13 @@ def _fused_prefill_applies(q: Tensor, k: Tensor, v: Tensor, sparse: int, q_lin: 
 
 def _prefill_fused(q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, *, phi_q: FeatureFn, phi_k: FeatureFn, window: int, sparse: int,
                    window_factor: Tensor, chunk: int, scale: float, read_state: bool, read_sparse: bool, q_lin: Tensor | None,
-                   k_lin: Tensor | None, sinks: int, weights: Tensor, weight_tokens: int) -> tuple[Tensor, LolaState, Tensor]:
+                   k_lin: Tensor | None, sinks: int, weights: Tensor, weight_tokens: int) -> tuple[Tensor, LolaState]:
     """``lola_attention`` from an empty memory through ``fused_lola.lola_prefill`` (the selection, one
-    program per row and query head with the chunks in a loop inside it, then the read): the features
-    of every query and key computed first, then the kernels; the memory they leave is gathered into a
-    ``LolaState``, with the cache each chunk's queries read (B, Hq, chunks, lambda) int32 positions
-    (over each row's real tokens). ``valid`` None: no padding (nothing packed); no value goes back to
-    the host."""
-    batch, hq, t_len, d = q.shape
-    hkv = k.shape[1]
-    n_rep = hq // hkv
+    program per row and query head with the chunks in a loop inside it, then the read): each row's
+    real tokens packed first, the kernels, the output unpacked; the memory they leave is gathered
+    into a ``LolaState``. ``valid`` None: no padding (nothing packed); no value goes back to the
+    host."""
+    batch, hq, t_len, _ = q.shape
     packed = valid is not None
     order = torch.argsort((~valid).int(), dim=1, stable=True) if packed else None  # (B, T) real tokens first
 
@@ -229,19 +225,30 @@ def _prefill_fused(q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, *, phi
         return x if x is None or order is None else gather_tokens(x, order)
 
     q, k, v, q_lin, k_lin = (pack(x) for x in (q, k, v, q_lin, k_lin))
+    n_real = valid.sum(1) if packed else torch.full((batch,), t_len, device=q.device)  # (B,)
+    out, kv, k_sum, positions, _ = _run_prefill_kernels(q, k, v, n_real, phi_q=phi_q, phi_k=phi_k, window=window, sparse=sparse,
+                                                        window_factor=window_factor, chunk=chunk, scale=scale, read_state=read_state,
+                                                        read_sparse=read_sparse, q_lin=q_lin, k_lin=k_lin, sinks=sinks,
+                                                        weights=weights, weight_tokens=weight_tokens)  # fmt: skip
+    if packed:
+        out = gather_tokens(out, torch.argsort(order, dim=1))
+    return out, _memory(k, v, k_lin, n_real, positions, LinearState(kv=kv, k_sum=k_sum), window, hq // k.shape[1])
+
+
+def _run_prefill_kernels(q: Tensor, k: Tensor, v: Tensor, n_real: Tensor, *, phi_q: FeatureFn, phi_k: FeatureFn, window: int, sparse: int,
+                         window_factor: Tensor, chunk: int, scale: float, read_state: bool, read_sparse: bool, q_lin: Tensor | None,
+                         k_lin: Tensor | None, sinks: int, weights: Tensor, weight_tokens: int) -> tuple[Tensor, ...]:
+    """``fused_lola.lola_prefill`` on each row's ``n_real`` real tokens (packed first), the features
+    of every query and key computed first: (output, S, z, the last cache's positions, the cache each
+    chunk's queries read (B, Hq, chunks, lambda) int32)."""
+    n_rep = q.shape[1] // k.shape[1]
     kphi = phi_k(repeat_kv(k if k_lin is None else k_lin, n_rep)).to(q.dtype)  # (B, Hq, T, F)
     qphi = phi_q(q if q_lin is None else q_lin).to(q.dtype) if read_state else kphi  # (B, Hq, T, F) (unread without the state)
-    n_real = valid.sum(1) if packed else torch.full((batch,), t_len, device=q.device)  # (B,)
     factor = window_factor.to(q.device, torch.float32).contiguous()
-    out, kv, k_sum, positions, history = fused_lola.lola_prefill(
+    return fused_lola.lola_prefill(
         q, k, v, qphi, kphi, n_real, factor, weights.to(q.device).contiguous(), window, sparse, chunk, sinks, scale, weight_tokens,
         read_state, read_sparse,
     )  # fmt: skip
-    if packed:
-        out = gather_tokens(out, torch.argsort(order, dim=1))
-
-    state = _memory(k, v, k_lin, n_real, positions, LinearState(kv=kv, k_sum=k_sum), window, n_rep)
-    return out, state, history
 
 
 def _memory(k: Tensor, v: Tensor, k_lin: Tensor | None, n_real: Tensor, positions: Tensor, linear: LinearState, window: int,
@@ -295,26 +302,28 @@ def _prefill_parallel(q: Tensor, k: Tensor, v: Tensor, *, phi_q: FeatureFn, phi_
     gradients, then the output of every chunk at once given those caches (``lola_given_caches``) and
     the memory, both differentiable in q, k, v, the window factor and the feature maps, as the
     chunk loop's are."""
+    batch, hq, t_len, _ = q.shape
+    n_real = torch.full((batch,), t_len, device=q.device)
     with torch.no_grad():
-        _, state, history = _prefill_fused(q, k, v, None, phi_q=phi_q, phi_k=phi_k, window=window, sparse=sparse,
-                                           window_factor=window_factor, chunk=chunk, scale=scale, read_state=False, read_sparse=False,
-                                           q_lin=q_lin, k_lin=k_lin, sinks=sinks, weights=weights, weight_tokens=weight_tokens)  # fmt: skip
-    history = history.long()
-    out = lola_given_caches(q, k, v, history, phi_q=phi_q, phi_k=phi_k, window=window, window_factor=window_factor,
+        *_, positions, history = _run_prefill_kernels(q, k, v, n_real, phi_q=phi_q, phi_k=phi_k, window=window, sparse=sparse,
+                                                      window_factor=window_factor, chunk=chunk, scale=scale, read_state=False,
+                                                      read_sparse=False, q_lin=q_lin, k_lin=k_lin, sinks=sinks, weights=weights,
+                                                      weight_tokens=weight_tokens)  # fmt: skip
+    out = lola_given_caches(q, k, v, history.long(), phi_q=phi_q, phi_k=phi_k, window=window, window_factor=window_factor,
                             chunk=chunk, scale=scale, read_state=read_state, read_sparse=read_sparse, q_lin=q_lin, k_lin=k_lin,
                             weights=weights, weight_tokens=weight_tokens)  # fmt: skip
     # The memory, differentiable: the state holds every token that left the window, less the cache.
-    batch, hq, t_len, _ = q.shape
     n_rep = hq // k.shape[1]
     left = max(t_len - window, 0)
-    mem = _memory(k, v, k_lin, torch.full((batch,), t_len, device=q.device), history[:, :, -1], state.linear, window, n_rep)
-    c_phi = phi_k((mem.sparse.linear_keys if k_lin is not None else mem.sparse.keys).to(q.dtype)).float() * mem.sparse.valid[..., None]
-    kv, k_sum = -c_phi.transpose(-1, -2) @ mem.sparse.values, -c_phi.sum(-2)  # (B, Hq, F, Dv), (B, Hq, F)
+    no_state = LinearState(kv=q.new_zeros(0), k_sum=q.new_zeros(0))  # replaced below, from the cache gathered here
+    mem = _memory(k, v, k_lin, n_real, positions, no_state, window, n_rep)
+    cache = mem.sparse
+    c_phi = phi_k((cache.keys if k_lin is None else cache.linear_keys).to(q.dtype)).float() * cache.valid[..., None]  # (B, Hq, L, F)
+    kv, k_sum = -c_phi.transpose(-1, -2) @ cache.values, -c_phi.sum(-2)  # (B, Hq, F, Dv), (B, Hq, F)
     if left:
         k_phi = phi_k(repeat_kv((k if k_lin is None else k_lin)[:, :, :left], n_rep).to(q.dtype)).float()  # (B, Hq, left, F)
         kv, k_sum = kv + k_phi.transpose(-1, -2) @ repeat_kv(v[:, :, :left], n_rep).float(), k_sum + k_phi.sum(-2)
-    linear = LinearState(kv=kv, k_sum=k_sum)
-    return out, dataclasses.replace(mem, linear=linear)
+    return out, replace(mem, linear=LinearState(kv=kv, k_sum=k_sum))
 
 
 def lola_given_caches(q: Tensor, k: Tensor, v: Tensor, caches: Tensor, *, phi_q: FeatureFn, phi_k: FeatureFn, window: int,
@@ -352,12 +361,13 @@ def lola_given_caches(q: Tensor, k: Tensor, v: Tensor, caches: Tensor, *, phi_q:
         return xp.unfold(2, eta + c, c).transpose(-1, -2)
 
     dev = q.device
+    kr, vr = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, Hq, T, D / Dv)
     qc = chunks(q)  # (B, Hq, n, C, D)
     pos = torch.arange(tp, device=dev).view(n_chunks, c)  # (n, C) each query's position
     first = pos - eta + 1  # (n, C) the oldest position of each query's window
     band_pos = pos[:, :1] - eta + torch.arange(eta + c, device=dev)  # (n, eta + C)
     w_ok = (band_pos[:, None, :] >= first[..., None]) & (band_pos[:, None, :] <= pos[..., None]) & (band_pos[:, None, :] >= 0)
-    s_w = (qc @ band(repeat_kv(k, n_rep)).transpose(-1, -2)) * scale  # (B, Hq, n, C, eta + C)
+    s_w = (qc @ band(kr).transpose(-1, -2)) * scale  # (B, Hq, n, C, eta + C)
     s_w = s_w.masked_fill(~w_ok, -torch.inf)
 
     valid = caches >= 0  # (B, Hq, n, L)
@@ -368,24 +378,25 @@ def lola_given_caches(q: Tensor, k: Tensor, v: Tensor, caches: Tensor, *, phi_q:
         return got * valid[..., None]
 
     older = valid[:, :, :, None, :] & (caches[:, :, :, None, :] < first[None, None, :, :, None])  # (B, Hq, n, C, L) G_i
-    kc, vc = gather(repeat_kv(k, n_rep)), gather(repeat_kv(v, n_rep))  # (B, Hq, n, L, D / Dv)
+    kc, vc = gather(kr), gather(vr)  # (B, Hq, n, L, D / Dv)
     s_c = (qc @ kc.transpose(-1, -2)) * scale  # (B, Hq, n, C, L)
     s_c = s_c.masked_fill(~(older & read_sparse), -torch.inf)
     m = torch.maximum(s_w.amax(-1), s_c.amax(-1))  # (B, Hq, n, C) the shared max
     m = torch.where(torch.isfinite(m), m, 0)[..., None]
     f = window_factor.to(dev, torch.float32).view(1, hq, 1, 1, 1)
     p_w, p_c = f * torch.exp(s_w - m), f * torch.exp(s_c - m)
-    num = p_w @ band(repeat_kv(v, n_rep)) + p_c @ vc  # (B, Hq, n, C, Dv)
+    num = p_w @ band(vr) + p_c @ vc  # (B, Hq, n, C, Dv)
     den = p_w.sum(-1) + p_c.sum(-1)  # (B, Hq, n, C)
     if read_state:
         dtype = q.dtype
         q_phi = chunks(phi_q((q if q_lin is None else q_lin).to(dtype)))  # (B, Hq, n, C, F)
         k_phi = phi_k(repeat_kv(k if k_lin is None else k_lin, n_rep).to(dtype))  # (B, Hq, T, F)
-        kb, vb = chunks(k_phi), chunks(repeat_kv(v, n_rep))  # (B, Hq, n, C, F / Dv)
+        kb, vb = chunks(k_phi), chunks(vr)  # (B, Hq, n, C, F / Dv)
         lag = eta // c  # a query's leavers are the chunk `lag` chunks back
         states = kb.transpose(-1, -2) @ vb  # (B, Hq, n, F, Dv) each chunk's sum
         before = torch.cumsum(states, dim=2) - states  # (B, Hq, n, F, Dv) the chunks before each
-        sums = torch.cumsum(kb.sum(-2), dim=2) - kb.sum(-2)  # (B, Hq, n, F)
+        z = kb.sum(-2)  # (B, Hq, n, F)
+        sums = torch.cumsum(z, dim=2) - z
 
         def back(x: Tensor) -> Tensor:  # chunk c - lag's x for chunk c (zero before the first)
             return F.pad(x, (0,) * (2 * (x.dim() - 3)) + (lag, 0))[:, :, :n_chunks]
