@@ -236,6 +236,7 @@ def _prefill_kernels():
 def lola_prefill(
     q: Tensor, k: Tensor, v: Tensor, qphi: Tensor, kphi: Tensor, n_real: Tensor, factor: Tensor, weights: Tensor,
     window: int, sparse: int, chunk: int, sinks: int, scale: float, weight_tokens: int, read_state: bool, read_sparse: bool,
+    output: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """LoLA's chunked prefill from an empty memory (``ops.lola.lola_attention``'s rule, chunk by
     chunk) as two Triton kernels per segment of chunks: the selection (one program per row and
@@ -252,6 +253,10 @@ def lola_prefill(
     S (B, Hq, F, Dv) and z (B, Hq, F) float32, the sparse cache as positions (B, Hq, lambda) long in
     position order (-1 in empty slots, last), and the cache after each chunk's choice (B, Hq, chunks,
     lambda) int32 the same way (what the chunk's queries read).
+
+    ``output`` False: the selection alone (the read kernel does not run and the output is empty,
+    (B, Hq, 0, Dv)), in one launch over every chunk: for callers that read the chunks themselves
+    from the caches returned (LoLA's training path).
     """
     b, hq, t, d = q.shape
     hkv, dv = k.shape[1], v.shape[-1]
@@ -271,7 +276,7 @@ def lola_prefill(
     q, k, v, qphi, kphi = (x.contiguous() for x in (q, k, v, qphi, kphi))
     rows, bc, n_chunks = b * hq, _pow2(chunk), -(-t // chunk)
     dev = q.device
-    out = torch.zeros(b, hq, t, dv, device=dev, dtype=q.dtype)
+    out = torch.zeros(b, hq, t if output else 0, dv, device=dev, dtype=q.dtype)
     kv = torch.zeros(b, hq, feats, dv, device=dev, dtype=torch.float32)
     k_sum = torch.zeros(b, hq, feats, device=dev, dtype=torch.float32)
     held = torch.zeros(rows, device=dev, dtype=torch.int32)
@@ -284,12 +289,14 @@ def lola_prefill(
     # runs on a second stream beside the selection of the next: the selection's programs leave most
     # SMs idle) within PREFILL_SAVED_BYTES.
     interp = fused_decode.interpreting()
-    overlap = q.is_cuda and not interp
+    overlap = output and q.is_cuda and not interp
+    saved = read_state and output  # the state each chunk's queries read, kept for the read kernel
     per_chunk = rows * (feats * dv + feats) * 4
     n_seg = max(1, min(n_chunks, PREFILL_SEGMENT_CHUNKS if overlap else n_chunks, PREFILL_SAVED_BYTES // ((1 + overlap) * per_chunk)))
-    n_buf = (1 + overlap) if read_state else 1
-    snap = torch.empty(n_buf, rows, n_seg if read_state else 1, feats * dv, device=dev, dtype=torch.float32)
-    snapz = torch.empty(n_buf, rows, n_seg if read_state else 1, feats, device=dev, dtype=torch.float32)
+    n_seg = n_seg if saved else n_chunks
+    n_buf = (1 + overlap) if saved else 1
+    snap = torch.empty(n_buf, rows, n_seg if saved else 1, feats * dv, device=dev, dtype=torch.float32)
+    snapz = torch.empty(n_buf, rows, n_seg if saved else 1, feats, device=dev, dtype=torch.float32)
     select, read = _prefill_kernels()
     block = min(PREFILL_BLOCK_CACHE, _pow2(sparse))
     bq = max(16, min(PREFILL_READ_QUERIES, bc))  # both powers of two
@@ -305,9 +312,11 @@ def lola_prefill(
         select[(rows,)](
             v, kphi, n_real, kv, k_sum, held, hist, lkept, nread, errs, wlist, snap[buf], snapz[buf],
             t, n_chunks, c0, c1, n_seg, sinks, hq // hkv, **common, BN=_pow2(sparse + bc),
-            BF=min(PREFILL_BLOCK_FEATURES, _pow2(feats)), BV=min(PREFILL_BLOCK_VALUES, _pow2(dv)), SNAP=read_state,
+            BF=min(PREFILL_BLOCK_FEATURES, _pow2(feats)), BV=min(PREFILL_BLOCK_VALUES, _pow2(dv)), SNAP=saved,
             CH0=c0 if interp else 0, CH1=c1 if interp else 0, num_warps=PREFILL_WARPS,
         )  # fmt: skip
+        if not output:
+            continue
         with torch.cuda.stream(side) if overlap else contextlib.nullcontext():
             if overlap:
                 side.wait_stream(main)
@@ -326,8 +335,9 @@ def lola_prefill(
 
 
 @lola_prefill.register_fake
-def _(q, k, v, qphi, kphi, n_real, factor, weights, window, sparse, chunk, sinks, scale, weight_tokens, read_state, read_sparse):
+def _(q, k, v, qphi, kphi, n_real, factor, weights, window, sparse, chunk, sinks, scale, weight_tokens, read_state, read_sparse,
+      output=True):
     b, hq, t, _ = q.shape
     dv, feats = v.shape[-1], kphi.shape[-1]
-    return (q.new_empty(b, hq, t, dv), q.new_empty(b, hq, feats, dv, dtype=torch.float32), q.new_empty(b, hq, feats, dtype=torch.float32),
+    return (q.new_empty(b, hq, t if output else 0, dv), q.new_empty(b, hq, feats, dv, dtype=torch.float32), q.new_empty(b, hq, feats, dtype=torch.float32),
             q.new_empty(b, hq, sparse, dtype=torch.long), q.new_empty(b, hq, -(-t // chunk), sparse, dtype=torch.int32))  # fmt: skip

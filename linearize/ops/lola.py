@@ -237,17 +237,18 @@ def _prefill_fused(q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, *, phi
 
 def _run_prefill_kernels(q: Tensor, k: Tensor, v: Tensor, n_real: Tensor, *, phi_q: FeatureFn, phi_k: FeatureFn, window: int, sparse: int,
                          window_factor: Tensor, chunk: int, scale: float, read_state: bool, read_sparse: bool, q_lin: Tensor | None,
-                         k_lin: Tensor | None, sinks: int, weights: Tensor, weight_tokens: int) -> tuple[Tensor, ...]:
+                         k_lin: Tensor | None, sinks: int, weights: Tensor, weight_tokens: int, output: bool = True) -> tuple[Tensor, ...]:
     """``fused_lola.lola_prefill`` on each row's ``n_real`` real tokens (packed first), the features
     of every query and key computed first: (output, S, z, the last cache's positions, the cache each
-    chunk's queries read (B, Hq, chunks, lambda) int32)."""
+    chunk's queries read (B, Hq, chunks, lambda) int32); ``output`` False: the selection alone (the
+    output is empty)."""
     n_rep = q.shape[1] // k.shape[1]
     kphi = phi_k(repeat_kv(k if k_lin is None else k_lin, n_rep)).to(q.dtype)  # (B, Hq, T, F)
     qphi = phi_q(q if q_lin is None else q_lin).to(q.dtype) if read_state else kphi  # (B, Hq, T, F) (unread without the state)
     factor = window_factor.to(q.device, torch.float32).contiguous()
     return fused_lola.lola_prefill(
         q, k, v, qphi, kphi, n_real, factor, weights.to(q.device).contiguous(), window, sparse, chunk, sinks, scale, weight_tokens,
-        read_state, read_sparse,
+        read_state, read_sparse, output,
     )  # fmt: skip
 
 
@@ -308,7 +309,7 @@ def _prefill_parallel(q: Tensor, k: Tensor, v: Tensor, *, phi_q: FeatureFn, phi_
         *_, positions, history = _run_prefill_kernels(q, k, v, n_real, phi_q=phi_q, phi_k=phi_k, window=window, sparse=sparse,
                                                       window_factor=window_factor, chunk=chunk, scale=scale, read_state=False,
                                                       read_sparse=False, q_lin=q_lin, k_lin=k_lin, sinks=sinks, weights=weights,
-                                                      weight_tokens=weight_tokens)  # fmt: skip
+                                                      weight_tokens=weight_tokens, output=False)  # fmt: skip
     out = lola_given_caches(q, k, v, history.long(), phi_q=phi_q, phi_k=phi_k, window=window, window_factor=window_factor,
                             chunk=chunk, scale=scale, read_state=read_state, read_sparse=read_sparse, q_lin=q_lin, k_lin=k_lin,
                             weights=weights, weight_tokens=weight_tokens)  # fmt: skip

@@ -320,6 +320,29 @@ def test_fused_prefill_only_from_an_empty_memory_and_without_gradients():
             assert out.requires_grad and calls == [1, 1]
 
 
+@pytest.mark.parametrize("read_state", [True, False])
+@torch.no_grad()
+def test_selection_alone_keeps_what_the_whole_prefill_keeps(monkeypatch, read_state):
+    """``output=False`` (the training path's call): one selection over every chunk and no read; the
+    linear state, the last cache and every chunk's cache equal the whole prefill's (run in segments
+    of 3 chunks here), and the output is empty."""
+    b, hq, hkv, t, d, f, dv = 2, 4, 2, 37, 8, 8, 16
+    torch.manual_seed(4)
+    q, k = torch.randn(b, hq, t, d, device=DEVICE), torch.randn(b, hkv, t, d, device=DEVICE)
+    v = torch.randn(b, hkv, t, dv, device=DEVICE)
+    qphi, kphi = torch.rand(b, hq, t, f, device=DEVICE), torch.rand(b, hq, t, f, device=DEVICE)
+    args = [q, k, v, qphi, kphi, torch.tensor([t, 29], device=DEVICE), 0.5 + torch.rand(hq, device=DEVICE),
+            torch.rand(hq, device=DEVICE)]  # fmt: skip
+    options = dict(window=8, sparse=5, chunk=4, sinks=1, scale=0.3, weight_tokens=0, read_state=read_state, read_sparse=True)
+    monkeypatch.setattr(fused_lola, "PREFILL_SAVED_BYTES", 3 * b * hq * (2 * f * dv + 2 * f) * 4)
+    whole = fused_lola.lola_prefill(*args, **options)
+    alone = fused_lola.lola_prefill(*args, **options, output=False)
+    assert whole[0].shape == (b, hq, t, dv) and alone[0].shape == (b, hq, 0, dv)
+    assert whole[4].shape == (b, hq, 10, 5) and bool((whole[4] >= 0).any())
+    for name, w, a in zip(("S", "z", "positions", "caches"), whole[1:], alone[1:]):
+        assert torch.equal(a, w), name
+
+
 def test_fused_prefill_rejects_bad_arguments():
     b, hq, hkv, t, d, f = 1, 2, 1, 5, 16, 8
     q, k = torch.zeros(b, hq, t, d, device=DEVICE), torch.zeros(b, hkv, t, d, device=DEVICE)
