@@ -155,17 +155,21 @@ def lola_attention(
     if chunk > window:
         logger.debug("lola_attention: chunk %d capped at the window %d", chunk, window)
         chunk = window
-    fused = state is None and _fused_prefill_applies(q, k, v, sparse, q_lin, k_lin)
+    out_dtype = q.dtype  # the fused paths read mixed inputs (autocast) in one dtype; the output keeps q's
+    fused = False
+    if state is None:
+        one = _one_dtype(q, k, v, q_lin, k_lin)
+        fused = _fused_prefill_applies(*one[:3], sparse, *one[3:])
+        if fused:
+            q, k, v, q_lin, k_lin = one
     training = fused and _needs_grad(q, k, v, q_lin, k_lin, phi_q, phi_k)
+    kw = dict(phi_q=phi_q, phi_k=phi_k, window=window, sparse=sparse, window_factor=window_factor, chunk=chunk, scale=scale,
+              read_state=read_state, read_sparse=read_sparse, q_lin=q_lin, k_lin=k_lin, sinks=sinks, weights=weights,
+              weight_tokens=weight_tokens)  # fmt: skip
     if training and window % chunk == 0 and (valid is None or bool(valid.all())):
-        return _prefill_parallel(q, k, v, phi_q=phi_q, phi_k=phi_k, window=window, sparse=sparse, window_factor=window_factor,
-                                 chunk=chunk, scale=scale, read_state=read_state, read_sparse=read_sparse, q_lin=q_lin, k_lin=k_lin,
-                                 sinks=sinks, weights=weights, weight_tokens=weight_tokens)  # fmt: skip
+        return _in_dtype(out_dtype, *_prefill_parallel(q, k, v, **kw))
     if fused and not training:
-        return _prefill_fused(q, k, v, None if valid is None else default_valid(q, valid), phi_q=phi_q, phi_k=phi_k, window=window,
-                              sparse=sparse, window_factor=window_factor, chunk=chunk, scale=scale, read_state=read_state,
-                              read_sparse=read_sparse, q_lin=q_lin, k_lin=k_lin, sinks=sinks, weights=weights,
-                              weight_tokens=weight_tokens)  # fmt: skip
+        return _in_dtype(out_dtype, *_prefill_fused(q, k, v, None if valid is None else default_valid(q, valid), **kw))
     valid = default_valid(q, valid)
     separate = k_lin is not None  # the feature maps see their own inputs (e.g. before RoPE)
     if state is None:
@@ -200,6 +204,21 @@ def lola_attention(
         next_pos = next_pos + cvalid.sum(1)
     packed = torch.cat(outs, dim=2) if outs else q.new_zeros(batch, hq, 0, dv, dtype=torch.float32)  # (B, Hq, T, Dv)
     return gather_tokens(packed, torch.argsort(order, dim=1)).to(q.dtype), state
+
+
+def _one_dtype(*xs: Tensor | None) -> list[Tensor | None]:
+    """The inputs in the narrowest of their dtypes when they differ. Under autocast the projections
+    come in bfloat16 and the RoPE'd q/k in float32 (RoPE's tables are float32); the kernels read one
+    dtype, and autocast's softmax attention reads all three in bfloat16 too."""
+    dtypes = {x.dtype for x in xs if x is not None}
+    if len(dtypes) < 2:
+        return list(xs)
+    low = min(dtypes, key=lambda dt: torch.finfo(dt).bits)
+    return [None if x is None else x.to(low) for x in xs]
+
+
+def _in_dtype(dtype: torch.dtype, out: Tensor, state: LolaState) -> tuple[Tensor, LolaState]:
+    return out.to(dtype), state
 
 
 def _fused_prefill_applies(q: Tensor, k: Tensor, v: Tensor, sparse: int, q_lin: Tensor | None, k_lin: Tensor | None) -> bool:

@@ -446,6 +446,32 @@ def test_training_path_equals_the_chunk_loop(case, monkeypatch):
         torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-4, msg=lambda m, i=i: f"gradient {i}: {m}")
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_mixed_dtypes_of_autocast_take_the_kernels_in_the_narrowest(monkeypatch, grad):
+    """Under autocast the projections come in bfloat16 and the RoPE'd q/k in float32. Both fused
+    paths read them in bfloat16 (as autocast's softmax attention does) instead of falling back to
+    the chunk loop: the result equals the all-bfloat16 call, and the output keeps q's dtype."""
+    torch.manual_seed(2)
+    b, hq, hkv, t, d, f = 1, 4, 2, 24, 8, 8
+    q, k = torch.randn(b, hq, t, d, device=DEVICE), torch.randn(b, hkv, t, d, device=DEVICE)
+    v, q_lin, k_lin = torch.randn(b, hkv, t, d, device=DEVICE).bfloat16(), torch.randn_like(q).bfloat16(), torch.randn_like(k).bfloat16()
+    phi_q, phi_k, maps = _trainable_maps(hq, d, f)
+    kw = dict(phi_q=phi_q, phi_k=phi_k, window=8, sparse=5, chunk=4, sinks=1, window_factor=torch.full((hq,), 0.5, device=DEVICE))
+    seen = []
+    kernel = fused_lola.lola_prefill
+    monkeypatch.setattr(fused_lola, "lola_prefill", lambda *a: seen.append({x.dtype for x in a[:5]}) or kernel(*a))
+    with fused_decode.use_fused(True), torch.set_grad_enabled(grad), torch.autocast(DEVICE, dtype=torch.bfloat16):
+        if not grad:
+            for m in maps:
+                m.requires_grad_(False)
+        mixed, mem = lola_attention(q, k, v, q_lin=q_lin, k_lin=k_lin, **kw)
+        low, mem_low = lola_attention(q.bfloat16(), k.bfloat16(), v, q_lin=q_lin, k_lin=k_lin, **kw)
+    assert seen == [{torch.bfloat16}] * 2
+    assert mixed.dtype == torch.float32 and mixed.requires_grad == grad
+    torch.testing.assert_close(mixed, low.float(), atol=0, rtol=0)
+    assert torch.equal(mem.sparse.positions, mem_low.sparse.positions)
+
+
 def test_training_path_only_where_it_applies(monkeypatch):
     """Padding, a chunk that does not divide the window, no gradient asked for, or the kernels turned
     off keep the other paths."""
