@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import warnings
@@ -114,7 +115,8 @@ def copy_adapter(source: str | Path, target: str | Path, *, dtype: torch.dtype =
     copy must stand alone, so a base that is an adapter without LoRA weights is replaced by that
     adapter's own base (every new parameter is in ``source``: the parent adds nothing), recorded as
     ``started_from``; a parent with LoRA weights (merged into the q/k/v/o this adapter trained on)
-    is refused."""
+    is refused, unless it is a shipped conversion: the copy then builds on it by name, with its
+    fingerprint (``adapter_fingerprint``), and loads only on the same shipped weights."""
     source, target = Path(source), Path(target)
     if not (source / ADAPTER_CONFIG).is_file():
         raise FileNotFoundError(f"{source} holds no adapter (no {ADAPTER_CONFIG})")
@@ -129,6 +131,8 @@ def copy_adapter(source: str | Path, target: str | Path, *, dtype: torch.dtype =
         meta["base_model"] = json.loads((parent / ADAPTER_CONFIG).read_text())["base_model"]
     if parents:
         meta["started_from"] = parents
+    if meta["base_model"] in SHIPPED:
+        meta["base_fingerprint"] = adapter_fingerprint(shipped_path(meta["base_model"]))
     meta = scrub_paths(meta)
     meta["storage_dtype"] = str(dtype).removeprefix("torch.")
     if isinstance(meta.get("lora"), dict):
@@ -142,6 +146,18 @@ def copy_adapter(source: str | Path, target: str | Path, *, dtype: torch.dtype =
             (target / path.name).write_bytes(path.read_bytes())
     (target / ADAPTER_CONFIG).write_text(json.dumps(meta, indent=2, sort_keys=True))
     return target
+
+
+def adapter_fingerprint(path: str | Path) -> str:
+    """SHA-256 of an adapter's weight files (new parameters and LoRA), names and bytes: what an
+    adapter trained on top of it depends on."""
+    digest = hashlib.sha256()
+    for name in (ADAPTER_WEIGHTS, LORA_WEIGHTS):
+        file = Path(path) / name
+        if file.is_file():
+            digest.update(name.encode())
+            digest.update(file.read_bytes())
+    return digest.hexdigest()
 
 
 def _jsonable(value) -> bool:
@@ -166,6 +182,13 @@ def _load_adapter(path: Path, source_name: str, *, dtype, device):
         raise ValueError(f"adapter {str(path)!r} has format {found!r}; this linearize reads format {ADAPTER_FORMAT}")
     tensors = _read_adapter_file(path, ADAPTER_WEIGHTS, lambda file: load_file(str(file)))  # before the base loads
     lora_tensors = _read_adapter_file(path, LORA_WEIGHTS, lambda file: load_file(str(file))) if (path / LORA_WEIGHTS).is_file() else None
+    if "base_fingerprint" in meta:  # built on a shipped conversion: on those weights only
+        base = shipped_path(meta["base_model"]) if meta["base_model"] in SHIPPED else None
+        found = None if base is None else adapter_fingerprint(base)
+        if found != meta["base_fingerprint"]:
+            raise ValueError(f"adapter {str(path)!r} was trained on top of the shipped conversion {meta['base_model']!r} with fingerprint "
+                             f"{meta['base_fingerprint'][:12]}, but the one installed has {found and found[:12]!r}: its weights changed "
+                             "since; train this adapter again from the conversion installed now")
     try:
         model, tokenizer = load_model(meta["base_model"], dtype=dtype, device=device)
     except (ValueError, FileNotFoundError) as err:

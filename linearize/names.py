@@ -23,7 +23,8 @@ MODEL_ALIASES: dict[str, str] = {
 }
 """Base models built offline (``linearize.hub``), by name."""
 
-SHIPPED = ("smollm2-135m-lolcats", "smollm2-135m-hedgecats", "smollm2-135m-ssd", "smollm2-135m-inference-hybrid", "smollm2-135m-dsla-chained")
+SHIPPED = ("smollm2-135m-lolcats", "smollm2-135m-hedgecats", "smollm2-135m-ssd", "smollm2-135m-inference-hybrid", "smollm2-135m-dsla-chained",
+           "smollm2-135m-lola")
 """Trained conversions that ship inside the package (linearize/checkpoints/NAME), by name."""
 
 ADAPTER_CONFIG = "linearize_adapter.json"

@@ -568,6 +568,52 @@ def test_adapter_copied_in_bfloat16_loads_as_the_rounded_model(tmp_path, monkeyp
         linearize.api.copy_adapter(default, tmp_path / "refused")
 
 
+@torch.no_grad()
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft wrapping, below
+def test_adapter_on_a_shipped_conversion_loads_only_on_the_same_weights(tmp_path, monkeypatch):
+    """A run started from a shipped conversion with LoRA (as LoLA from lolcats) is copied building
+    on it by name, with its fingerprint; it loads as trained, and is refused once the shipped
+    weights change."""
+    import linearize.names
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file, save_file
+
+    monkeypatch.chdir(tmp_path)
+    shipped = tmp_path / "checkpoints"
+    monkeypatch.setattr(linearize.names, "SHIPPED", ("tiny-shipped",))
+    monkeypatch.setattr(linearize.api, "SHIPPED", ("tiny-shipped",))
+    monkeypatch.setattr(linearize.names, "checkpoint_dir", lambda name: shipped / name)
+    tiny().save_pretrained(tmp_path / "base")
+    model, _ = linearize.load_model(str(tmp_path / "base"))
+    linearize.convert(model, {"attention": "hybrid", "window": 4})
+    for p in linearize.new_parameters(model).values():
+        p.add_(0.01 * torch.randn_like(p))
+    wrapped = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    linearize.save_adapter(wrapped, tmp_path / "parent-run")
+    linearize.api.copy_adapter(tmp_path / "parent-run", shipped / "tiny-shipped")
+
+    child, _ = linearize.load_model("tiny-shipped")
+    linearize.convert(child, {"attention": "lola", "window": 4, "sparse_cache": 2, "chunk": 2})
+    for p in linearize.new_parameters(child).values():
+        p.add_(0.01 * torch.randn_like(p))
+    linearize.save_adapter(child, tmp_path / "child")  # its base: the shipped name it was loaded by
+    copied = linearize.api.copy_adapter(tmp_path / "child", tmp_path / "child-bf16")
+    meta = json.loads((copied / "linearize_adapter.json").read_text())
+    assert meta["base_model"] == "tiny-shipped"
+    assert meta["base_fingerprint"] == linearize.api.adapter_fingerprint(shipped / "tiny-shipped")
+    for p in linearize.new_parameters(child).values():
+        p.copy_(p.to(torch.bfloat16).float())
+    ids, mask = padded_batch(child.config.vocab_size, [9, 6])
+    loaded, _ = linearize.load_model(str(copied))
+    assert torch.equal(loaded.eval()(ids, attention_mask=mask).logits, child.eval()(ids, attention_mask=mask).logits)
+
+    lora = load_file(str(shipped / "tiny-shipped" / "lora.safetensors"))
+    name = sorted(lora)[0]
+    save_file({**lora, name: lora[name] + 0.01}, str(shipped / "tiny-shipped" / "lora.safetensors"))
+    with pytest.raises(ValueError, match="trained on top of the shipped conversion 'tiny-shipped' with fingerprint"):
+        linearize.load_model(str(copied))
+
+
 def test_reconverting_keeps_trained_parameters_and_can_restore_teacher():
     model = convert(tiny(), {"attention": "hybrid", "window": 4}, None)
     fm = model.model.layers[0].self_attn.feature_map_q.weight

@@ -132,20 +132,22 @@ def test_cli_generate_and_info_on_the_real_model(smollm2, capsys):
 @pytest.mark.parametrize("name", list(linearize.api.SHIPPED))
 @torch.no_grad()
 def test_shipped_conversions_load_offline_and_stay_close_to_the_teacher_on_short_text(smollm2, name):
-    """Every shipped conversion loads by name (bf16-stored adapter, float32 model); the joint-mix
-    hybrids, on text within their window, predict much like their teacher."""
+    """Every shipped conversion loads by name (bf16-stored adapter, float32 model; LoLA on top of
+    the shipped lolcats it was trained from); the joint-mix hybrids and LoLA, on text within their
+    window, predict much like their teacher."""
     teacher, tokenizer = smollm2
     model, _ = linearize.load_model(name)
     assert next(model.parameters()).dtype == torch.float32
-    assert model.config.linearize["attention"] in ("hybrid", "dsla")
+    assert model.config.linearize["attention"] in ("hybrid", "dsla", "lola")
     ids = tokenizer("The Amazon rainforest covers much of the Amazon basin of South America.", return_tensors="pt").input_ids
     logits = model(ids).logits
     assert torch.isfinite(logits).all()
     spec = model.config.linearize
     if name.endswith("inference-hybrid"):  # its linear part, trained alone over every token, reads every token beside the window
         assert spec["options"]["overlap"] and spec["options"]["mix"] == "gate"
-    if spec["attention"] == "hybrid" and spec["options"]["mix"] == "joint":  # short text: inside the 64-token window
-        # (not inference-hybrid: its gate mix always gives the linear branch half the weight)
+    if spec["attention"] == "lola" or (spec["attention"] == "hybrid" and spec["options"]["mix"] == "joint"):
+        # short text: inside the 64-token window (not inference-hybrid: its gate mix always gives the
+        # linear branch half the weight)
         agree = (logits.argmax(-1) == teacher(ids).logits.argmax(-1)).float().mean()
         assert agree > 0.5, f"{name}: next-token argmax agrees with the teacher on only {agree:.0%} of positions"
 

@@ -26,6 +26,7 @@ from ..checks import load_yaml, read_yaml
 from ..convert import convert, converted_layers, inference_form, new_parameters, set_active, set_mode
 from ..io import atomic_write_text
 from ..spec import ConversionSpec
+from ..teacher import teacher_modes
 from .config import ConfigError, TrainConfig, apply_overrides, from_dict
 from ..data import build_dataset
 from .finetune import FinetuneObjective, heldout_loss, unwrap
@@ -118,7 +119,14 @@ def _run(config: TrainConfig, device: torch.device, dtype: torch.dtype, autocast
                                "device": str(device), "dtype": str(dtype).removeprefix("torch."), "world_size": world.size,
                                "autocast": None if autocast_dtype is None else str(autocast_dtype).removeprefix("torch.")}
     model.eval()
-    summary["teacher_heldout_loss"] = heldout_loss(model, data.heldout, batch_size=eval_batch, max_batches=None, device=device, **shard)
+    # A run may start from a conversion (``--model ADAPTER``): its teacher is then its layers as
+    # softmax over the weights it trains on (what transfer and KL read), and the conversion's own
+    # loss is recorded as where the run started.
+    with teacher_modes(model):
+        summary["teacher_heldout_loss"] = heldout_loss(model, data.heldout, batch_size=eval_batch, max_batches=None, device=device, **shard)
+    if converted_layers(model):
+        summary["started_from"] = config.model
+        summary["start_heldout_loss"] = heldout_loss(model, data.heldout, batch_size=eval_batch, max_batches=None, device=device, **shard)
 
     spec = config.conversion_spec()
     convert(model, spec)

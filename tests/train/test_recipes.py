@@ -78,6 +78,22 @@ def test_recipe_runs_end_to_end_on_a_tiny_model(name, tiny_model_dir, tiny_corpu
 
 
 @pytest.mark.slow
+def test_a_run_started_from_a_conversion_keeps_the_teachers_loss(tiny_model_dir, tiny_corpus, tmp_path):
+    """``train --model ADAPTER``: the teacher's held-out loss is the loaded layers run as softmax
+    (here a parent without LoRA: the teacher exactly), and the loaded conversion's own loss is
+    recorded as where the run started (here LoLA trained from a transferred hybrid)."""
+    parent = run(load_recipe("lolcats", tiny_overrides(tiny_model_dir, tiny_corpus, tmp_path, **{"finetune.enabled": False})))
+    assert "started_from" not in parent
+    overrides = tiny_overrides(tiny_model_dir, tiny_corpus, tmp_path, model=parent["adapter"], **{
+        "transfer.enabled": False, "finetune.max_steps": 1, "spec.sparse_cache": 4, "spec.chunk": 4, "spec.sinks": 1})
+    child = run(load_recipe("lola", overrides))
+    assert child["started_from"] == parent["adapter"]
+    # (the two differ by 1e-5 relative on this tiny model: compared tighter than that)
+    assert child["teacher_heldout_loss"] == pytest.approx(parent["teacher_heldout_loss"], rel=1e-7)
+    assert child["start_heldout_loss"] == pytest.approx(parent["heldout_loss"], rel=1e-7)  # the hybrid as loaded
+
+
+@pytest.mark.slow
 def test_killed_run_resumes_to_the_same_final_weights(tiny_model_dir, tiny_corpus, tmp_path, monkeypatch):
     overrides = tiny_overrides(tiny_model_dir, tiny_corpus, tmp_path, **{
         "transfer.max_steps": 4, "transfer.save_every": 1, "finetune.max_steps": 5, "finetune.save_every": 2})
