@@ -131,8 +131,9 @@ def copy_adapter(source: str | Path, target: str | Path, *, dtype: torch.dtype =
         meta["base_model"] = json.loads((parent / ADAPTER_CONFIG).read_text())["base_model"]
     if parents:
         meta["started_from"] = parents
-    if meta["base_model"] in SHIPPED:
-        meta["base_fingerprint"] = adapter_fingerprint(shipped_path(meta["base_model"]))
+    shipped = shipped_path(meta["base_model"])
+    if shipped is not None:
+        meta["base_fingerprint"] = adapter_fingerprint(shipped)
     meta = scrub_paths(meta)
     meta["storage_dtype"] = str(dtype).removeprefix("torch.")
     if isinstance(meta.get("lora"), dict):
@@ -183,7 +184,7 @@ def _load_adapter(path: Path, source_name: str, *, dtype, device):
     tensors = _read_adapter_file(path, ADAPTER_WEIGHTS, lambda file: load_file(str(file)))  # before the base loads
     lora_tensors = _read_adapter_file(path, LORA_WEIGHTS, lambda file: load_file(str(file))) if (path / LORA_WEIGHTS).is_file() else None
     if "base_fingerprint" in meta:  # built on a shipped conversion: on those weights only
-        base = shipped_path(meta["base_model"]) if meta["base_model"] in SHIPPED else None
+        base = shipped_path(meta["base_model"])
         found = None if base is None else adapter_fingerprint(base)
         if found != meta["base_fingerprint"]:
             raise ValueError(f"adapter {str(path)!r} was trained on top of the shipped conversion {meta['base_model']!r} with fingerprint "

@@ -581,7 +581,6 @@ def test_adapter_on_a_shipped_conversion_loads_only_on_the_same_weights(tmp_path
     monkeypatch.chdir(tmp_path)
     shipped = tmp_path / "checkpoints"
     monkeypatch.setattr(linearize.names, "SHIPPED", ("tiny-shipped",))
-    monkeypatch.setattr(linearize.api, "SHIPPED", ("tiny-shipped",))
     monkeypatch.setattr(linearize.names, "checkpoint_dir", lambda name: shipped / name)
     tiny().save_pretrained(tmp_path / "base")
     model, _ = linearize.load_model(str(tmp_path / "base"))

@@ -156,12 +156,10 @@ def lola_attention(
         logger.debug("lola_attention: chunk %d capped at the window %d", chunk, window)
         chunk = window
     out_dtype = q.dtype  # the fused paths read mixed inputs (autocast) in one dtype; the output keeps q's
-    fused = False
-    if state is None:
-        one = _one_dtype(q, k, v, q_lin, k_lin)
-        fused = _fused_prefill_applies(*one[:3], sparse, *one[3:])
-        if fused:
-            q, k, v, q_lin, k_lin = one
+    low = _narrowest_dtype(q, k, v, q_lin, k_lin)
+    fused = state is None and _fused_prefill_applies(q, sparse, low)
+    if fused:
+        q, k, v, q_lin, k_lin = (None if x is None else x.to(low) for x in (q, k, v, q_lin, k_lin))
     training = fused and _needs_grad(q, k, v, q_lin, k_lin, phi_q, phi_k)
     kw = dict(phi_q=phi_q, phi_k=phi_k, window=window, sparse=sparse, window_factor=window_factor, chunk=chunk, scale=scale,
               read_state=read_state, read_sparse=read_sparse, q_lin=q_lin, k_lin=k_lin, sinks=sinks, weights=weights,
@@ -206,26 +204,21 @@ def lola_attention(
     return gather_tokens(packed, torch.argsort(order, dim=1)).to(q.dtype), state
 
 
-def _one_dtype(*xs: Tensor | None) -> list[Tensor | None]:
-    """The inputs in the narrowest of their dtypes when they differ. Under autocast the projections
-    come in bfloat16 and the RoPE'd q/k in float32 (RoPE's tables are float32); the kernels read one
-    dtype, and autocast's softmax attention reads all three in bfloat16 too."""
-    dtypes = {x.dtype for x in xs if x is not None}
-    if len(dtypes) < 2:
-        return list(xs)
-    low = min(dtypes, key=lambda dt: torch.finfo(dt).bits)
-    return [None if x is None else x.to(low) for x in xs]
+def _narrowest_dtype(*xs: Tensor | None) -> torch.dtype:
+    """The narrowest of the inputs' dtypes. Under autocast the projections come in bfloat16 and the
+    RoPE'd q/k in float32 (RoPE's tables are float32); the kernels read one dtype, and autocast's
+    softmax attention reads all three in bfloat16 too."""
+    return min((x.dtype for x in xs if x is not None), key=lambda dt: torch.finfo(dt).bits)
 
 
 def _in_dtype(dtype: torch.dtype, out: Tensor, state: LolaState) -> tuple[Tensor, LolaState]:
     return out.to(dtype), state
 
 
-def _fused_prefill_applies(q: Tensor, k: Tensor, v: Tensor, sparse: int, q_lin: Tensor | None, k_lin: Tensor | None) -> bool:
-    """A prefill (from an empty memory) with a sparse cache, of a bfloat16 or float32 model, where
-    the fused kernels run (``fused_decode.enabled``)."""
-    inputs = [x for x in (q, k, v, q_lin, k_lin) if x is not None]
-    return sparse > 0 and fused_decode.enabled(q) and fused_lola.supports(q.dtype) and all(x.dtype == q.dtype for x in inputs)
+def _fused_prefill_applies(q: Tensor, sparse: int, dtype: torch.dtype) -> bool:
+    """A prefill (from an empty memory) with a sparse cache, read in ``dtype`` (the narrowest of its
+    inputs') where that is bfloat16 or float32, where the fused kernels run (``fused_decode.enabled``)."""
+    return sparse > 0 and fused_decode.enabled(q) and fused_lola.supports(dtype)
 
 
 def _prefill_fused(q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, *, phi_q: FeatureFn, phi_k: FeatureFn, window: int, sparse: int,
