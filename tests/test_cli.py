@@ -71,8 +71,9 @@ def test_generate_prints_text_speed_and_memory(tiny_dir, tmp_path):
         (["--attention", "lola", "--sparse-cache", "-3"], "sparse_cache must be an integer >= 0, got -3"),
         (["--feature-map", "cosine"], "unknown feature_map 'cosine'; valid choices: hedgehog, exp, relu, elu, identity"),
         (["--spec", "missing.yaml"], "spec file 'missing.yaml' does not exist"),
+        (["--attention", "lola", "--recall", "cache"], "recall must be one of ('state', 'memory'), got 'cache'"),
     ],
-    ids=["attention", "layer-index", "window", "sparse-budget", "feature-map", "spec-file"],
+    ids=["attention", "layer-index", "window", "sparse-budget", "feature-map", "spec-file", "lola-recall"],
 )
 def test_bad_input_exits_2_with_a_clear_message(tiny_dir, tmp_path, capsys, args, message):
     assert main(["convert", "--model", tiny_dir, "--out", str(tmp_path / "x"), *args]) == 2

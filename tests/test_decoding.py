@@ -15,7 +15,8 @@ from linearize.ops.states import DecodeClock
 from .test_model import VARIANTS, convert, tiny
 
 STATIC = ["softmax", "hybrid-joint", "hybrid-joint-overlap", "hybrid-gate", "hybrid-nope", "hybrid-nope-la_only", "hybrid-swa_only",
-          "dsla", "dsla-partial", "dsla-nope", "dsla-recent_only", "lola", "lola-no_state", "lola-nope-sinks-weight", "lola-nope-s0-C3"]
+          "dsla", "dsla-partial", "dsla-nope", "dsla-recent_only", "lola", "lola-no_state", "lola-nope-sinks-weight", "lola-nope-s0-C3",
+          "lola-nope-memory"]
 
 
 def _model(name: str | None):
@@ -384,18 +385,20 @@ LOLA_STEPS = {  # name: (prompt tokens, sparse slots, sinks, read_state, read_sp
 
 @pytest.mark.parametrize("case", list(LOLA_STEPS))
 @pytest.mark.parametrize("linear", [False, True], ids=["rope-maps", "separate-maps"])
+@pytest.mark.parametrize("recall", ["state", "memory"])
 @torch.no_grad()
-def test_lola_decode_step_equals_the_op_on_one_token(linear, case):
+def test_lola_decode_step_equals_the_op_on_one_token(linear, case, recall):
     """lola_decode_step (state updated in place, constants on the device) gives lola_attention's
     outputs and states token by token, with per-head weights, sinks and a length-scaled weight, from
-    prefilled states full, filling and empty, with and without a sparse cache, in every read."""
+    prefilled states full, filling and empty, with and without a sparse cache, in every read, for
+    both recall rules."""
     torch.manual_seed(0)
     t0, lam, sinks, read_state, read_sparse, weight_tokens = LOLA_STEPS[case]
     b, hq, hkv, d, w = 2, 4, 2, 8, 3
     phi = torch.nn.functional.softplus
     factor = torch.rand(hq)
     options = dict(window_factor=factor, sinks=sinks, linear_weight=[0.2, 0.5, 1.0, 0.0], weight_tokens=weight_tokens,
-                   read_state=read_state, read_sparse=read_sparse)  # fmt: skip
+                   read_state=read_state, read_sparse=read_sparse, recall=recall)  # fmt: skip
     kw = dict(phi_q=phi, phi_k=phi, window=w, sparse=lam, **options)
 
     def inputs(t):

@@ -38,6 +38,8 @@ VARIANTS = {
     "lola-nope": ({"attention": "lola", "window": 4, "sparse_cache": 3, "chunk": 1, "linear_rope": False}, None),
     "lola-nope-sinks-weight": ({"attention": "lola", "window": 4, "sparse_cache": 3, "chunk": 1, "linear_rope": False,
                                 "sinks": 2, "linear_weight": 0.3}, None),
+    "lola-nope-memory": ({"attention": "lola", "window": 4, "sparse_cache": 3, "chunk": 1, "linear_rope": False, "sinks": 1,
+                          "recall": "memory"}, None),
     # with lambda > 0 a chunked prefill may legitimately differ from decoding (the selection runs once
     # per chunk); with lambda = 0 every chunk length equals it: the chunked path at model level
     "lola-nope-s0-C3": ({"attention": "lola", "window": 4, "sparse_cache": 0, "chunk": 3, "linear_rope": False}, None),

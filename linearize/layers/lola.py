@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from ..checks import check_int, is_int
-from ..ops.lola import LolaDecodeState, lola_attention, lola_decode_step, lola_state_empty
+from ..ops.lola import RECALLS, LolaDecodeState, lola_attention, lola_decode_step, lola_state_empty
 from ..ops.states import LolaState
 from .base import STATE_BYTES, AttentionKind, Attend, SpecError, expect_state, head_sizes
 from .feature_map import HedgehogFeatureMap
@@ -33,12 +33,18 @@ class LolaOptions(WindowOptions):
     at); 0: never."""
     chunk: int = 16
     """LoLA's prefill chunk length C (queries of a chunk share the linear state)."""
+    recall: str = "state"
+    """What decides which tokens the sparse cache keeps: "state" (LoLA: each candidate's self-recall
+    error against the linear state) or "memory" (the smaller of that and how well the older
+    candidates recall it, so a repeated token is not held twice; no fused kernels)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_int("sparse_cache", self.sparse_cache, 0, error=SpecError)
         check_int("chunk", self.chunk, 1, error=SpecError)
         check_int("linear_weight_tokens", self.linear_weight_tokens, 0, error=SpecError)
+        if self.recall not in RECALLS:
+            raise SpecError(f"recall must be one of {RECALLS}, got {self.recall!r}")
         if not is_int(self.sinks) or not 0 <= self.sinks <= self.sparse_cache:
             raise SpecError(f"sinks must be an integer in [0, sparse_cache={self.sparse_cache}], got {self.sinks!r}")
         w = self.linear_weight
@@ -79,7 +85,7 @@ class LolaAttention(WindowedLinearAttention):
         return LolaDecodeState.from_state(
             state, phi_q=self.feature_map_q, phi_k=phi_k, window_factor=self.window_factor(), scale=self.scaling,
             dtype=dtype, read_state=read_state, read_sparse=read_sparse, sinks=o.sinks, linear_weight=o.linear_weight,
-            weight_tokens=o.linear_weight_tokens, key_map=key_map)  # fmt: skip
+            weight_tokens=o.linear_weight_tokens, key_map=key_map, recall=o.recall)  # fmt: skip
 
     def decode_step(self, x, position_embeddings, slot):
         """The per-token path (``lola_decode_step``, memory updated in place): on the slot's decode
@@ -115,7 +121,7 @@ class LolaAttention(WindowedLinearAttention):
             chunk=o.chunk, valid=valid, state=expect_state(state, LolaState, self), scale=self.scaling,
             read_state=read_state, read_sparse=read_sparse,
             sinks=o.sinks, linear_weight=o.linear_weight if linear_weight is None else linear_weight,
-            weight_tokens=o.linear_weight_tokens,
+            weight_tokens=o.linear_weight_tokens, recall=o.recall,
             **self.linear_inputs(p),
         )
 

@@ -60,6 +60,17 @@ linear term (state and on-the-fly reads) in both numerator and denominator (1: t
 read; 0: the same read as ``read_state=False``), one number or one per query head. What is kept
 does not depend on ``linear_weight``.
 
+One selection option beyond the method (``recall``; the default, "state", is the method): with
+"memory" a candidate's score is the smaller of its self-recall error against the state and its
+recall error against the OLDER candidates, || sum_j softmax_j(k_lin_c . k_lin_j * scale) v_j - v_c ||
+over the candidates j (cache entries and leaving tokens) at earlier positions (+inf where there is
+none). The state recalls every token only through a blur of all of them, so a token that repeats
+(a haystack sentence, a boilerplate line) keeps a high self-recall error at every occurrence and
+LoLA spends one slot per copy; here a copy whose content an older entry already holds scores low
+and goes to the state, and the oldest copy keeps its own score. The slots go to tokens nothing else
+holds. It compares candidates among themselves, so the fused kernels (which score each candidate
+against the state alone) do not run it: the chunk loop and the torch decode step do.
+
 ``lola_attention_reference`` is the specification (a plain float32 loop per row, head, chunk and
 query over lists of token indices, in ``linearize.ops.naive``, re-exported here; it shares no code
 with the fast path); ``lola_attention`` is the vectorised op (loop over chunks only) that continues
@@ -103,6 +114,24 @@ def _recall_distance(num: Tensor, den: Tensor, v: Tensor) -> Tensor:
     return torch.linalg.vector_norm(safe_divide(num, den) - v, dim=-1)
 
 
+RECALLS = ("state", "memory")
+"""What a candidate's recall error is measured against: the linear state (LoLA's self-recall
+error), or that and the older candidates (the smaller of the two; module docstring)."""
+
+
+def older_recall_error(keys: Tensor, values: Tensor, positions: Tensor, valid: Tensor, scale: float) -> Tensor:
+    """|| sum_j softmax_j(k_i . k_j * scale) v_j - v_i ||_2 over the valid candidates j at positions
+    before i's, +inf where there is none: how well the older candidates recall candidate i.
+
+    ``keys`` (..., N, D), ``values`` (..., N, Dv), ``positions`` / ``valid`` (..., N) -> (..., N) float32."""
+    older = valid[..., None, :] & (positions[..., None, :] < positions[..., :, None])  # (..., N, N) i reads j
+    scores = (keys.float() @ keys.float().transpose(-1, -2)) * scale  # (..., N, N)
+    any_older = older.any(-1)  # (..., N)
+    scores = torch.where(older, scores, -torch.inf).masked_fill(~any_older[..., None], 0)  # rows with none: finite, masked below
+    err = torch.linalg.vector_norm(scores.softmax(-1) @ values.float() - values.float(), dim=-1)  # (..., N)
+    return err.masked_fill(~any_older, torch.inf)
+
+
 def lola_attention(
     q: Tensor,
     k: Tensor,
@@ -124,6 +153,7 @@ def lola_attention(
     sinks: int = 0,
     linear_weight: float | Sequence[float] | Tensor = 1.0,
     weight_tokens: int = 0,
+    recall: str = "state",
 ) -> tuple[Tensor, LolaState]:
     """LoLA attention, vectorised over batch and heads, one loop step per chunk of ``chunk`` tokens.
 
@@ -143,11 +173,12 @@ def lola_attention(
     ``weight_tokens`` N > 0: a query that reads n > N tokens through the linear term (the state and
     the tokens it reads on the fly) reads it with ``linear_weight`` x N / n (the term is a sum over
     those tokens; this keeps its weight against the explicit entries from growing with the context);
-    0: never.
+    0: never. ``recall`` (``RECALLS``): what the selection's recall error is measured against (module
+    docstring); "memory" runs the chunk loop.
     Memory per chunk is O(C (window + sparse + C)); no T x T tensor is formed.
     """
     weights = _check_args(q, k, v, window=window, sparse=sparse, chunk=chunk, window_factor=window_factor, q_lin=q_lin,
-                          k_lin=k_lin, sinks=sinks, linear_weight=linear_weight, weight_tokens=weight_tokens)  # (Hq,)
+                          k_lin=k_lin, sinks=sinks, linear_weight=linear_weight, weight_tokens=weight_tokens, recall=recall)  # (Hq,)
     n_rep = gqa_groups(q, k)
     batch, hq, t_len, d = q.shape
     hkv, dv = k.shape[1], v.shape[-1]
@@ -157,7 +188,7 @@ def lola_attention(
         chunk = window
     out_dtype = q.dtype  # the fused paths read mixed inputs (autocast) in one dtype; the output keeps q's
     low = _narrowest_dtype(q, k, v, q_lin, k_lin)
-    fused = state is None and _fused_prefill_applies(q, sparse, low)
+    fused = state is None and recall == "state" and _fused_prefill_applies(q, sparse, low)
     if fused:
         q, k, v, q_lin, k_lin = (None if x is None else x.to(low) for x in (q, k, v, q_lin, k_lin))
     training = fused and _needs_grad(q, k, v, q_lin, k_lin, phi_q, phi_k)
@@ -179,7 +210,7 @@ def lola_attention(
     order = torch.argsort((~valid).int(), dim=1, stable=True)  # (B, T)
     n_real = valid.sum(1)  # (B,)
     ctx = _ChunkContext.on(q.device, phi_q, phi_k, window_factor, scale, n_rep, q.dtype, read_state, read_sparse, sinks, weights,
-                           weight_tokens)  # fmt: skip
+                           weight_tokens, recall)  # fmt: skip
     next_pos = state.window.positions[:, -1] + 1  # (B,) the newest token sits in the last slot
     outs = []
     for c0 in range(0, t_len, chunk):
@@ -447,16 +478,17 @@ class _ChunkContext:
     sinks: int  # the first ``sinks`` positions of a sequence are never evicted from the sparse cache
     linear_weight: Tensor  # (1, Hq, 1, 1) weight of the linear term in the shared denominator (1 = LoLCATs)
     weight_tokens: int  # > 0: the weight falls as weight_tokens / n for a query reading n > weight_tokens tokens linearly
+    recall: str = "state"  # RECALLS: what the selection's recall error is measured against
 
     @classmethod
     def on(cls, device, phi_q, phi_k, window_factor: Tensor, scale: float, n_rep: int, dtype, read_state: bool, read_sparse: bool,
-           sinks: int, weights: Tensor, weight_tokens: int) -> "_ChunkContext":
+           sinks: int, weights: Tensor, weight_tokens: int, recall: str = "state") -> "_ChunkContext":
         """The context with the per-head window factor and linear weights (Hq,) as (1, Hq, 1, 1)
         float32 tensors on ``device``."""
         hq = window_factor.shape[0]
         factor = window_factor.to(device, torch.float32).view(1, hq, 1, 1)
         return cls(phi_q, phi_k, factor, scale, n_rep, dtype, read_state, read_sparse, sinks, weights.to(device).view(1, hq, 1, 1),
-                   weight_tokens)  # fmt: skip
+                   weight_tokens, recall)  # fmt: skip
 
     def phi(self, fn: FeatureFn, x: Tensor) -> Tensor:
         """Feature map in the model's dtype (float32 state keys round-trip exactly), result float32."""
@@ -510,6 +542,8 @@ def _lola_chunk(
         cand_lk = cand_k
     cand_phi = ctx.phi(ctx.phi_k, cand_lk)  # (B, Hq, L+C, F)
     err = self_recall_error(cand_phi, cand_v, linear)  # (B, Hq, L+C)
+    if ctx.recall == "memory":  # or recalled by an older candidate, whichever recalls it better
+        err = torch.minimum(err, older_recall_error(cand_lk, cand_v, cand_pos, cand_valid, ctx.scale))
     err = err.masked_fill(cand_pos < ctx.sinks, torch.inf).masked_fill(~cand_valid, -torch.inf)  # sinks stay
     top = torch.sort(err, dim=-1, descending=True, stable=True).indices[..., :lam]  # (B, Hq, L)
     kept = torch.zeros_like(cand_valid).scatter(-1, top, True) & cand_valid  # (B, Hq, L+C)
@@ -635,17 +669,18 @@ class LolaDecodeState:
     def from_state(cls, state: LolaState, *, phi_q: FeatureFn, phi_k: FeatureFn, window_factor: Tensor, scale: float,
                    dtype: torch.dtype, read_state: bool = True, read_sparse: bool = True, sinks: int = 0,
                    linear_weight: float | Sequence[float] | Tensor = 1.0, weight_tokens: int = 0,
-                   key_map: tuple[Tensor, Tensor] | None = None) -> "LolaDecodeState":
+                   key_map: tuple[Tensor, Tensor] | None = None, recall: str = "state") -> "LolaDecodeState":
         """The decode form of ``state`` (copies: ``state`` is left untouched) for ``lola_attention``'s
         arguments of the same names (checked once here; ``dtype``: the inputs' dtype, in which the
         feature maps run). ``key_map``: when ``phi_k`` is the Hedgehog map with this weight (Hq, D, f)
         and bias (Hq, f), the step runs as ``ops.fused_lola``'s two kernels where the fused kernels
-        apply (they compute the keys' features from it)."""
+        apply (they compute the keys' features from it; with ``recall`` "memory" the torch step runs)."""
         hq, hkv = state.sparse.keys.shape[1], state.window.keys.shape[1]
         weights = _check_options(heads=hq, window=state.window.keys.shape[2], sparse=state.sparse.keys.shape[2], chunk=1,
-                                 window_factor=window_factor, sinks=sinks, linear_weight=linear_weight, weight_tokens=weight_tokens)  # fmt: skip
+                                 window_factor=window_factor, sinks=sinks, linear_weight=linear_weight, weight_tokens=weight_tokens,
+                                 recall=recall)  # fmt: skip
         context = _ChunkContext.on(state.linear.kv.device, phi_q, phi_k, window_factor, scale, hq // hkv, dtype, read_state, read_sparse,
-                                   sinks, weights, weight_tokens)  # fmt: skip
+                                   sinks, weights, weight_tokens, recall)  # fmt: skip
         win, cache = state.window.clone(), state.sparse.clone()
         # Keys and values come from the model's projections, so they are kept in its dtype where it
         # is narrower than float32 (exactly: the float32 copies hold those numbers), halving what a
@@ -730,7 +765,7 @@ def lola_decode_step(ds: LolaDecodeState, q: Tensor, k: Tensor, v: Tensor, q_lin
     n_rep = ctx.n_rep
     i = ds.index.view(1)
 
-    if lam and ds.key_map is not None and fused_decode.enabled(ds.linear) and fused_lola.supports(ctx.dtype) \
+    if lam and ds.key_map is not None and ctx.recall == "state" and fused_decode.enabled(ds.linear) and fused_lola.supports(ctx.dtype) \
             and ds.linear.dtype == torch.float32:  # fmt: skip
         return _step_fused(ds, q, k, v, q_lin, k_lin)
 
@@ -824,11 +859,19 @@ def _select(ds: LolaDecodeState, leave: dict[str, Tensor], leave_valid: Tensor, 
     lam = ds.cache_keys.shape[2]
     state = ds.linear.view(b, hq, -1, dv + 1)
     phi_leave = ctx.phi(ctx.phi_k, leave["linear_keys" if separate else "keys"])  # (B, Hq, 1, F)
-    err_leave = _recall_error(phi_leave, leave["values"], state)[..., 0].masked_fill(leave_pos < ctx.sinks, torch.inf)  # (B, Hq)
+    err_leave = _recall_error(phi_leave, leave["values"], state)[..., 0]  # (B, Hq)
     if lam:
         phi_cache = ctx.phi(ctx.phi_k, ds.cache_linear_keys if separate else ds.cache_keys)  # (B, Hq, L, F)
         err = _recall_error(phi_cache, ds.cache_values, state)  # (B, Hq, L)
+        if ctx.recall == "memory":  # the cache entries and the leaving token (the newest) as one candidate set
+            name = "linear_keys" if separate else "keys"
+            older = older_recall_error(torch.cat([ds.cache_linear_keys if separate else ds.cache_keys, leave[name].to(ds.cache_keys.dtype)], 2),
+                                       torch.cat([ds.cache_values, leave["values"].to(ds.cache_values.dtype)], 2),
+                                       torch.cat([ds.cache_positions, leave_pos[..., None]], 2),
+                                       torch.cat([ds.cache_valid, leave_valid[..., None]], 2), ctx.scale)  # (B, Hq, L + 1)
+            err, err_leave = torch.minimum(err, older[..., :lam]), torch.minimum(err_leave, older[..., lam])
         err = err.masked_fill(ds.cache_positions < ctx.sinks, torch.inf).masked_fill(~ds.cache_valid, -torch.inf)
+        err_leave = err_leave.masked_fill(leave_pos < ctx.sinks, torch.inf)
         least = err.amin(-1)  # (B, Hq)
         j = torch.where(err == least[..., None], ds.cache_positions, -2).argmax(-1, keepdim=True)  # (B, Hq, 1) the newest of the least
         drop_leaving = err_leave <= least  # (B, Hq): the leaving token is newer than every cache entry
@@ -840,7 +883,7 @@ def _select(ds: LolaDecodeState, leave: dict[str, Tensor], leave_valid: Tensor, 
         out_v = torch.where(drop_leaving[..., None, None], leave["values"], v_slot)  # (B, Hq, 1, Dv)
         written = leave_valid & torch.where(drop_leaving, True, slot_valid)  # (B, Hq)
         _take_slot(ds, leave, take, leave_pos, j, slot_valid)
-    else:
+    else:  # lambda 0: the leaving token is written whatever its error
         out_phi, out_v, written = phi_leave, leave["values"], leave_valid
     ds.held.add_(written)
     out_v = out_v.float()
@@ -882,7 +925,7 @@ def lola_state_empty(batch, hq, hkv, window, sparse, d, dv, feats, device, linea
 
 def _check_args(q: Tensor, k: Tensor, v: Tensor, *, window: int, sparse: int, chunk: int, window_factor: Tensor,
                 q_lin: Tensor | None = None, k_lin: Tensor | None = None, sinks: int = 0,
-                linear_weight=1.0, weight_tokens: int = 0) -> Tensor:
+                linear_weight=1.0, weight_tokens: int = 0, recall: str = "state") -> Tensor:
     """ValueError naming a bad argument; the linear weights per query head (Hq,), checked."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != 4:
@@ -897,13 +940,15 @@ def _check_args(q: Tensor, k: Tensor, v: Tensor, *, window: int, sparse: int, ch
         raise ValueError(f"q_lin/k_lin have shapes {tuple(q_lin.shape)}/{tuple(k_lin.shape)}; expected those of "
                          f"q/k {tuple(q.shape)}/{tuple(k.shape)}")
     return _check_options(heads=q.shape[1], window=window, sparse=sparse, chunk=chunk, window_factor=window_factor, sinks=sinks,
-                          linear_weight=linear_weight, weight_tokens=weight_tokens)  # fmt: skip
+                          linear_weight=linear_weight, weight_tokens=weight_tokens, recall=recall)  # fmt: skip
 
 
 def _check_options(*, heads: int, window: int, sparse: int, chunk: int, window_factor: Tensor, sinks: int, linear_weight,
-                   weight_tokens: int) -> Tensor:
+                   weight_tokens: int, recall: str = "state") -> Tensor:
     """ValueError naming a bad option (the calls' and the decode state's); the linear weights per
     query head (Hq,), checked."""
+    if recall not in RECALLS:
+        raise ValueError(f"recall must be one of {RECALLS}, got {recall!r}")
     if isinstance(weight_tokens, bool) or not isinstance(weight_tokens, int) or weight_tokens < 0:
         raise ValueError(f"weight_tokens must be an integer >= 0 (0: off), got {weight_tokens!r}")
     if window < 1:

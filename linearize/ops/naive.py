@@ -330,6 +330,7 @@ def lola_attention_reference(
     sinks: int = 0,
     linear_weight=1.0,
     weight_tokens: int = 0,
+    recall: str = "state",
 ) -> tuple[Tensor, LolaState]:
     """The specification of LoLA: a plain loop over rows, query heads, chunks and queries, in float32.
 
@@ -341,7 +342,9 @@ def lola_attention_reference(
     first ``sinks`` real tokens never leave the sparse cache; ``linear_weight``: the weight of the
     linear term (state and on-the-fly reads) in the numerator and the denominator, one number or one
     per query head; ``weight_tokens`` N > 0: a query that reads n > N tokens linearly (the state's
-    and those read on the fly) has that weight multiplied by N / n.
+    and those read on the fly) has that weight multiplied by N / n. ``recall`` "memory": a candidate's
+    error is the smaller of its self-recall error and the error of a softmax read, its feature-map key
+    as the query (times ``scale``), over the candidates at earlier positions (+inf where there is none).
     """
     if window < 1 or sparse < 0 or chunk < 1:
         raise ValueError(f"need window >= 1, sparse >= 0, chunk >= 1; got window={window}, sparse={sparse}, chunk={chunk}")
@@ -356,6 +359,8 @@ def lola_attention_reference(
         raise ValueError(f"window_factor must have shape ({q.shape[1]},), got {tuple(window_factor.shape)}")
     if isinstance(weight_tokens, bool) or not isinstance(weight_tokens, int) or weight_tokens < 0:
         raise ValueError(f"weight_tokens must be an integer >= 0 (0: off), got {weight_tokens!r}")
+    if recall not in ("state", "memory"):
+        raise ValueError(f"recall must be one of ('state', 'memory'), got {recall!r}")
     _check_linear_inputs(q, k, q_lin, k_lin)
     batch, hq, t_len, d = q.shape
     hkv, dv = k.shape[1], v.shape[-1]
@@ -400,7 +405,14 @@ def lola_attention_reference(
                     phi_j = k_phi[b, h, j]  # (F,) phi of the feature map's key: how the STATE recalls j
                     den = phi_j @ k_sum
                     readout = phi_j @ kv / den if den > EMPTY_DENOMINATOR else torch.zeros(dv, device=q.device)
-                    errs.append(torch.linalg.vector_norm(readout - v[b, g, j]).item())
+                    err = torch.linalg.vector_norm(readout - v[b, g, j]).item()
+                    older = [i for i in cands if i < j]  # sequence order is position order
+                    if recall == "memory" and older:  # or recalled by the older candidates, if better
+                        s = torch.stack([k_feat[b, g, j] @ k_feat[b, g, i] * scale for i in older])  # (N,)
+                        w = torch.softmax(s, dim=0)
+                        recalled = sum(w[n] * v[b, g, i] for n, i in enumerate(older))  # (Dv,)
+                        err = min(err, torch.linalg.vector_norm(recalled - v[b, g, j]).item())
+                    errs.append(err)
                 errs = [float("inf") if position[j] < sinks else e for j, e in zip(cands, errs)]  # sinks stay
                 ranked = sorted(range(len(cands)), key=lambda i: (-errs[i], i))  # ties: earlier first
                 new_cache = sorted(cands[i] for i in ranked[:sparse])

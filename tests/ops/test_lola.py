@@ -717,3 +717,62 @@ def test_sinks_and_weight_invalid_raise(change, match):
     with pytest.raises(ValueError, match=match):
         lola_attention(q, k, v, window=2, sparse=3, **change, **kw)
 
+
+
+# --- recall "memory": a candidate recalled by the older candidates is not held again ------------------
+@pytest.mark.parametrize("chunk", [1, 3, 16], ids=lambda c: f"C{c}")
+@pytest.mark.parametrize("separate", [False, True], ids=["rope-maps", "separate-maps"])
+@pytest.mark.parametrize("case", [dict(window=4, sparse=3, sinks=1), dict(window=3, sparse=5, sinks=0, weight_tokens=4)],
+                         ids=["w4-s3-sinks1", "w3-s5-tokens4"])
+def test_memory_recall_matches_reference(case, separate, chunk):
+    """recall="memory": the chunk loop == the reference loop (outputs, final state, gradients), with
+    padding, grouped heads and separate feature-map inputs; it keeps a different cache than
+    recall="state" on the same inputs (the option does something)."""
+    q, k, v, kw = make(b=2, hq=4, hkv=2, t=27)
+    valid = left_padding(2, 27, [0, 4])
+    lin = {"q_lin": torch.randn(q.shape, generator=torch.Generator().manual_seed(7)),
+           "k_lin": torch.randn(k.shape, generator=torch.Generator().manual_seed(8))} if separate else {}
+    results = []
+    for fn in (lola_attention, lola_attention_reference):
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        out, state = fn(*leaves, chunk=chunk, valid=valid, recall="memory", **case, **lin, **kw)
+        loss = (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(5))).sum() + state.linear.kv.sum()
+        results.append((out, state, torch.autograd.grad(loss, leaves)))
+    (out, state, g_fast), (ref, ref_state, g_ref) = results
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert_states_equal(state, ref_state)
+    for name, a, b in zip("qkv", g_fast, g_ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"d{name}: {m}")
+    _, plain = lola_attention(q, k, v, chunk=chunk, valid=valid, **case, **lin, **kw)
+    assert not torch.equal(plain.sparse.positions, state.sparse.positions)
+
+
+def test_memory_recall_holds_a_repeated_token_once():
+    """Two alternating tokens repeated, with one distinct token early on: "state" recall fills the
+    cache with copies of the repeated tokens (the state recalls them only as a blur) and evicts the
+    distinct one; "memory" recall keeps the oldest copy of each repeated token and the distinct one."""
+    d, t = 16, 60
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(2, d, generator=g) * 3  # two repeated keys, sharp under the softmax scale
+    values = torch.randn(2, d, generator=g)
+    k = base[torch.arange(t) % 2].clone()
+    v = values[torch.arange(t) % 2].clone()
+    k[5], v[5] = torch.randn(d, generator=g) * 3, torch.randn(d, generator=g) * 0.1  # the distinct token: a small value
+    k, v = k[None, None], v[None, None]  # (1, 1, T, D)
+    q = torch.randn(1, 1, t, d, generator=g)
+    phi = hedgehog(1, d, 3)
+    kw = dict(phi_q=phi, phi_k=phi, window_factor=torch.ones(1), window=4, sparse=4, chunk=4)
+    held = {}
+    for recall in ("state", "memory"):
+        _, state = lola_attention(q, k, v, recall=recall, **kw)
+        assert state.sparse.valid.all()
+        held[recall] = state.sparse.positions[0, 0].tolist()
+    assert 5 not in held["state"]  # four copies of the repeated tokens
+    assert held["memory"][:3] == [0, 1, 5]  # the first copy of each, the distinct token (the last slot: any copy)
+
+
+@pytest.mark.parametrize("fn", [lola_attention, lola_attention_reference], ids=["fast", "reference"])
+def test_recall_invalid_raises(fn):
+    q, k, v, kw = make(b=1, hq=2, hkv=1, t=6)
+    with pytest.raises(ValueError, match=r"recall must be one of \('state', 'memory'\), got 'cache'"):
+        fn(q, k, v, window=2, sparse=3, recall="cache", **kw)
