@@ -36,7 +36,7 @@ class LolaOptions(WindowOptions):
     recall: str = "state"
     """What decides which tokens the sparse cache keeps: "state" (LoLA: each candidate's self-recall
     error against the linear state) or "memory" (the smaller of that and how well the older
-    candidates recall it, so a repeated token is not held twice; no fused kernels)."""
+    candidates recall it, so a repeated token is not held twice; decoding runs the torch step)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -203,6 +203,8 @@ PREFILL_BLOCK_VALUES = 128
 """Value columns per tile of [S | z] in the selection kernel."""
 PREFILL_BLOCK_CACHE = 128
 """Cache entries per block of candidates (errors) and of keys (the exact read)."""
+PREFILL_BLOCK_RECALL = 64
+"""Candidates per block of the recall "memory" pass (its rows; its columns: the cache blocks and the leavers)."""
 PREFILL_WARPS = 8
 """Warps per program of the selection kernel."""
 PREFILL_READ_WARPS = 4
@@ -236,7 +238,7 @@ def _prefill_kernels():
 def lola_prefill(
     q: Tensor, k: Tensor, v: Tensor, qphi: Tensor, kphi: Tensor, n_real: Tensor, factor: Tensor, weights: Tensor,
     window: int, sparse: int, chunk: int, sinks: int, scale: float, weight_tokens: int, read_state: bool, read_sparse: bool,
-    output: bool = True,
+    output: bool = True, recall_keys: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """LoLA's chunked prefill from an empty memory (``ops.lola.lola_attention``'s rule, chunk by
     chunk) as two Triton kernels per segment of chunks: the selection (one program per row and
@@ -257,6 +259,10 @@ def lola_prefill(
     ``output`` False: the selection alone (the read kernel does not run and the output is empty,
     (B, Hq, 0, Dv)), in one launch over every chunk: for callers that read the chunks themselves
     from the caches returned (LoLA's training path).
+
+    ``recall_keys`` (B, Hkv, T, D) in ``q``'s dtype, the keys the feature maps read (``k`` or
+    ``k_lin``): the selection runs ``lola_attention``'s recall "memory" (each candidate's error the
+    smaller of its self-recall error and the older candidates' recall error with these keys).
     """
     b, hq, t, d = q.shape
     hkv, dv = k.shape[1], v.shape[-1]
@@ -268,12 +274,16 @@ def lola_prefill(
     fused_decode._check("n_real", n_real, (b,), torch.long)
     fused_decode._check("factor", factor, (hq,), torch.float32)
     fused_decode._check("weights", weights, (hq,), torch.float32)
+    if recall_keys is not None:
+        fused_decode._check("recall_keys", recall_keys, (b, hkv, t, d), q.dtype)
     if not supports(q.dtype) or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k and v must share one dtype, bfloat16 or float32; got {q.dtype}, {k.dtype}, {v.dtype}")
     if sparse < 1 or hq % hkv or not 1 <= chunk <= window:
         raise ValueError(f"needs a sparse cache (got sparse={sparse}), query heads ({hq}) a multiple of KV heads ({hkv}) "
                          f"and 1 <= chunk ({chunk}) <= window ({window})")  # fmt: skip
     q, k, v, qphi, kphi = (x.contiguous() for x in (q, k, v, qphi, kphi))
+    memory = recall_keys is not None
+    kx = recall_keys.contiguous() if memory else k  # read only with the memory rule
     rows, bc, n_chunks = b * hq, _pow2(chunk), -(-t // chunk)
     dev = q.device
     out = torch.zeros(b, hq, t if output else 0, dv, device=dev, dtype=q.dtype)
@@ -310,10 +320,11 @@ def lola_prefill(
         if overlap and read_done[buf] is not None:
             main.wait_event(read_done[buf])  # the buffer's previous segment is read
         select[(rows,)](
-            v, kphi, n_real, kv, k_sum, held, hist, lkept, nread, errs, wlist, snap[buf], snapz[buf],
-            t, n_chunks, c0, c1, n_seg, sinks, hq // hkv, **common, BN=_pow2(sparse + bc),
+            v, kphi, kx, n_real, kv, k_sum, held, hist, lkept, nread, errs, wlist, snap[buf], snapz[buf],
+            t, n_chunks, c0, c1, n_seg, sinks, hq // hkv, scale, **common, BN=_pow2(sparse + bc),
             BF=min(PREFILL_BLOCK_FEATURES, _pow2(feats)), BV=min(PREFILL_BLOCK_VALUES, _pow2(dv)), SNAP=saved,
-            CH0=c0 if interp else 0, CH1=c1 if interp else 0, num_warps=PREFILL_WARPS,
+            CH0=c0 if interp else 0, CH1=c1 if interp else 0, MEMORY=memory, D=d, BD=_pow2(d), BDV=_pow2(dv),
+            BM=min(PREFILL_BLOCK_RECALL, _pow2(sparse + bc)), num_warps=PREFILL_WARPS,
         )  # fmt: skip
         if not output:
             continue
@@ -336,7 +347,7 @@ def lola_prefill(
 
 @lola_prefill.register_fake
 def _(q, k, v, qphi, kphi, n_real, factor, weights, window, sparse, chunk, sinks, scale, weight_tokens, read_state, read_sparse,
-      output=True):
+      output=True, recall_keys=None):
     b, hq, t, _ = q.shape
     dv, feats = v.shape[-1], kphi.shape[-1]
     return (q.new_empty(b, hq, t if output else 0, dv), q.new_empty(b, hq, feats, dv, dtype=torch.float32), q.new_empty(b, hq, feats, dtype=torch.float32),

@@ -68,8 +68,8 @@ none). The state recalls every token only through a blur of all of them, so a to
 (a haystack sentence, a boilerplate line) keeps a high self-recall error at every occurrence and
 LoLA spends one slot per copy; here a copy whose content an older entry already holds scores low
 and goes to the state, and the oldest copy keeps its own score. The slots go to tokens nothing else
-holds. It compares candidates among themselves, so the fused kernels (which score each candidate
-against the state alone) do not run it: the chunk loop and the torch decode step do.
+holds. The prefill kernels compute it too (the selection kernel, blocks of candidates against the
+older ones); the decode step kernel does not, so decoding with it runs the torch step.
 
 ``lola_attention_reference`` is the specification (a plain float32 loop per row, head, chunk and
 query over lists of token indices, in ``linearize.ops.naive``, re-exported here; it shares no code
@@ -174,7 +174,7 @@ def lola_attention(
     the tokens it reads on the fly) reads it with ``linear_weight`` x N / n (the term is a sum over
     those tokens; this keeps its weight against the explicit entries from growing with the context);
     0: never. ``recall`` (``RECALLS``): what the selection's recall error is measured against (module
-    docstring); "memory" runs the chunk loop.
+    docstring).
     Memory per chunk is O(C (window + sparse + C)); no T x T tensor is formed.
     """
     weights = _check_args(q, k, v, window=window, sparse=sparse, chunk=chunk, window_factor=window_factor, q_lin=q_lin,
@@ -188,17 +188,18 @@ def lola_attention(
         chunk = window
     out_dtype = q.dtype  # the fused paths read mixed inputs (autocast) in one dtype; the output keeps q's
     low = _narrowest_dtype(q, k, v, q_lin, k_lin)
-    fused = state is None and recall == "state" and _fused_prefill_applies(q, sparse, low)
+    fused = state is None and _fused_prefill_applies(q, sparse, low)
     if fused:
         q, k, v, q_lin, k_lin = (None if x is None else x.to(low) for x in (q, k, v, q_lin, k_lin))
     training = fused and _needs_grad(q, k, v, q_lin, k_lin, phi_q, phi_k)
     kw = dict(phi_q=phi_q, phi_k=phi_k, window=window, sparse=sparse, window_factor=window_factor, chunk=chunk, scale=scale,
               read_state=read_state, read_sparse=read_sparse, q_lin=q_lin, k_lin=k_lin, sinks=sinks, weights=weights,
               weight_tokens=weight_tokens)  # fmt: skip
+    fused_kw = dict(kw, recall=recall)
     if training and window % chunk == 0 and (valid is None or bool(valid.all())):
-        return _in_dtype(out_dtype, *_prefill_parallel(q, k, v, **kw))
+        return _in_dtype(out_dtype, *_prefill_parallel(q, k, v, **fused_kw))
     if fused and not training:
-        return _in_dtype(out_dtype, *_prefill_fused(q, k, v, None if valid is None else default_valid(q, valid), **kw))
+        return _in_dtype(out_dtype, *_prefill_fused(q, k, v, None if valid is None else default_valid(q, valid), **fused_kw))
     valid = default_valid(q, valid)
     separate = k_lin is not None  # the feature maps see their own inputs (e.g. before RoPE)
     if state is None:
@@ -254,7 +255,7 @@ def _fused_prefill_applies(q: Tensor, sparse: int, dtype: torch.dtype) -> bool:
 
 def _prefill_fused(q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, *, phi_q: FeatureFn, phi_k: FeatureFn, window: int, sparse: int,
                    window_factor: Tensor, chunk: int, scale: float, read_state: bool, read_sparse: bool, q_lin: Tensor | None,
-                   k_lin: Tensor | None, sinks: int, weights: Tensor, weight_tokens: int) -> tuple[Tensor, LolaState]:
+                   k_lin: Tensor | None, sinks: int, weights: Tensor, weight_tokens: int, recall: str) -> tuple[Tensor, LolaState]:
     """``lola_attention`` from an empty memory through ``fused_lola.lola_prefill`` (the selection, one
     program per row and query head with the chunks in a loop inside it, then the read): each row's
     real tokens packed first, the kernels, the output unpacked; the memory they leave is gathered
@@ -272,7 +273,7 @@ def _prefill_fused(q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, *, phi
     out, kv, k_sum, positions, _ = _run_prefill_kernels(q, k, v, n_real, phi_q=phi_q, phi_k=phi_k, window=window, sparse=sparse,
                                                         window_factor=window_factor, chunk=chunk, scale=scale, read_state=read_state,
                                                         read_sparse=read_sparse, q_lin=q_lin, k_lin=k_lin, sinks=sinks,
-                                                        weights=weights, weight_tokens=weight_tokens)  # fmt: skip
+                                                        weights=weights, weight_tokens=weight_tokens, recall=recall)  # fmt: skip
     if packed:
         out = gather_tokens(out, torch.argsort(order, dim=1))
     return out, _memory(k, v, k_lin, n_real, positions, LinearState(kv=kv, k_sum=k_sum), window, hq // k.shape[1])
@@ -280,18 +281,19 @@ def _prefill_fused(q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, *, phi
 
 def _run_prefill_kernels(q: Tensor, k: Tensor, v: Tensor, n_real: Tensor, *, phi_q: FeatureFn, phi_k: FeatureFn, window: int, sparse: int,
                          window_factor: Tensor, chunk: int, scale: float, read_state: bool, read_sparse: bool, q_lin: Tensor | None,
-                         k_lin: Tensor | None, sinks: int, weights: Tensor, weight_tokens: int, output: bool = True) -> tuple[Tensor, ...]:
+                         k_lin: Tensor | None, sinks: int, weights: Tensor, weight_tokens: int, recall: str = "state",
+                         output: bool = True) -> tuple[Tensor, ...]:
     """``fused_lola.lola_prefill`` on each row's ``n_real`` real tokens (packed first), the features
     of every query and key computed first: (output, S, z, the last cache's positions, the cache each
     chunk's queries read (B, Hq, chunks, lambda) int32); ``output`` False: the selection alone (the
-    output is empty)."""
+    output is empty). ``recall`` "memory": the selection reads the feature maps' keys as well."""
     n_rep = q.shape[1] // k.shape[1]
     kphi = phi_k(repeat_kv(k if k_lin is None else k_lin, n_rep)).to(q.dtype)  # (B, Hq, T, F)
     qphi = phi_q(q if q_lin is None else q_lin).to(q.dtype) if read_state else kphi  # (B, Hq, T, F) (unread without the state)
     factor = window_factor.to(q.device, torch.float32).contiguous()
     return fused_lola.lola_prefill(
         q, k, v, qphi, kphi, n_real, factor, weights.to(q.device).contiguous(), window, sparse, chunk, sinks, scale, weight_tokens,
-        read_state, read_sparse, output,
+        read_state, read_sparse, output, (k if k_lin is None else k_lin) if recall == "memory" else None,
     )  # fmt: skip
 
 
@@ -340,7 +342,7 @@ def _needs_grad(q: Tensor, k: Tensor, v: Tensor, q_lin: Tensor | None, k_lin: Te
 
 def _prefill_parallel(q: Tensor, k: Tensor, v: Tensor, *, phi_q: FeatureFn, phi_k: FeatureFn, window: int, sparse: int,
                       window_factor: Tensor, chunk: int, scale: float, read_state: bool, read_sparse: bool, q_lin: Tensor | None,
-                      k_lin: Tensor | None, sinks: int, weights: Tensor, weight_tokens: int) -> tuple[Tensor, LolaState]:
+                      k_lin: Tensor | None, sinks: int, weights: Tensor, weight_tokens: int, recall: str) -> tuple[Tensor, LolaState]:
     """``lola_attention`` from an empty memory with gradients where the fused kernels run, no padding,
     ``window`` a multiple of ``chunk``: the choice of each chunk's cache made by the kernels without
     gradients, then the output of every chunk at once given those caches (``lola_given_caches``) and
@@ -352,7 +354,7 @@ def _prefill_parallel(q: Tensor, k: Tensor, v: Tensor, *, phi_q: FeatureFn, phi_
         *_, positions, history = _run_prefill_kernels(q, k, v, n_real, phi_q=phi_q, phi_k=phi_k, window=window, sparse=sparse,
                                                       window_factor=window_factor, chunk=chunk, scale=scale, read_state=False,
                                                       read_sparse=False, q_lin=q_lin, k_lin=k_lin, sinks=sinks, weights=weights,
-                                                      weight_tokens=weight_tokens, output=False)  # fmt: skip
+                                                      weight_tokens=weight_tokens, recall=recall, output=False)  # fmt: skip
     out = lola_given_caches(q, k, v, history.long(), phi_q=phi_q, phi_k=phi_k, window=window, window_factor=window_factor,
                             chunk=chunk, scale=scale, read_state=read_state, read_sparse=read_sparse, q_lin=q_lin, k_lin=k_lin,
                             weights=weights, weight_tokens=weight_tokens)  # fmt: skip

@@ -245,9 +245,12 @@ def _assert_same_prefill(ref, got, atol=1e-5):
         dict(padded=True, read_state=False, d=12, dv=10, f=6),
         dict(read_sparse=False, separate=True, chunk=3, w=5),
         dict(lam=21, chunk=8, w=8, t=70, hkv=1, dv=70),
+        dict(recall="memory", sinks=1, linear_weight=[0.2, 0.5, 1.0, 0.0]),
+        dict(recall="memory", separate=True, padded=True, sinks=2, weight_tokens=10, d=12, dv=10),
+        dict(recall="memory", lam=21, chunk=8, w=8, t=70, hkv=1, dv=70),
     ],
     ids=["gqa-sink-weights", "separate-padded-length-weight", "no-state-masked-dims", "no-sparse-chunk-below-window",
-         "cache-in-blocks-one-kv-head"],
+         "cache-in-blocks-one-kv-head", "memory-gqa-sink-weights", "memory-separate-padded-masked-dims", "memory-one-kv-head"],
 )
 @torch.no_grad()
 def test_fused_prefill_equals_the_chunked_op(case):
@@ -256,7 +259,8 @@ def test_fused_prefill_equals_the_chunked_op(case):
     its positions, linear state). Cases: grouped heads with a sink and a weight per head; the
     feature maps' own inputs, padding on both sides, the length weight; no state read with ragged
     head dims; no cache read, a chunk shorter than the window; a cache of 21 slots in blocks of 16
-    (lambda not a multiple of the block) on one KV head, Dv 70."""
+    (lambda not a multiple of the block) on one KV head, Dv 70; and three of them with recall
+    "memory" (the older candidates' recall error computed in the selection kernel)."""
     ref, got, calls = _prefill_pair(**case)
     assert calls == [1]
     _assert_same_prefill(ref, got)
@@ -362,16 +366,17 @@ def test_fused_prefill_rejects_bad_arguments():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bfloat16 tensor-core products need a GPU")
+@pytest.mark.parametrize("recall", ["state", "memory"])
 @torch.no_grad()
-def test_fused_prefill_in_bfloat16_on_cuda(monkeypatch):
+def test_fused_prefill_in_bfloat16_on_cuda(monkeypatch, recall):
     """A bfloat16 model at the Llama-3-8B layer's sizes (D 128, f 128, window 64, lambda 256, 32
     query heads on 8 KV heads), 2,048 tokens in 4 segments (each read on the second stream beside
     the next one's selection): the fused prefill keeps almost the same cache as the torch op (a
     near-tie at bfloat16 precision may go the other way, and the state then differs by that token)
-    and its output follows the torch op's."""
+    and its output follows the torch op's, with either recall rule."""
     monkeypatch.setattr(fused_lola, "PREFILL_SEGMENT_CHUNKS", 8)
     (out_r, st_r), (out_g, st_g), calls = _prefill_pair(b=1, hq=32, hkv=8, t=2048, d=128, f=128, dv=128, w=64, lam=256, chunk=64,
-                                                        dtype=torch.bfloat16, sinks=4, linear_weight=0.1)  # fmt: skip
+                                                        dtype=torch.bfloat16, sinks=4, linear_weight=0.1, recall=recall)  # fmt: skip
     assert calls == [1]
     same = (st_g.sparse.positions == st_r.sparse.positions).float().mean().item()
     assert same >= 0.95, f"only {same:.1%} of the cache's slots hold the torch op's tokens"
@@ -399,6 +404,7 @@ TRAINING_CASES = {
     "no-state": dict(window=4, sparse=3, chunk=4, t=21, read_state=False),
     "no-sparse-read": dict(window=4, sparse=6, chunk=2, t=19, read_sparse=False, sinks=1),
     "shorter-than-the-window": dict(window=8, sparse=3, chunk=4, t=6),
+    "memory-separate-maps": dict(window=8, sparse=4, chunk=4, t=31, separate=True, sinks=1, recall="memory"),
 }
 
 
