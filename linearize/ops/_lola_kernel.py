@@ -304,26 +304,27 @@ def _recall_errors(kphi, v, frow, vrow, tok, val, base, zbase, sinks, R: tl.cons
 
 
 @triton.jit
-def _older_block(kx, v, krow, vrow, ki, tok_i, tok_j, val_j, m, l, acc, scale, D: tl.constexpr, BD: tl.constexpr,
+def _older_block(kx, v, row, ki, tok_i, tok_j, val_j, m, l, acc, scale, D: tl.constexpr, BD: tl.constexpr,
                  DV: tl.constexpr, BDV: tl.constexpr, LOWP: tl.constexpr):  # fmt: skip
     """One block of candidates j into the online softmax of the rows i (keys ``ki``): only those
-    valid and older than i count. Returns the new (max, sum, weighted values)."""
+    valid and older than i count (``row``: the KV head's first token in ``kx`` and ``v``). Returns
+    the new (max, sum, weighted values)."""
     od = tl.arange(0, BD)
     odv = tl.arange(0, BDV)
     tj = tl.where(val_j, tok_j, 0)
-    kj = tl.load(kx + (krow + tj)[:, None] * D + od[None, :], mask=val_j[:, None] & (od < D)[None, :], other=0.0)
+    kj = tl.load(kx + (row + tj)[:, None] * D + od[None, :], mask=val_j[:, None] & (od < D)[None, :], other=0.0)
     s = _exact(ki, tl.trans(kj), LOWP) * scale
     s = tl.where(val_j[None, :] & (tok_j[None, :] < tok_i[:, None]), s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
     alpha = tl.exp(m - m_safe)
     p = tl.exp(s - m_safe[:, None])
-    vj = tl.load(v + (vrow + tj)[:, None] * DV + odv[None, :], mask=val_j[:, None] & (odv < DV)[None, :], other=0.0)
+    vj = tl.load(v + (row + tj)[:, None] * DV + odv[None, :], mask=val_j[:, None] & (odv < DV)[None, :], other=0.0)
     return m_new, l * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + _product_left(p, vj, LOWP)
 
 
 @triton.jit
-def _older_recall(kx, v, krow, vrow, prev, p0, n, tok_i, val_i, scale, R: tl.constexpr, LAM: tl.constexpr, BL: tl.constexpr,
+def _older_recall(kx, v, row, prev, p0, n, tok_i, val_i, scale, R: tl.constexpr, LAM: tl.constexpr, BL: tl.constexpr,
                   BC: tl.constexpr, ETA: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr,
                   LOWP: tl.constexpr):  # fmt: skip
     """Recall errors (R,) float32 of the candidates ``tok_i`` against the older candidates (the
@@ -332,19 +333,19 @@ def _older_recall(kx, v, krow, vrow, prev, p0, n, tok_i, val_i, scale, R: tl.con
     od = tl.arange(0, BD)
     odv = tl.arange(0, BDV)
     ti = tl.where(val_i, tok_i, 0)
-    ki = tl.load(kx + (krow + ti)[:, None] * D + od[None, :], mask=val_i[:, None] & (od < D)[None, :], other=0.0)
+    ki = tl.load(kx + (row + ti)[:, None] * D + od[None, :], mask=val_i[:, None] & (od < D)[None, :], other=0.0)
     m = tl.full([R], float("-inf"), tl.float32)
     l = tl.zeros([R], dtype=tl.float32)
     acc = tl.zeros([R, BDV], dtype=tl.float32)
     for c0 in tl.static_range(0, LAM, BL):
         cj = c0 + tl.arange(0, BL)
         tok_j = tl.load(prev + cj, mask=cj < LAM, other=-1).to(tl.int64)
-        m, l, acc = _older_block(kx, v, krow, vrow, ki, tok_i, tok_j, tok_j >= 0, m, l, acc, scale, D, BD, DV, BDV, LOWP)
+        m, l, acc = _older_block(kx, v, row, ki, tok_i, tok_j, tok_j >= 0, m, l, acc, scale, D, BD, DV, BDV, LOWP)
     ob = tl.arange(0, BC)
     tok_j = p0 - ETA + ob
-    m, l, acc = _older_block(kx, v, krow, vrow, ki, tok_i, tok_j, (ob < n) & (tok_j >= 0), m, l, acc, scale, D, BD, DV, BDV, LOWP)
+    m, l, acc = _older_block(kx, v, row, ki, tok_i, tok_j, (ob < n) & (tok_j >= 0), m, l, acc, scale, D, BD, DV, BDV, LOWP)
     has = l > 0
-    vi = tl.load(v + (vrow + ti)[:, None] * DV + odv[None, :], mask=val_i[:, None] & (odv < DV)[None, :], other=0.0).to(tl.float32)
+    vi = tl.load(v + (row + ti)[:, None] * DV + odv[None, :], mask=val_i[:, None] & (odv < DV)[None, :], other=0.0).to(tl.float32)
     diff = tl.where((odv < DV)[None, :], acc / tl.where(has, l, 1.0)[:, None] - vi, 0.0)
     return tl.where(has, tl.sqrt(tl.sum(diff * diff, axis=1)), float("inf"))
 
@@ -407,7 +408,7 @@ def lola_select_kernel(
                 ctok = tl.load(prev + ci, mask=ci < LAM, other=-1).to(tl.int64)
                 tok = tl.where(ci < LAM, ctok, p0 - ETA + ci - LAM)
                 val = tl.where(ci < LAM, ctok >= 0, (ci - LAM < n) & (tok >= 0) & (ci < LAM + BC))
-                older = _older_recall(kx, v, vrow, vrow, prev, p0, n, tok, val, scale, BM, LAM, BL, BC, ETA, D, BD, DV, BDV, LOWP)
+                older = _older_recall(kx, v, vrow, prev, p0, n, tok, val, scale, BM, LAM, BL, BC, ETA, D, BD, DV, BDV, LOWP)
                 e = tl.load(errs + r * NCP + ci, mask=ci < LAM + BC, other=0.0)
                 e = tl.where(val & (tok >= sinks), tl.minimum(e, older), e)
                 tl.store(errs + r * NCP + ci, e, mask=ci < LAM + BC)

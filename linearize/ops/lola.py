@@ -194,12 +194,11 @@ def lola_attention(
     training = fused and _needs_grad(q, k, v, q_lin, k_lin, phi_q, phi_k)
     kw = dict(phi_q=phi_q, phi_k=phi_k, window=window, sparse=sparse, window_factor=window_factor, chunk=chunk, scale=scale,
               read_state=read_state, read_sparse=read_sparse, q_lin=q_lin, k_lin=k_lin, sinks=sinks, weights=weights,
-              weight_tokens=weight_tokens)  # fmt: skip
-    fused_kw = dict(kw, recall=recall)
+              weight_tokens=weight_tokens, recall=recall)  # fmt: skip
     if training and window % chunk == 0 and (valid is None or bool(valid.all())):
-        return _in_dtype(out_dtype, *_prefill_parallel(q, k, v, **fused_kw))
+        return _in_dtype(out_dtype, *_prefill_parallel(q, k, v, **kw))
     if fused and not training:
-        return _in_dtype(out_dtype, *_prefill_fused(q, k, v, None if valid is None else default_valid(q, valid), **fused_kw))
+        return _in_dtype(out_dtype, *_prefill_fused(q, k, v, None if valid is None else default_valid(q, valid), **kw))
     valid = default_valid(q, valid)
     separate = k_lin is not None  # the feature maps see their own inputs (e.g. before RoPE)
     if state is None:
