@@ -149,6 +149,65 @@ def copy_adapter(source: str | Path, target: str | Path, *, dtype: torch.dtype =
     return target
 
 
+_LORA_PLAIN = {"use_rslora": False, "use_dora": False, "rank_pattern": {}, "alpha_pattern": {}}
+
+
+def stand_alone(source: str | Path, target: str | Path) -> Path:
+    """The adapter folder ``source``, built on a shipped conversion with LoRA (``base_fingerprint``),
+    written to ``target`` so that it no longer needs that conversion: its base becomes the parent's
+    base, and the parent's LoRA and its own become one LoRA of rank r_parent + r_own on the same
+    modules (A stacked, B side by side: B_p A_p s_p + B_o A_o s_o = [B_p B_o] [A_p; A_o] s when both
+    scales s = alpha / r are equal; B is scaled otherwise), which merges to the same weights up to
+    rounding. The parent is recorded in ``started_from`` and ``lora_composed_from``. Written atomically.
+    Raises ValueError for an adapter that does not build on a shipped conversion with LoRA, or for
+    LoRA forms this composition does not cover (rsLoRA, DoRA, per-module ranks, other modules)."""
+    source = Path(source)
+    meta = json.loads((source / ADAPTER_CONFIG).read_text())
+    parent_path = shipped_path(meta.get("base_model", "")) if "base_fingerprint" in meta else None
+    if parent_path is None or not (parent_path / LORA_WEIGHTS).is_file():
+        raise ValueError(f"adapter {str(source)!r} does not build on a shipped conversion with LoRA weights (base "
+                         f"{meta.get('base_model')!r}): it stands alone already")
+    if adapter_fingerprint(parent_path) != meta["base_fingerprint"]:
+        raise ValueError(f"adapter {str(source)!r} was trained on another {meta['base_model']!r} than the one installed (fingerprint)")
+    parent = json.loads((parent_path / ADAPTER_CONFIG).read_text())
+    configs = {"parent": parent.get("lora"), "own": meta.get("lora")}
+    for who, cfg in configs.items():
+        if not isinstance(cfg, dict):
+            raise ValueError(f"adapter {str(source)!r}: the {who} LoRA config is missing")
+        odd = {k: cfg.get(k) for k, plain in _LORA_PLAIN.items() if cfg.get(k, plain) not in (plain, None)}
+        if odd:
+            raise ValueError(f"adapter {str(source)!r}: the {who} LoRA uses {odd}; only plain LoRA can be composed")
+    targets = [sorted(cfg["target_modules"]) for cfg in configs.values()]
+    if targets[0] != targets[1]:
+        raise ValueError(f"adapter {str(source)!r}: LoRA on {targets[1]} cannot be composed with its parent's on {targets[0]}")
+    weights = {"parent": load_file(str(parent_path / LORA_WEIGHTS)), "own": load_file(str(source / LORA_WEIGHTS))}
+    if sorted(weights["parent"]) != sorted(weights["own"]):
+        raise ValueError(f"adapter {str(source)!r}: its LoRA tensors are not those of its parent's LoRA")
+    scales = {who: float(cfg["lora_alpha"]) / int(cfg["r"]) for who, cfg in configs.items()}
+    rank = int(configs["parent"]["r"]) + int(configs["own"]["r"])
+    same = scales["parent"] == scales["own"]
+    composed = {}
+    for key in sorted(weights["own"]):
+        if ".lora_A." in key:
+            composed[key] = torch.cat([weights["parent"][key], weights["own"][key]], dim=0).contiguous()
+        else:
+            parts = [w if same else w.float() * scales[who] for who, w in ((who, weights[who][key]) for who in ("parent", "own"))]
+            composed[key] = torch.cat(parts, dim=1).contiguous()
+    lora = dict(configs["own"], r=rank, lora_alpha=scales["own"] * rank if same else float(rank))
+    lora["base_model_name_or_path"] = parent["base_model"]
+    out = {k: v for k, v in meta.items() if k != "base_fingerprint"}
+    out.update(base_model=parent["base_model"], lora=lora, started_from=[meta["base_model"], *meta.get("started_from", [])],
+               lora_composed_from=[meta["base_model"], "own"])
+    with atomic_dir(Path(target)) as tmp:
+        for path in sorted(source.iterdir()):
+            if path.is_file() and path.name not in (ADAPTER_CONFIG, LORA_WEIGHTS):
+                (tmp / path.name).write_bytes(path.read_bytes())
+        save_file(composed, str(tmp / LORA_WEIGHTS), metadata={"format": "pt"})
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(out, indent=2, sort_keys=True))
+    logger.info("%s stands alone in %s: LoRA of rank %d (its parent's %s and its own)", source, target, rank, meta["base_model"])
+    return Path(target)
+
+
 def adapter_fingerprint(path: str | Path) -> str:
     """SHA-256 of an adapter's weight files (new parameters and LoRA), names and bytes: what an
     adapter trained on top of it depends on."""

@@ -4,6 +4,7 @@
     python scripts/ship_adapter.py RUN_DIR --name smollm2-135m-dsla-chained   (a run made under another name)
     python scripts/ship_adapter.py RUN_DIR --parent STAGE1_RUN_DIR   (a run started from STAGE1_RUN_DIR's adapter)
     python scripts/ship_adapter.py RUN_DIR [RUN_DIR ...] --pack-to DIR   (DIR/NAME.tgz each, nothing shipped)
+    python scripts/ship_adapter.py --stand-alone NAME   (a shipped conversion built on another, made to need it no more)
 
 Copies RUN_DIR/adapter (new parameters, LoRA, spec, base model name) with every tensor stored as
 bfloat16, which halves the repository's size; load_model upcasts to the model's dtype. The run's
@@ -15,6 +16,11 @@ re-based on that adapter's base (``linearize.api.copy_adapter``). Written atomic
 --pack-to DIR writes each run instead as DIR/NAME.tgz: the same adapter files (bfloat16 tensors,
 scrubbed config) with the run's summary.json, metrics.jsonl and config.yaml, small enough to copy a
 run off a lent machine for evaluation elsewhere (scripts/recipe_sweep.sh does).
+
+--stand-alone NAME rewrites the shipped conversion NAME, trained on top of another shipped
+conversion with LoRA (it loads only on that one's weights), so that it builds on the base model
+alone: the parent's LoRA and its own become one LoRA of the summed rank (``linearize.api.stand_alone``).
+Do this before the parent is replaced.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from linearize.api import copy_adapter, scrub_paths
+from linearize.api import copy_adapter, scrub_paths, stand_alone
 from linearize.names import ADAPTER_CONFIG, SHIPPED, checkpoint_dir
 from linearize.io import atomic_dir, atomic_write
 
@@ -82,12 +88,21 @@ def pack(run_dir: Path, out_dir: Path) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="+", type=Path)
+    parser.add_argument("runs", nargs="*", type=Path)
     parser.add_argument("--name", help="ship under this name (one run only), e.g. smollm2-135m-dsla-chained")
     parser.add_argument("--pack-to", type=Path, metavar="DIR", help="write DIR/NAME.tgz per run instead of shipping")
     parser.add_argument("--parent", type=Path, metavar="RUN_DIR",
                         help="the run whose adapter this one started from (one run only): its stages and teacher go into training.json")
+    parser.add_argument("--stand-alone", metavar="NAME", choices=SHIPPED,
+                        help="rewrite the shipped conversion NAME so that it no longer builds on another shipped conversion")
     args = parser.parse_args()
+    if args.stand_alone:
+        if args.runs or args.name or args.parent or args.pack_to:
+            parser.error("--stand-alone takes no RUN_DIR and no other option")
+        print(f"{args.stand_alone} stands alone: {stand_alone(checkpoint_dir(args.stand_alone), checkpoint_dir(args.stand_alone))}")
+        return
+    if not args.runs:
+        parser.error("give at least one RUN_DIR")
     if args.name and len(args.runs) != 1:
         parser.error("--name takes exactly one RUN_DIR")
     if args.parent and (len(args.runs) != 1 or args.pack_to is not None):

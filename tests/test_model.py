@@ -606,13 +606,34 @@ def test_adapter_on_a_shipped_conversion_loads_only_on_the_same_weights(tmp_path
         p.copy_(p.to(torch.bfloat16).float())
     ids, mask = padded_batch(child.config.vocab_size, [9, 6])
     loaded, _ = linearize.load_model(str(copied))
-    assert torch.equal(loaded.eval()(ids, attention_mask=mask).logits, child.eval()(ids, attention_mask=mask).logits)
+    expected = child.eval()(ids, attention_mask=mask).logits
+    assert torch.equal(loaded.eval()(ids, attention_mask=mask).logits, expected)
+
+    # the child's LoRA (trained on the parent's merged weights) and the parent's, composed into one
+    child_lora = get_peft_model(loaded, LoraConfig(r=3, lora_alpha=3, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    linearize.save_adapter(child_lora, tmp_path / "child-lora")
+    with_lora = linearize.api.copy_adapter(tmp_path / "child-lora", tmp_path / "child-lora-bf16")
+    chained, _ = linearize.load_model(str(with_lora))
+    alone = linearize.api.stand_alone(with_lora, tmp_path / "alone")
+    meta = json.loads((alone / "linearize_adapter.json").read_text())
+    assert "base_fingerprint" not in meta and meta["base_model"] == "base" and meta["started_from"][0] == "tiny-shipped"
+    assert meta["lora"]["r"] == 5 and meta["lora"]["lora_alpha"] == 5.0  # scales 2 and 1 differ: B carries them
+    composed, _ = linearize.load_model(str(alone))
+    chained_logits = chained.eval()(ids, attention_mask=mask).logits
+    assert not torch.allclose(chained_logits, expected, atol=1e-3)  # the child's LoRA does change the model
+    torch.testing.assert_close(composed.eval()(ids, attention_mask=mask).logits, chained_logits, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="does not build on a shipped conversion with LoRA"):
+        linearize.api.stand_alone(alone, tmp_path / "again")
 
     lora = load_file(str(shipped / "tiny-shipped" / "lora.safetensors"))
     name = sorted(lora)[0]
     save_file({**lora, name: lora[name] + 0.01}, str(shipped / "tiny-shipped" / "lora.safetensors"))
     with pytest.raises(ValueError, match="trained on top of the shipped conversion 'tiny-shipped' with fingerprint"):
         linearize.load_model(str(copied))
+    with pytest.raises(ValueError, match="trained on another 'tiny-shipped'"):
+        linearize.api.stand_alone(with_lora, tmp_path / "refused-alone")
+    torch.testing.assert_close(linearize.load_model(str(alone))[0].eval()(ids, attention_mask=mask).logits, chained_logits,
+                               atol=1e-5, rtol=1e-5)  # no longer needs the parent  # fmt: skip
 
 
 def test_reconverting_keeps_trained_parameters_and_can_restore_teacher():

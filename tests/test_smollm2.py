@@ -152,6 +152,24 @@ def test_shipped_conversions_load_offline_and_stay_close_to_the_teacher_on_short
         assert agree > 0.5, f"{name}: next-token argmax agrees with the teacher on only {agree:.0%} of positions"
 
 
+@pytest.mark.parametrize("name", ["smollm2-135m-lolcats", "smollm2-135m-hedgecats"])
+@torch.no_grad()
+def test_shipped_joint_hybrids_are_the_teacher_within_their_window(smollm2, name):
+    """lolcats and hedgecats ship without LoRA: their second stage trained only the feature maps and
+    window factors, so the teacher's q/k/v/o are untouched and, on text that fits in the 64-token
+    window (no token is old enough for the linear part), the conversion computes the teacher's own
+    logits; past the window it does not."""
+    teacher, tokenizer = smollm2
+    model, _ = linearize.load_model(name)
+    assert not (linearize.api.shipped_path(name) / "lora.safetensors").exists()
+    short = tokenizer("The Amazon rainforest covers much of the Amazon basin of South America.", return_tensors="pt").input_ids
+    assert short.shape[1] <= 64
+    torch.testing.assert_close(model(short).logits, teacher(short).logits, atol=2e-4, rtol=1e-4)
+    long = tokenizer(" ".join(["The river carried the boat past the old mill and the bridge."] * 12), return_tensors="pt").input_ids
+    assert long.shape[1] > 100
+    assert (model(long).logits[0, 80:] - teacher(long).logits[0, 80:]).abs().max() > 1e-2
+
+
 def test_cli_calibrate_writes_an_adapter_that_reads_with_the_chosen_weights(smollm2, tmp_path):
     """`linearize calibrate` on the real model (a short held-out text, chained inputs): the adapter
     it writes loads with one weight per layer and query head, each from the grid, as its report says."""

@@ -94,9 +94,14 @@ def test_a_run_started_from_a_conversion_keeps_the_teachers_loss(tiny_model_dir,
 
 
 @pytest.mark.slow
-def test_killed_run_resumes_to_the_same_final_weights(tiny_model_dir, tiny_corpus, tmp_path, monkeypatch):
+@pytest.mark.parametrize("stage2", ["recipe", "lora"])
+def test_killed_run_resumes_to_the_same_final_weights(stage2, tiny_model_dir, tiny_corpus, tmp_path, monkeypatch):
+    """recipe: stage 2 as lolcats ships it (its own parameters, the best evaluation kept); lora: the
+    paper's LoRA on q/k/v/o."""
+    lora = {"finetune.lora_rank": 8, "finetune.train_new_params": False, "finetune.keep_best": False} if stage2 == "lora" else {}
     overrides = tiny_overrides(tiny_model_dir, tiny_corpus, tmp_path, **{
-        "transfer.max_steps": 4, "transfer.save_every": 1, "finetune.max_steps": 5, "finetune.save_every": 2})
+        "transfer.max_steps": 4, "transfer.save_every": 1, "finetune.max_steps": 5, "finetune.save_every": 2,
+        "finetune.eval_every": 2, **lora})
     straight = run(load_recipe("lolcats", {**overrides, "output_dir": str(tmp_path / "straight")}))
 
     crashed = {"done": False}
@@ -113,9 +118,10 @@ def test_killed_run_resumes_to_the_same_final_weights(tiny_model_dir, tiny_corpu
     with pytest.raises(KeyboardInterrupt):
         run(config)
     resumed = run(config, resume=True)
-    a = load_file(os.path.join(straight["adapter"], "lora.safetensors")) | load_file(os.path.join(straight["adapter"], "adapter.safetensors"))
-    b = load_file(os.path.join(resumed["adapter"], "lora.safetensors")) | load_file(os.path.join(resumed["adapter"], "adapter.safetensors"))
-    assert a.keys() == b.keys()
+    files = ["adapter.safetensors", *(["lora.safetensors"] if stage2 == "lora" else [])]
+    a = {k: v for f in files for k, v in load_file(os.path.join(straight["adapter"], f)).items()}
+    b = {k: v for f in files for k, v in load_file(os.path.join(resumed["adapter"], f)).items()}
+    assert a.keys() == b.keys() and os.path.exists(os.path.join(resumed["adapter"], "lora.safetensors")) == (stage2 == "lora")
     for key in a:
         assert torch.equal(a[key], b[key]), key
     assert resumed["heldout_loss"] == straight["heldout_loss"]
@@ -201,8 +207,11 @@ def test_two_process_data_parallel_matches_one_process(tiny_model_dir, tiny_corp
     assert two.returncode == 0, two.stderr[-3000:]
     summary = json.loads((tmp_path / "two" / "smollm2-135m-lolcats" / "summary.json").read_text())
     assert summary["world_size"] == 2
-    a = load_file(str(tmp_path / "one" / "smollm2-135m-lolcats" / "adapter" / "lora.safetensors"))
-    b = load_file(str(tmp_path / "two" / "smollm2-135m-lolcats" / "adapter" / "lora.safetensors"))
+    # stage 2 as the recipe ships it trains the conversion's own parameters (no LoRA file)
+    assert not (tmp_path / "one" / "smollm2-135m-lolcats" / "adapter" / "lora.safetensors").exists()
+    a = load_file(str(tmp_path / "one" / "smollm2-135m-lolcats" / "adapter" / "adapter.safetensors"))
+    b = load_file(str(tmp_path / "two" / "smollm2-135m-lolcats" / "adapter" / "adapter.safetensors"))
+    assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=1e-4)
 
@@ -265,7 +274,8 @@ def test_lora_stage_changes_the_model_it_evaluates(dtype, tiny_model_dir, tiny_c
     """The fine-tuning stage's held-out loss must move as LoRA trains (the evaluated model is the one
     being trained), and the reloaded adapter must reproduce the stage's final model."""
     overrides = tiny_overrides(tiny_model_dir, tiny_corpus, tmp_path, **{
-        "finetune.max_steps": 4, "finetune.eval_every": 1, "finetune.optim.lr": 0.01, "dtype": dtype})
+        "finetune.max_steps": 4, "finetune.eval_every": 1, "finetune.optim.lr": 0.01, "dtype": dtype,
+        "finetune.lora_rank": 8, "finetune.train_new_params": False})  # the paper's stage 2: LoRA alone
     config = load_recipe("lolcats", overrides)
     run(config)
     records = [json.loads(line) for line in (tmp_path / config.name / "metrics.jsonl").read_text().splitlines()]
