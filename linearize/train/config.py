@@ -157,6 +157,10 @@ class FinetuneConfig(StageConfig):
     """Dropout on the LoRA path."""
     train_new_params: bool = False
     """Also train the conversion's new parameters in stage 2 (LoLCATs keeps them frozen)."""
+    new_params: list[str] = field(default_factory=list)
+    """With train_new_params: only the conversion's parameters named by one of these (the last part of
+    the name, or a module on its path: gate_logit, window_factor_logit, feature_map_q, ...) train, the
+    others stay frozen; e.g. [gate_logit] fits the gate mix's per-head g alone. Empty: all of them."""
     ce_weight: float = 1.0
     """Weight of next-token cross-entropy."""
     kl_weight: float = 0.0
@@ -181,6 +185,8 @@ class FinetuneConfig(StageConfig):
         check_int("lora_rank", self.lora_rank, 0, error=ConfigError)
         if self.lora_rank == 0 and not self.train_new_params:
             raise ConfigError("finetune.lora_rank 0 (no LoRA) trains nothing unless finetune.train_new_params is true")
+        if self.new_params and not self.train_new_params:
+            raise ConfigError(f"finetune.new_params {self.new_params!r} names parameters to train, which needs finetune.train_new_params true")
         _check_positive("lora_alpha", self.lora_alpha)
         _check_positive("ce_weight", self.ce_weight, allow_zero=True)
         _check_positive("kl_weight", self.kl_weight, allow_zero=True)

@@ -186,13 +186,14 @@ def _run_finetune(config: TrainConfig, model, data, evaluate, common, world: Wor
 
     f = config.finetune
     set_mode(model, f.mode)
+    own = _chosen_new_parameters(model, f.new_params) if f.train_new_params else set()
     if f.lora_rank == 0:  # the conversion's own parameters alone (the config requires train_new_params)
-        peft_model, trainable = model, set(new_parameters(model))
+        peft_model, trainable = model, own
     else:
         lora = LoraConfig(r=f.lora_rank, lora_alpha=f.lora_alpha, target_modules=list(f.lora_targets), lora_dropout=f.lora_dropout,
                           bias="none")  # fmt: skip
         peft_model = get_peft_model(model, lora)
-        new_names = {f"base_model.model.{n}" for n in new_parameters(model)} if f.train_new_params else set()
+        new_names = {f"base_model.model.{n}" for n in own}
         trainable = {n for n, p in peft_model.named_parameters() if "lora_" in n} | new_names
     params = _train_only(peft_model, trainable)
     objective = FinetuneObjective(peft_model, ce_weight=f.ce_weight, kl_weight=f.kl_weight, kl_temperature=f.kl_temperature,
@@ -206,6 +207,23 @@ def _run_finetune(config: TrainConfig, model, data, evaluate, common, world: Wor
         spec = ConversionSpec.from_dict(unwrap(peft_model).config.linearize)
         unwrap(peft_model).config.linearize = spec.replace(window=window).to_dict()
     return peft_model
+
+
+def _chosen_new_parameters(model, chosen: list[str]) -> set[str]:
+    """The names of the conversion's own parameters that stage 2 trains: all, or those named by
+    ``chosen`` (a name's last part, or a module on its path). Raises when one names nothing."""
+    names = set(new_parameters(model))
+    if not chosen:
+        return names
+    parts = {n: n.split(".") for n in names}
+    picked = set()
+    for want in chosen:
+        hit = {n for n, p in parts.items() if want in p}
+        if not hit:
+            valid = sorted({p[-1] for p in parts.values()} | {p[-2] for p in parts.values() if len(p) > 1 and p[-2] not in ("self_attn",)})
+            raise ConfigError(f"finetune.new_params {want!r} names none of the conversion's parameters; valid: {', '.join(valid)}")
+        picked |= hit
+    return picked
 
 
 def _finetune_heldout(config: TrainConfig, model, training_form):

@@ -322,6 +322,32 @@ def test_stage_two_without_lora_trains_only_the_conversion(tiny_model_dir, tiny_
         load_recipe("inference-hybrid", {"finetune.lora_rank": -1, "finetune.train_new_params": True})
 
 
+@pytest.mark.slow
+def test_stage_two_can_fit_the_gates_alone(tiny_model_dir, tiny_corpus, tmp_path):
+    """finetune.new_params [gate_logit] (the gate mix with learn_gate): only each head's g trains, with
+    the window on; the feature maps and the teacher's weights stay as they were."""
+    overrides = tiny_overrides(tiny_model_dir, tiny_corpus, tmp_path, **{
+        "transfer.enabled": False, "finetune.lora_rank": 0, "finetune.train_new_params": True, "finetune.new_params": ["gate_logit"],
+        "finetune.mode": "hybrid", "finetune.heldout_form": "training", "finetune.optim.lr": 0.05, "spec.learn_gate": True})
+    config = load_recipe("inference-hybrid", overrides)
+    run(config)
+    meta = json.loads((tmp_path / config.name / "adapter" / "linearize_adapter.json").read_text())
+    assert meta["spec"]["options"]["learn_gate"] is True
+    trained, _ = load_model(str(tmp_path / config.name / "adapter"))
+    untrained = convert(load_model(tiny_model_dir)[0], ConversionSpec.from_dict(meta["spec"]))
+    new, initial = new_parameters(trained), new_parameters(untrained)
+    gates = [n for n in new if n.endswith("gate_logit")]
+    assert gates and all(not torch.equal(new[n], initial[n]) for n in gates), "the gates did not train"
+    for n, p in trained.named_parameters():
+        if n not in gates:
+            assert torch.equal(p, dict(untrained.named_parameters())[n]), f"{n} changed: only the gates train"
+    with pytest.raises(ConfigError, match="needs finetune.train_new_params true"):
+        load_recipe("lolcats", {"finetune.lora_rank": 8, "finetune.train_new_params": False, "finetune.new_params": ["gate_logit"]})
+    bad = load_recipe("inference-hybrid", {**overrides, "finetune.new_params": ["no_such_param"], "output_dir": str(tmp_path / "bad")})
+    with pytest.raises(ConfigError, match="'no_such_param' names none of the conversion's parameters; valid: .*gate_logit"):
+        run(bad)
+
+
 def test_inference_form_runs_the_layers_as_they_ship_and_puts_them_back(tiny_model_dir):
     """Inside inference_form, a model training its linear part alone computes what the shipped
     adapter (hybrid mode, inference_spec applied) computes; after it, the training form is back."""
