@@ -180,7 +180,8 @@ def stand_alone(source: str | Path, target: str | Path) -> Path:
     targets = [sorted(cfg["target_modules"]) for cfg in configs.values()]
     if targets[0] != targets[1]:
         raise ValueError(f"adapter {str(source)!r}: LoRA on {targets[1]} cannot be composed with its parent's on {targets[0]}")
-    weights = {"parent": load_file(str(parent_path / LORA_WEIGHTS)), "own": load_file(str(source / LORA_WEIGHTS))}
+    weights = {who: _read_adapter_file(path, LORA_WEIGHTS, lambda file: load_file(str(file)))
+               for who, path in (("parent", parent_path), ("own", source))}
     if sorted(weights["parent"]) != sorted(weights["own"]):
         raise ValueError(f"adapter {str(source)!r}: its LoRA tensors are not those of its parent's LoRA")
     scales = {who: float(cfg["lora_alpha"]) / int(cfg["r"]) for who, cfg in configs.items()}
@@ -191,7 +192,7 @@ def stand_alone(source: str | Path, target: str | Path) -> Path:
         if ".lora_A." in key:
             composed[key] = torch.cat([weights["parent"][key], weights["own"][key]], dim=0).contiguous()
         else:
-            parts = [w if same else w.float() * scales[who] for who, w in ((who, weights[who][key]) for who in ("parent", "own"))]
+            parts = [weights[who][key] if same else weights[who][key].float() * scales[who] for who in ("parent", "own")]
             composed[key] = torch.cat(parts, dim=1).contiguous()
     lora = dict(configs["own"], r=rank, lora_alpha=scales["own"] * rank if same else float(rank))
     lora["base_model_name_or_path"] = parent["base_model"]

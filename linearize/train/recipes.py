@@ -220,7 +220,7 @@ def _chosen_new_parameters(model, chosen: list[str]) -> set[str]:
     for want in chosen:
         hit = {n for n, p in parts.items() if want in p}
         if not hit:
-            valid = sorted({p[-1] for p in parts.values()} | {p[-2] for p in parts.values() if len(p) > 1 and p[-2] not in ("self_attn",)})
+            valid = sorted({part for p in parts.values() for part in p[p.index("self_attn") + 1:]})  # below the attention module
             raise ConfigError(f"finetune.new_params {want!r} names none of the conversion's parameters; valid: {', '.join(valid)}")
         picked |= hit
     return picked
