@@ -7,9 +7,10 @@
 #   bash scripts/serving_study.sh --pack WORK_DIR OUT_DIR [WAIT_S]   # wait for both (up to WAIT_S), pack
 #
 # Settings (docs/results/serving.md says why):
-#   smollm2  smollm2-135m-dsla-chained, KV budget 256MiB, memory policy up to 15 of 30 layers
+#   smollm2  smollm2-135m-dsla-chained, KV budget 256MiB, memory policy up to 15 of 30 layers, prompts up to
+#            8,192 tokens (its positions)
 #   7b       random:llama2-7b (random weights, every layer DSLA), 34GiB, up to 16 of 32 layers,
-#            --max-running 40 (its pools: 40 slots x 4,096 tokens x 512 KiB = 80 GiB)
+#            --max-running 40 (its pools: 40 slots x 4,096 tokens x 512 KiB = 80 GiB), prompts up to 4,096 tokens
 #   tiny     random:tiny on DEVICE=cpu: checks the script in seconds
 # Environment: DEVICE (cuda)  REQUESTS ("40 100": one replay per count, in turn)  RATE (8)  RATES (a sweep instead of RATE:
 #   comma-separated rate scales, e.g. 2,3,4,6; each replay's report per rate and sweep.md beside)  TIMEOUT (150 s per policy)
@@ -19,6 +20,7 @@
 #   engine steps of each policy under torch.profiler, to replay/SETTING-N-profile; its timings are not the result:
 #   in a profiled replay on an H200 the repeated softmax ran 0.61x its first run)  PROFILE_FROM (300: the first
 #   profiled step of each policy)
+#   BUDGET, MAX_PROMPT (the setting's KV budget and prompt cap instead of those above)
 #   SETTINGS ("smollm2 7b")  RUNNER (pooled)  GRAPHS (graphs; no-graphs: decode steps launched op by op)
 set -u
 if [ "${1:-}" = --pack ]; then
@@ -40,17 +42,18 @@ GPUS=(${GPUS:-0}); REQUESTS=${REQUESTS:-"40 100"}; RATE=${RATE:-8}; TIMEOUT=${TI
 POLICIES=${POLICIES:-softmax,length-caps,memory,softmax}; PROFILE=${PROFILE:-0}; RUNNER=${RUNNER:-pooled}; REPEATS=${REPEATS:-1}
 SETTINGS=(${SETTINGS:-smollm2 7b})
 mkdir -p "$WORK/logs" "$WORK/replay"
+rm -f "$WORK"/*.done  # markers of an earlier study in the same WORK_DIR would end --pack at once
 echo "${#SETTINGS[@]}" > "$WORK/expected"
 rate="--rate-scale $RATE"; [ -n "${RATES:-}" ] && rate="--rate-scales $RATES"
-common="--device ${DEVICE:-cuda} --trace azure-conv $rate --policies $POLICIES --max-prompt 4096"
+common="--device ${DEVICE:-cuda} --trace azure-conv $rate --policies $POLICIES"
 common+=" --slo ttft=2s,tpot=100ms --timeout $TIMEOUT --runner $RUNNER --${GRAPHS:-graphs}"
 declare -A chain  # GPU -> the commands of the settings it runs, one after another (one GPU: all in turn)
 for i in "${!SETTINGS[@]}"; do
   setting=${SETTINGS[$i]}; gpu=${GPUS[$(( i % ${#GPUS[@]} ))]}
   case $setting in
-    smollm2) args="--model smollm2-135m-dsla-chained --kv-budget 256MiB --max-level 15" ;;
-    7b) args="--model random:llama2-7b --kv-budget 34GiB --max-level 16 --max-running 40" ;;
-    tiny) args="--model random:tiny --kv-budget 1MiB --max-level 2" ;;  # a check of the script itself (DEVICE=cpu)
+    smollm2) args="--model smollm2-135m-dsla-chained --kv-budget ${BUDGET:-256MiB} --max-level 15 --max-prompt ${MAX_PROMPT:-8192}" ;;
+    7b) args="--model random:llama2-7b --kv-budget ${BUDGET:-34GiB} --max-level 16 --max-running 40 --max-prompt ${MAX_PROMPT:-4096}" ;;
+    tiny) args="--model random:tiny --kv-budget ${BUDGET:-1MiB} --max-level 2 --max-prompt ${MAX_PROMPT:-4096}" ;;  # a check of the script itself (DEVICE=cpu)
     *) echo "unknown setting $setting (valid: smollm2, 7b, tiny)" >&2; exit 2 ;;
   esac
   cmd=""

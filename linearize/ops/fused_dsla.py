@@ -23,7 +23,7 @@ this way:
   the two states read one after the other, were slower);
 - ``dsla_output``: one program per (block of ``BLOCK`` queries, row and query head, value tile):
   both states' reads from the state before the block, the causal part within the block, the
-  normalisers, and the gamma mix, written token-major. Only a block with a decay too strong to
+  normalisers, and the gamma mix, written token-major. Only a sub-block with a decay too strong to
   factor (below) makes its gates itself.
 
 The block's causal part needs the pairwise decays exp(G_t - G_s), s <= t, per feature (G the log
@@ -31,9 +31,12 @@ decay from the block's start). Where no feature of either state decays by more t
 e^-FACTORED_DECAY_LIMIT over the block (the states kernel stores each block's decay), they factor
 into exp(G_t) exp(-G_s), both within e^+-30: the causal part is one matmul per state over the whole
 block, as the torch kernel does under the same limit. A stronger decay takes sub-blocks of ``SUB``
-queries, where every exponent is <= 0: a sub-block reads the earlier sub-blocks' keys as
-q exp(G - r) and k exp(r - G') with r the log decay at its start (both factors <= 1), and its own
-keys one at a time, the decays taken pairwise. Everything is accumulated in float32.
+queries. Where no sub-block decays by more than e^-FACTORED_DECAY_LIMIT (trained gates that pass
+the limit over a block mostly stay within it over a sub-block), a sub-block's weights on the block's
+keys up to its last token e factor at e: exp(G_t - G_e) in [1, e^LIMIT] and exp(G_e - G_s) <= 1, one
+matmul per state and sub-block. Otherwise every exponent is <= 0: a sub-block reads the earlier
+sub-blocks' keys as q exp(G - r) and k exp(r - G') with r the log decay at its start (both factors
+<= 1), and its own keys one at a time, the decays taken pairwise. Everything is accumulated in float32.
 
 ``ops.dsla.dsla_attention`` stays the specification: tests/ops/test_fused_dsla.py compares outputs
 and final states (on the GPU, and on the CPU through Triton's interpreter).
@@ -282,6 +285,21 @@ def _kernels() -> _Kernels:
         zbase = zs + b * s_zb + n * s_zn + h * s_zh  # their normalisers
         ebase = ends + b * s_zb + n * s_zn + h * s_zh + tl.arange(0, F)
         lowest = tl.minimum(tl.min(tl.load(ebase), axis=0), tl.min(tl.load(ebase + s_zs), axis=0))
+        sub_lowest = lowest
+        if lowest < -LIMIT:
+            # A stronger decay over the block. Each sub-block's own decay (from the token before it to
+            # its last token, per feature, from the states kernel's cumulative gates) decides the form.
+            NS: tl.constexpr = BLOCK // SUB
+            sb = tl.arange(0, NS)
+            real = n * BLOCK + sb * SUB < T  # sub-blocks holding a token
+            fa = tl.arange(0, F)
+            last = tl.minimum(n * BLOCK + sb * SUB + SUB - 1, T - 1)  # each sub-block's last token
+            before = (sb > 0) & real  # the token before a sub-block lies in the block
+            lptr = _cum_gates(cg, b, T, last, h, fa, F=F, HF=HF)
+            bptr = _cum_gates(cg, b, T, n * BLOCK + sb * SUB - 1, h, fa, F=F, HF=HF)
+            d1 = tl.load(lptr, mask=real[:, None], other=0.0) - tl.load(bptr, mask=before[:, None], other=0.0)
+            d2 = tl.load(lptr + HF, mask=real[:, None], other=0.0) - tl.load(bptr + HF, mask=before[:, None], other=0.0)
+            sub_lowest = tl.minimum(tl.min(tl.min(d1, axis=1), axis=0), tl.min(tl.min(d2, axis=1), axis=0))
         if lowest >= -LIMIT:
             # No feature decays by more than e^-LIMIT over the block (the states kernel stored each
             # block's decay): exp(G_t) exp(-G_s) stays within e^+-LIMIT, so the block's weights on
@@ -314,7 +332,54 @@ def _kernels() -> _Kernels:
             num2 += tl.dot(a2.to(va.dtype), va, input_precision=prec)
             _mix_store(num1, num2, den1 + tl.sum(a1, axis=1), den2 + tl.sum(a2, axis=1), gm, scale,
                        out + b * s_ob + ta[:, None] * s_ot + h * s_oh + ov[None, :], mt[:, None], NORM=NORM, EPS=EPS)  # fmt: skip
-        else:  # a stronger decay: sub-blocks, every exponent <= 0
+        elif sub_lowest >= -LIMIT:
+            # Every sub-block decays by at most e^-LIMIT: a sub-block's weights on the block's keys up
+            # to its own last token e factor as exp(G_t - G_e) exp(G_e - G_s), the first within
+            # [1, e^LIMIT] (t in the sub-block), the second <= 1 (s <= e): one matmul per state and
+            # sub-block, from the states kernel's cumulative gates.
+            mt = ta < T
+            dt = qf.dtype.element_ty
+            va = tl.load(values + b * s_vb + ta[:, None] * s_vt + hk * s_vh + ov[None, :], mask=mt[:, None], other=0.0)
+            for si in range(0, BLOCK // SUB):
+                ti = n * BLOCK + si * SUB + cs  # this sub-block's queries
+                mi = ti < T
+                e = tl.minimum(n * BLOCK + si * SUB + SUB - 1, T - 1)  # its last token, the reference
+                upto = (ta <= e) & mt  # the block's keys up to it
+                num1 = tl.zeros([SUB, BV], tl.float32)
+                num2 = tl.zeros([SUB, BV], tl.float32)
+                den1 = tl.zeros([SUB], tl.float32)
+                den2 = tl.zeros([SUB], tl.float32)
+                a1 = tl.zeros([SUB, BLOCK], tl.float32)
+                a2 = tl.zeros([SUB, BLOCK], tl.float32)
+                for kk in range(0, F // BK):
+                    ok = kk * BK + tl.arange(0, BK)
+                    qi = tl.load(qf + b * s_fb + ti[:, None] * s_ft + h * s_fh + ok[None, :], mask=mi[:, None], other=0.0).to(tl.float32)
+                    ka = tl.load(kf + b * s_fb + ta[:, None] * s_ft + h * s_fh + ok[None, :], mask=upto[:, None], other=0.0).to(tl.float32)
+                    ciptr = _cum_gates(cg, b, T, ti, h, ok, F=F, HF=HF)
+                    ci1 = tl.load(ciptr, mask=mi[:, None], other=0.0)
+                    ci2 = tl.load(ciptr + HF, mask=mi[:, None], other=0.0)
+                    captr = _cum_gates(cg, b, T, ta, h, ok, F=F, HF=HF)
+                    ca1 = tl.load(captr, mask=upto[:, None], other=0.0)
+                    ca2 = tl.load(captr + HF, mask=upto[:, None], other=0.0)
+                    ceptr = cg + (b * T + e) * (2 * HF) + h * F + ok
+                    ce1 = tl.load(ceptr)
+                    ce2 = tl.load(ceptr + HF)
+                    q1 = qi * tl.exp(tl.where(mi[:, None], ci1 - ce1[None, :], 0.0))
+                    q2 = qi * tl.exp(tl.where(mi[:, None], ci2 - ce2[None, :], 0.0))
+                    k1 = ka * tl.exp(tl.where(upto[:, None], ce1[None, :] - ca1, 0.0))
+                    k2 = ka * tl.exp(tl.where(upto[:, None], ce2[None, :] - ca2, 0.0))
+                    a1 += tl.dot(q1.to(dt), tl.trans(k1.to(dt)), input_precision=prec)
+                    a2 += tl.dot(q2.to(dt), tl.trans(k2.to(dt)), input_precision=prec)
+                    num1, num2, den1, den2 = _state_reads(num1, num2, den1, den2, qi * tl.exp(ci1), qi * tl.exp(ci2), hbase, zbase, ok,
+                                                           ov, s_hs, s_zs, DV=DV, NORM=NORM, IEEE=IEEE)  # fmt: skip
+                causal = ti[:, None] >= ta[None, :]
+                a1 = tl.where(causal, a1, 0.0)
+                a2 = tl.where(causal, a2, 0.0)
+                num1 += tl.dot(a1.to(va.dtype), va, input_precision=prec)
+                num2 += tl.dot(a2.to(va.dtype), va, input_precision=prec)
+                _mix_store(num1, num2, den1 + tl.sum(a1, axis=1), den2 + tl.sum(a2, axis=1), gm, scale,
+                           out + b * s_ob + ti[:, None] * s_ot + h * s_oh + ov[None, :], mi[:, None], NORM=NORM, EPS=EPS)  # fmt: skip
+        else:  # a sub-block decays by more: every exponent <= 0, its own keys one at a time
             for si in range(0, BLOCK // SUB):  # loops, not unrolled: a short compile
                 ti = n * BLOCK + si * SUB + cs  # this sub-block's queries
                 mi = ti < T

@@ -17,10 +17,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HQ, HKV, F, DV = 4, 2, 32, 16
 
 
-def _inputs(b: int, t: int, rank: int, gen: torch.Generator, normalize: bool, strength: float):
+def _inputs(b: int, t: int, rank: int, gen: torch.Generator, normalize: bool, strength: float, shift: float | None = None):
     """Features (softmax rows with a normaliser: non-negative, as a feature map's), values, the gates'
     low-rank inputs and up projections (history near 0.999, recent near 0.9; ``strength`` scales the
-    data-dependent part and, when large, pushes the recent gate's pre-activation far below 0)."""
+    data-dependent part and, when large, pushes the recent gate's pre-activation far below 0, by
+    ``shift`` where given)."""
 
     def rand(*shape):
         return torch.randn(*shape, generator=gen)
@@ -32,8 +33,8 @@ def _inputs(b: int, t: int, rank: int, gen: torch.Generator, normalize: bool, st
     xr = rand(b, t, 2, rank)
     up = strength * rand(2, HQ * F, rank) / rank**0.5
     bias = torch.stack([torch.full((HQ * F,), init_gate_bias(a)) for a in (0.999, 0.9)]) + rand(2, HQ * F)
-    if strength > 1:
-        bias[1] -= 20 * strength  # log gates far below -1 per token: decays the factored form could not hold
+    if strength > 1 or shift is not None:
+        bias[1] -= 20 * strength if shift is None else shift  # log gates far below -1 per token: decays the factored form could not hold
     return [x.to(DEVICE) for x in (qf, kf, v, xr, up, bias)]
 
 
@@ -49,11 +50,11 @@ def _reference(qf, kf, v, xr, up, bias, gamma, state, normalize, scale=None):
     return dsla_prefill(qf, kf, v, g, gamma, state=state, scale=scale, backend="torch", chunk=16, normalize=normalize)
 
 
-def _lowest_block_decay(xr, up, bias) -> float:
-    """The strongest decay of any feature over any block of the kernels (log, <= 0)."""
+def _lowest_block_decay(xr, up, bias, block: int = fused_dsla.BLOCK) -> float:
+    """The strongest decay of any feature over any block of ``block`` tokens (log, <= 0)."""
     g = _log_gates(xr, up, bias)
-    blocks = torch.nn.functional.pad(g, (0, 0, 0, 0, 0, 0, 0, -g.shape[1] % fused_dsla.BLOCK))
-    return blocks.unflatten(1, (-1, fused_dsla.BLOCK)).sum(2).min().item()
+    blocks = torch.nn.functional.pad(g, (0, 0, 0, 0, 0, 0, 0, -g.shape[1] % block))
+    return blocks.unflatten(1, (-1, block)).sum(2).min().item()
 
 
 def _fused(qf, kf, v, xr, up, bias, gamma, state, normalize, scale=None, block=fused_dsla.BLOCK):
@@ -98,6 +99,26 @@ def test_fused_dsla_prefill_equals_the_torch_kernel(case, normalize):
     tol = 1e-4 if strong else 2e-5
     torch.testing.assert_close(got, want, atol=2e-5, rtol=tol)
     _states_close(got_state, want_state, tol)
+
+
+@pytest.mark.parametrize("prior, t, block", [(0, 100, 64), (30, 150, 64), (0, 90, 32), (10, 140, 128)])
+@pytest.mark.parametrize("normalize", [True, False], ids=["normalised", "raw"])
+@torch.no_grad()
+def test_blocks_that_decay_more_than_their_sub_blocks_hold_equal_the_torch_kernel(prior, t, block, normalize):
+    """Gates near e^-1.2 per token: a block's decay passes e^-30, its sub-blocks' stay within it, so the
+    output kernel factors each sub-block's weights at its last token (one matmul per sub-block)."""
+    gen = torch.Generator().manual_seed(t + prior + block)
+    gamma = torch.rand(HQ, generator=gen).to(DEVICE)
+    state = None
+    if prior:
+        _, state = _reference(*_inputs(1, prior, 16, gen, normalize, 1.0, shift=17.0), gamma, None, normalize)
+    args = _inputs(1, t, 16, gen, normalize, 1.0, shift=17.0)
+    assert _lowest_block_decay(*args[3:], block=block) < -FACTORED_DECAY_LIMIT  # not the one-matmul blocks ...
+    assert _lowest_block_decay(*args[3:], block=fused_dsla.SUB) > -FACTORED_DECAY_LIMIT  # ... nor the pairwise sub-blocks
+    want, want_state = _reference(*args, gamma, state, normalize)
+    got, got_state = _fused(*args, gamma, state, normalize, block=block)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    _states_close(got_state, want_state, 1e-4)
 
 
 @pytest.mark.parametrize("block", [16, 32, 128])
