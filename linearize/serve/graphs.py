@@ -18,8 +18,9 @@ the new key and value at each row's slot and position and attend through ``slot_
 row reads its own length); converted layers advance each row's DSLA states where they are in the
 pool. Rows of different levels share the call: at a layer that some rows run converted, both paths
 run on every row (a converted row attends over 0 keys; a softmax row's state update lands in its
-slot's unused state row) and each row keeps its own. Graphs are keyed by (bucket, highest level in
-the batch); the first step of a key runs eagerly (kernels pick their configurations, caches fill),
+slot's unused state row) and each row keeps its own; in a batch whose rows all share one level, a
+layer they all run converted runs its converted path alone. Graphs are keyed by (bucket, highest
+level in the batch, whether every row is at it; padding rows take that level); the first step of a key runs eagerly (kernels pick their configurations, caches fill),
 the second captures it; the graphs share one memory pool, and all of them (with their pool) are
 dropped when a runner's pool is created or grows (their addresses change).
 
@@ -186,7 +187,7 @@ class _Bucket(_Entry):
 
 class StaticDecode(_StaticSteps):
     """Decode steps of a ``PooledRunner`` on static buffers; on CUDA (``capture``) replayed as CUDA
-    graphs keyed by (padded batch size, highest level in the batch)."""
+    graphs keyed by (padded batch size, highest level in the batch, whether every row is at it)."""
 
     what = "decode step"
 
@@ -208,35 +209,38 @@ class StaticDecode(_StaticSteps):
         vocab = runner.model.config.vocab_size
         bucket = self._entry(rows, lambda: _Bucket(rows, torch.zeros(rows, 1, dtype=torch.long, device=device),
                                                    torch.zeros(3, rows, dtype=torch.long, device=device), torch.zeros(rows, vocab, device=device)))  # fmt: skip
-        pad = rows - n  # padding rows: position 0 of the scratch slot, level 0
+        pad = rows - n  # padding rows: position 0 of the scratch slot, at the highest level
         meta = [[s.position for s in seqs] + [0] * pad, [s.slot for s in seqs] + [runner.scratch_slot] * pad,
-                [s.level for s in seqs] + [0] * pad]  # fmt: skip
+                [s.level for s in seqs] + [hi] * pad]  # fmt: skip
         bucket.meta.copy_(on_device(meta, device))
         bucket.ids[:n].copy_(ids)
         if pad:
             bucket.ids[n:].zero_()
-        self._run(bucket, hi)
+        self._run(bucket, (hi, all(s.level == hi for s in seqs)))
         for s in seqs:
             s.position += 1
         return bucket.logits[:n].clone()
 
-    def _step(self, bucket: _Bucket, hi: int) -> None:
-        """One decode step on the bucket's buffers: its logits written in place."""
+    def _step(self, bucket: _Bucket, key: tuple[int, bool]) -> None:
+        """One decode step on the bucket's buffers under ``key`` (highest level, every row at it): its
+        logits written in place."""
         runner = self.runner
+        hi, uniform = key
         lengths = bucket.positions + 1  # keys each softmax row reads, its new one included
 
         def attention(i: int, attn, h: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-            return attn.o_proj(self._attention(i, attn, h, (cos, sin), bucket, lengths, hi))
+            return attn.o_proj(self._attention(i, attn, h, (cos, sin), bucket, lengths, hi, uniform))
 
         logits = decoder_forward(runner.model, runner._layers, [], bucket.ids, bucket.positions.view(-1, 1), attention)
         bucket.logits.copy_(logits)
 
-    def _attention(self, i: int, attn, h: Tensor, pe, bucket: _Bucket, lengths: Tensor, hi: int) -> Tensor:
-        """Layer i's attention output before its projection, (B, 1, Hq * Dv) in h's dtype."""
+    def _attention(self, i: int, attn, h: Tensor, pe, bucket: _Bucket, lengths: Tensor, hi: int, uniform: bool) -> Tensor:
+        """Layer i's attention output before its projection, (B, 1, Hq * Dv) in h's dtype (``uniform``:
+        every row is at level ``hi``)."""
         runner = self.runner
         rank = self.rank.get(i)
         converted = rank is not None and rank < hi
-        softmax = runner._keys[i] is not None
+        softmax = runner._keys[i] is not None and not (converted and uniform)  # some row runs layer i as softmax
         b = bucket.rows
         out = None
         if converted:

@@ -38,6 +38,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .engine import Engine
+from .policy import Policy
 from .sampling import SamplingParams
 from .settings import DEFAULT_POLICIES, TRACE_NAMES, ReplaySettings, parse_slo  # noqa: F401 (re-exported; settings need no torch)
 
@@ -238,11 +239,34 @@ def graph_levels(engine: Engine, requests: Sequence["ReplayRequest"]) -> list[in
     return sorted(admitted | set(warm_up_levels_of(engine.policy.level_cap(engine.levels))))
 
 
+class _AdmitAt(Policy):
+    """A policy for warm-ups: admits requests at the given levels, in turn (the last one after)."""
+
+    name = "warm-up"
+
+    def __init__(self, levels: Sequence[int]):
+        self.levels = list(levels)
+        self.next = 0
+
+    def admission_level(self, prompt_tokens, final_tokens, memory) -> int:
+        level = self.levels[min(self.next, len(self.levels) - 1)]
+        self.next += 1
+        return level
+
+    def raises(self, running, memory) -> dict[str, int]:
+        return {}
+
+    def level_cap(self, levels) -> int:
+        return max(self.levels)
+
+
 def warm_up_graphs(engine: Engine, tokens: Sequence[int], levels: Sequence[int]) -> int:
     """Run every static step shape the engine's steps will take at ``levels`` twice before anything
     is timed, so that their CUDA graphs are captured now rather than by timed steps (a capture stops
     the device and costs several eager steps): decode steps at every padded batch size up to
-    ``max_running`` (batches of one-chunk prompts that decode together at least twice) and prefill chunks of every
+    ``max_running`` (batches of one-chunk prompts that decode together at least twice; at each level
+    one batch with every row at it and, above the lowest level, one with a row at the lowest: a
+    decode graph is keyed by its highest level and whether every row is at it) and prefill chunks of every
     multiple of the runner's alignment up to ``max_step_tokens``, first chunks and continuations
     (prompts of two such chunks and one token, the step's budget set to the chunk). Call it after
     ``Engine.reserve`` (a growth of the arena drops the graphs). Returns the requests run (0 where
@@ -262,15 +286,23 @@ def warm_up_graphs(engine: Engine, tokens: Sequence[int], levels: Sequence[int])
         return (stream * (n // len(stream) + 1))[:n]
 
     ran = 0
+    lowest = min(levels, default=0)
     try:
         for level in sorted(set(levels)):
+            # each bucket with every row at the level, then (above the lowest level) with one row at the lowest:
+            # a decode step's graph is keyed by its highest level and whether every row is at it
+            mixes = [(level,)] + ([(lowest, level)] if level > lowest else [])
+            for mix in mixes:
+                for rows in sizes:  # prompts of one aligned chunk: a few steps prefill them all, then the whole batch decodes twice
+                    if rows < len(mix):
+                        continue
+                    engine.policy = _AdmitAt([mix[0]] + [mix[-1]] * (rows - 1))
+                    steps = -(-rows * align // max(budget - rows, align))
+                    for _ in range(rows):
+                        engine.add_request(prompt(align), SamplingParams(max_tokens=2 * steps + 3, temperature=0.0, ignore_eos=True))
+                    engine.run()
+                    ran += rows
             engine.policy = StaticPolicy(level)
-            for rows in sizes:  # prompts of one aligned chunk: a few steps prefill them all, then the whole batch decodes twice
-                steps = -(-rows * align // max(budget - rows, align))
-                for _ in range(rows):
-                    engine.add_request(prompt(align), SamplingParams(max_tokens=2 * steps + 3, temperature=0.0, ignore_eos=True))
-                engine.run()
-                ran += rows
             for chunk in range(align, budget + 1, align):
                 engine.config.max_step_tokens = chunk
                 for _ in range(2):
