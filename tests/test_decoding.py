@@ -80,9 +80,10 @@ def test_static_decoding_matches_full_forward(name, rows):
 def test_fused_decode_kernels_match_full_forward(name, monkeypatch):
     """With the fused kernels (in Triton's interpreter without a GPU), the prefill's logits (the
     hybrid's fused prefill, DSLA's token-major one) and each step's still equal the full forward's
-    at that position; DSLA's prefill runs its two fused kernels (the gates made inside them)."""
+    at that position; DSLA's prefill runs its two fused kernels (the gates made inside them), and each
+    decode step its features and gates in one kernel beside its state kernel."""
     calls, prefills = [], []
-    for op in ("hybrid_linear_step", "hybrid_window_read", "dsla_state_step"):
+    for op in ("hybrid_linear_step", "hybrid_window_read", "dsla_state_step", "dsla_decode_inputs"):
         kernel = getattr(fused_decode, op)
         monkeypatch.setattr(fused_decode, op, lambda *a, kernel=kernel, op=op: calls.append(op) or kernel(*a))
     for module, fn in ((fused_prefill, "hybrid_prefill"), (dsla_layers, "dsla_prefill"), (fused_dsla, "dsla_prefill_fused")):
@@ -100,7 +101,7 @@ def test_fused_decode_kernels_match_full_forward(name, monkeypatch):
     full = model(seq).logits[:, prompt.shape[1] - 1 :]
     tol = 2e-5 if device == "cpu" else 2e-3  # on CUDA the full forward's fla kernels multiply in TF32
     torch.testing.assert_close(torch.stack(logits, dim=1), full, atol=tol, rtol=tol)
-    ops = {"dsla_state_step"} if name.startswith("dsla") else {"hybrid_linear_step", "hybrid_window_read"}
+    ops = {"dsla_state_step", "dsla_decode_inputs"} if name.startswith("dsla") else {"hybrid_linear_step", "hybrid_window_read"}
     assert set(calls) == ops
     assert len(calls) == 6 * model.config.num_hidden_layers * len(ops)  # every layer is converted: each op once per layer and step
     fused = "dsla_prefill_fused" if name.startswith("dsla") else "hybrid_prefill"

@@ -401,7 +401,7 @@ def derived(module: nn.Module, name: str, sources: tuple[Tensor, ...], build: Ca
     return value
 
 
-def _hedgehog_weights(phi_q: nn.Module, phi_k: nn.Module, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def hedgehog_weights(phi_q: nn.Module, phi_k: nn.Module, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """The two maps' weights stacked for ``token_features``: (2 Hq, D, f) and biases (2 Hq, 1, f),
     queries' first."""
     weight = torch.cat((phi_q.weight, phi_k.weight)).to(dtype).contiguous()  # (2 Hq, D, f)
@@ -426,7 +426,7 @@ def token_features(module: nn.Module, phi_q: nn.Module, phi_k: nn.Module, q: Ten
         kf = (phi_k(k.repeat_interleave(n_rep, dim=1)) if n_rep > 1 else phi_k(k)).reshape(b, hq, -1)  # (B, Hq, F)
         return qf, kf
     weight, bias = derived(module, "hedgehog", (phi_q.weight, phi_q.bias, phi_k.weight, phi_k.bias),
-                           lambda: _hedgehog_weights(phi_q, phi_k, q.dtype))  # fmt: skip
+                           lambda: hedgehog_weights(phi_q, phi_k, q.dtype))  # fmt: skip
     if weight.dtype != q.dtype:
         weight, bias = weight.to(q.dtype), bias.to(q.dtype)
     return hedgehog_pair(q.reshape(b, hq, d), k.reshape(b, hkv, d), weight, bias)

@@ -15,7 +15,7 @@ from ..ops.dsla import DslaDecodeState, dsla_attention, dsla_decode_step, dsla_p
 from ..ops.fused_prefill import for_inference, token_major_features
 from ..ops.states import DslaState
 from .base import (KERNELS, STATE_BYTES, AttentionKind, Attend, ConvertedAttention, SpecError, derived, expect_state, head_sizes,
-                   resolve_kernel, tensors_at, token_features)
+                   hedgehog_weights, resolve_kernel, tensors_at, token_features)
 from .feature_map import FeatureMapOptions, HedgehogFeatureMap, feature_map_pair
 
 
@@ -183,17 +183,40 @@ class DslaAttention(ConvertedAttention):
         b, hkv = k.shape[:2]
         ds = self._decode_state(slot, b, q.device, q.dtype)
         dt = ds.states.dtype
-        if self.normalize:
-            qf, kf = token_features(self, self.feature_map_q, self.feature_map_k, q, k)  # (B, Hq, F) each
+        fused = self._fused_inputs(x, q, k, dt)
+        if fused is not None:  # features and gates in one kernel
+            qf, kf, decay = fused
         else:
-            qf, kf = q.reshape(b, self.num_heads, -1), k.expand(b, hkv, self.num_heads // hkv, self.head_dim)
-        if qf.dtype != dt:
-            qf, kf = qf.to(dt), kf.to(dt)
-        decay = self.decode_gates(x, dt)  # (B, 2, Hq, F)
+            if self.normalize:
+                qf, kf = token_features(self, self.feature_map_q, self.feature_map_k, q, k)  # (B, Hq, F) each
+            else:
+                qf, kf = q.reshape(b, self.num_heads, -1), k.expand(b, hkv, self.num_heads // hkv, self.head_dim)
+            if qf.dtype != dt:
+                qf, kf = qf.to(dt), kf.to(dt)
+            decay = self.decode_gates(x, dt)  # (B, 2, Hq, F)
         weights = derived(self, f"mix_{self.mode}", (self.gamma_logit,), lambda: self._mix_weights(dt))
         out = dsla_decode_step(ds, qf, kf, v, decay, weights, normalize=self.normalize)
         slot.advance(ds, 1)
         return out
+
+    def _fused_inputs(self, x: Tensor, q: Tensor, k: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor] | None:
+        """(qf, kf, decay) of one token from ``fused_decode.dsla_decode_inputs`` (one kernel for both
+        Hedgehog maps and both gates) where it applies: Hedgehog maps, float32 states, the fused
+        kernels on for q's device and sizes; else None."""
+        phi_q, phi_k = self._modules["feature_map_q"], self._modules["feature_map_k"]
+        if not (self.normalize and dtype == torch.float32 and isinstance(phi_q, HedgehogFeatureMap) and isinstance(phi_k, HedgehogFeatureMap)):
+            return None
+        weight, bias = derived(self, "hedgehog", (phi_q.weight, phi_q.bias, phi_k.weight, phi_k.bias),
+                               lambda: hedgehog_weights(phi_q, phi_k, q.dtype))  # fmt: skip
+        if weight.dtype != q.dtype:
+            weight, bias = weight.to(q.dtype), bias.to(q.dtype)
+        if not fused_decode.dsla_inputs_apply(q, weight):
+            return None
+        b = q.shape[0]
+        down, up, gate_bias = self.fused_gate_weights()
+        xr = fused_dsla.gate_inputs(x, down, self.options.dsla_gate_rank).view(b, 2, -1)  # (B, 2, R) float32: one GEMM
+        return fused_decode.dsla_decode_inputs(q.reshape(b, self.num_heads, -1), k.reshape(b, k.shape[1], -1), xr, weight, bias, up,
+                                               gate_bias)  # fmt: skip
 
     def has_static_decoding(self) -> bool:
         return self.mode in self.GAMMA

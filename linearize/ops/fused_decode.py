@@ -86,6 +86,11 @@ class _Kernels(NamedTuple):
     window: Any
     slots: Any
     prefill: Any
+    inputs: Any
+
+
+_hedgehog_rows: Any = None
+"""Rows' Hedgehog features for one map, stored: a Triton function made by ``_kernels``."""
 
 
 @functools.cache
@@ -316,7 +321,51 @@ def _kernels() -> _Kernels:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out + h * s_oh + oi[:, None] * s_ot + ov[None, :], o, mask=mi[:, None] & mv[None, :])
 
-    return _Kernels(hybrid=hybrid_kernel, dsla=dsla_kernel, window=window_kernel, slots=slot_kernel, prefill=slot_prefill_kernel)
+    @triton.jit
+    def hedgehog_rows(x, hw, hb, m, dst, rows, mb, s_d, D: tl.constexpr, FH: tl.constexpr, IEEE: tl.constexpr):
+        """[softmax(x W_m + b_m), softmax(-(x W_m + b_m))] of the rows ``x`` (BB, D) (batch rows ``rows``,
+        valid where ``mb``), stored at ``dst`` + row * ``s_d`` (2 FH floats each), rounded through
+        ``hw``'s dtype as the stored maps are."""
+        od, of = tl.arange(0, D), tl.arange(0, FH)
+        w = tl.load(hw + m * D * FH + od[:, None] * FH + of[None, :])
+        p = tl.dot(x, w.to(x.dtype), input_precision="ieee" if IEEE else "tf32")  # (BB, FH) float32
+        p += tl.load(hb + m * FH + of).to(tl.float32)[None, :]
+        e = tl.exp(p - tl.max(p, axis=1)[:, None])
+        ptr = dst + rows[:, None] * s_d + of[None, :]
+        tl.store(ptr, (e / tl.sum(e, axis=1)[:, None]).to(hw.dtype.element_ty).to(tl.float32), mask=mb[:, None])
+        e = tl.exp(tl.min(p, axis=1)[:, None] - p)
+        tl.store(ptr + FH, (e / tl.sum(e, axis=1)[:, None]).to(hw.dtype.element_ty).to(tl.float32), mask=mb[:, None])
+
+    globals()["_hedgehog_rows"] = hedgehog_rows  # a module global: what Triton's interpreter resolves
+
+    @triton.jit
+    def dsla_inputs_kernel(
+        q, k, xr, hw, hb, up, gb, qf, kf, decay,
+        rows, n_rep, s_qb, s_qh, s_kb, s_kh,
+        H: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, R: tl.constexpr, BB: tl.constexpr, NORM: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):  # fmt: skip
+        # one program per (query head, block of BB rows): the head's weights loaded once for its rows
+        h = tl.program_id(0)
+        ob = tl.program_id(1) * BB + tl.arange(0, BB)
+        mb = ob < rows
+        b = ob.to(tl.int64)
+        F: tl.constexpr = 2 * FH
+        od = tl.arange(0, D)
+        qv = tl.load(q + b[:, None] * s_qb + h * s_qh + od[None, :], mask=mb[:, None], other=0.0)
+        _hedgehog_rows(qv, hw, hb, h, qf + h * F, b, mb, H * F, D=D, FH=FH, IEEE=IEEE)  # the query's map: h
+        kv = tl.load(k + b[:, None] * s_kb + (h // n_rep) * s_kh + od[None, :], mask=mb[:, None], other=0.0)
+        _hedgehog_rows(kv, hw, hb, H + h, kf + h * F, b, mb, H * F, D=D, FH=FH, IEEE=IEEE)  # the key's map for query head h: H + h
+        oi, og = tl.arange(0, R), tl.arange(0, F)
+        for s in tl.static_range(2):  # history, recent: alpha = exp(logsigmoid(x W_down W_up + b) / NORM)
+            x = tl.load(xr + (b[:, None] * 2 + s) * R + oi[None, :], mask=mb[:, None], other=0.0)  # (BB, R) float32
+            u = tl.load(up + s * R * H * F + oi[:, None] * (H * F) + h * F + og[None, :])  # (R, F) float32
+            z = tl.dot(x, u, input_precision="ieee") + tl.load(gb + s * H * F + h * F + og)[None, :]
+            ls = tl.minimum(z, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(z)))  # logsigmoid
+            tl.store(decay + (b[:, None] * 2 + s) * (H * F) + h * F + og[None, :], tl.exp(ls / NORM), mask=mb[:, None])
+
+    return _Kernels(hybrid=hybrid_kernel, dsla=dsla_kernel, window=window_kernel, slots=slot_kernel, prefill=slot_prefill_kernel,
+                    inputs=dsla_inputs_kernel)  # fmt: skip
 
 
 BLOCK_K = 32
@@ -454,6 +503,65 @@ def _(states, qf, kf, v, decay, normalize, index=None):
 def dsla_read(partials: Tensor) -> Tensor:
     """The two states' reads (2, B, Hq, C) from ``dsla_state_step``'s partial sums."""
     return partials[0] if partials.shape[0] == 1 else partials.sum(dim=0)
+
+
+DSLA_INPUT_ROWS = 16
+"""Batch rows per program of ``dsla_decode_inputs`` (each program one query head's weights)."""
+
+
+def dsla_inputs_apply(q: Tensor, hedgehog_weight: Tensor) -> bool:
+    """Whether ``dsla_decode_inputs`` takes a step with query heads ``q`` (B, Hq, D) and Hedgehog
+    maps ``hedgehog_weight`` (2 Hq, D, f): on a device the fused kernels are enabled for, D and f
+    powers of two from 16."""
+    d, f = hedgehog_weight.shape[-2:]
+    return enabled(q) and all(n >= 16 and n & (n - 1) == 0 for n in (d, f))
+
+
+@torch.library.custom_op("linearize::dsla_decode_inputs", mutates_args=())
+def dsla_decode_inputs(q: Tensor, k: Tensor, xr: Tensor, hedgehog_weight: Tensor, hedgehog_bias: Tensor, up: Tensor,
+                       gate_bias: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """What DSLA's decode step reads of one token, in one kernel: the Hedgehog features of q (B, Hq, D)
+    and of k (B, Hkv, D) for every query head of its KV head (maps ``hedgehog_weight`` (2 Hq, D, f)
+    and ``hedgehog_bias`` (2 Hq, 1, f), queries' first, as ``layers.base.token_features`` stacks them),
+    rounded through the maps' dtype; and both gates alpha = exp(logsigmoid(xr W_up + b) / 16) from
+    the gates' low-rank inputs ``xr`` (B, 2, R) float32 (``fused_dsla.gate_inputs``) and ``up``
+    (2, R, Hq F), ``gate_bias`` (2, Hq F) float32 (``fused_dsla.gate_weights``). Returns qf, kf
+    (B, Hq, 2f) and decay (B, 2, Hq, 2f), float32: the numbers of ``token_features`` and
+    ``DslaAttention.decode_gates`` (tests/ops/test_fused_decode.py). One program per query head and
+    block of ``DSLA_INPUT_ROWS`` rows, so each head's weights are read once per block."""
+    from .dsla import GATE_NORMALISER  # (ops.dsla imports this module)
+
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    f = hedgehog_weight.shape[-1]
+    nf = 2 * f
+    r = up.shape[1]
+    _check("k", k, (b, hkv, d), q.dtype)
+    _check("xr", xr, (b, 2, r), torch.float32)
+    _check("hedgehog_weight", hedgehog_weight, (2 * hq, d, f))
+    _check("hedgehog_bias", hedgehog_bias, (2 * hq, 1, f))
+    _check("up", up, (2, r, hq * nf), torch.float32)
+    _check("gate_bias", gate_bias, (2, hq * nf), torch.float32)
+    if hq % hkv or r < 16 or r & (r - 1):
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv}), and the rank axis ({r}) a power of two from 16")
+    if any(t.stride(-1) != 1 for t in (q, k)) or not all(t.is_contiguous() for t in (xr, hedgehog_weight, hedgehog_bias, up, gate_bias)):
+        raise ValueError("q and k must be contiguous in their last axis, xr and the weights contiguous")
+    qf = torch.empty(b, hq, nf, device=q.device, dtype=torch.float32)
+    kf = torch.empty_like(qf)
+    decay = torch.empty(b, 2, hq, nf, device=q.device, dtype=torch.float32)
+    _kernels().inputs[(hq, -(-b // DSLA_INPUT_ROWS))](
+        q, k, xr, hedgehog_weight, hedgehog_bias, up, gate_bias, qf, kf, decay,
+        b, hq // hkv, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        H=hq, D=d, FH=f, R=r, BB=DSLA_INPUT_ROWS, NORM=GATE_NORMALISER, IEEE=q.dtype == torch.float32,
+    )  # fmt: skip
+    return qf, kf, decay
+
+
+@dsla_decode_inputs.register_fake
+def _(q, k, xr, hedgehog_weight, hedgehog_bias, up, gate_bias):
+    b, hq = q.shape[:2]
+    nf = 2 * hedgehog_weight.shape[-1]
+    return q.new_empty(b, hq, nf, dtype=torch.float32), q.new_empty(b, hq, nf, dtype=torch.float32), q.new_empty(b, 2, hq, nf, dtype=torch.float32)
 
 
 @torch.library.custom_op("linearize::hybrid_window_read", mutates_args=())

@@ -259,3 +259,46 @@ def test_dsla_state_tiles_are_tuned_per_batch_size():
     tuned = step(1)
     assert step(40) == tuned + 1
     assert step(33) == tuned + 1  # 33 and 40: both in the bucket of 64
+
+
+@pytest.mark.parametrize("batch, rank, dtype", [(3, 8, torch.float32), (19, 16, torch.float32), (3, 8, torch.bfloat16)],
+                         ids=["b3-rank8", "b19-rank16", "bf16"])  # fmt: skip
+@torch.no_grad()
+def test_dsla_decode_inputs_equal_the_torch_maps_and_gates(batch, rank, dtype):
+    """One kernel for DSLA's decode inputs: both Hedgehog maps of a token (k's for every query head of
+    its KV head) and both gates, against ``hedgehog_pair`` and the low-rank gates in torch; a rank
+    padded to 16, a batch over two blocks of rows; in bfloat16 the features rounded as the torch
+    form rounds them."""
+    from linearize.ops import fused_dsla
+    from linearize.ops.dsla import log_gate
+    from linearize.ops.feature_maps import hedgehog_pair
+
+    if dtype != torch.float32 and DEVICE == "cpu":
+        pytest.skip("the half-precision path runs on CUDA (Triton's interpreter has no bfloat16 products)")
+    gen = torch.Generator().manual_seed(batch + rank)
+    b, hq, hkv, d, f, hidden = batch, 4, 2, 16, 16, 72
+    nf = 2 * f
+
+    def rand(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen)).to(DEVICE)
+
+    q, k, x = rand(b, hq, d).to(dtype), rand(b, hkv, d).to(dtype), rand(b, 1, hidden).to(dtype)
+    weight, bias = rand(2 * hq, d, f, scale=0.3).to(dtype), rand(2 * hq, 1, f, scale=0.1).to(dtype)
+    down, up, up_bias = rand(2 * rank, hidden, scale=hidden**-0.5).to(dtype), rand(2, hq * nf, rank, scale=0.5), rand(2, hq * nf) - 3
+    u, c = fused_dsla.gate_weights(up, up_bias, rank)
+    xr = fused_dsla.gate_inputs(x, down, rank).view(b, 2, -1)
+    with fused_decode.use_fused(True):
+        assert fused_decode.dsla_inputs_apply(q, weight)
+        qf, kf, decay = fused_decode.dsla_decode_inputs(q, k, xr, weight, bias, u, c)
+    want_q, want_k = hedgehog_pair(q, k, weight, bias)
+    z = torch.einsum("bsr,sor->bso", xr[..., :rank], up.float()) + up_bias.float()
+    want_decay = log_gate(z).exp().view(b, 2, hq, nf)
+    tol = 2e-6 if dtype == torch.float32 else 1e-2  # bf16: the projection's sum is rounded at a different point
+    torch.testing.assert_close(qf, want_q.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(kf, want_k.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(decay, want_decay, atol=2e-6, rtol=2e-6)
+    assert qf.dtype == kf.dtype == decay.dtype == torch.float32
+    with pytest.raises(ValueError, match=r"xr must have shape"):
+        fused_decode.dsla_decode_inputs(q, k, xr[:, :1], weight, bias, u, c)
+    with pytest.raises(ValueError, match=r"up must be torch.float32"):
+        fused_decode.dsla_decode_inputs(q, k, xr, weight, bias, u.double(), c)
