@@ -203,8 +203,10 @@ class DslaAttention(ConvertedAttention):
         """(qf, kf, decay) of one token from ``fused_decode.dsla_decode_inputs`` (one kernel for both
         Hedgehog maps and both gates) where it applies: Hedgehog maps, float32 states, the fused
         kernels on for q's device and sizes; else None."""
-        phi_q, phi_k = self._modules["feature_map_q"], self._modules["feature_map_k"]
-        if not (self.normalize and dtype == torch.float32 and isinstance(phi_q, HedgehogFeatureMap) and isinstance(phi_k, HedgehogFeatureMap)):
+        if not (self.normalize and dtype == torch.float32 and fused_decode.enabled(q)):
+            return None
+        phi_q, phi_k = self._modules.get("feature_map_q"), self._modules.get("feature_map_k")  # none without feature maps
+        if not (isinstance(phi_q, HedgehogFeatureMap) and isinstance(phi_k, HedgehogFeatureMap)):
             return None
         weight, bias = derived(self, "hedgehog", (phi_q.weight, phi_q.bias, phi_k.weight, phi_k.bias),
                                lambda: hedgehog_weights(phi_q, phi_k, q.dtype))  # fmt: skip
