@@ -6,9 +6,9 @@
 For each level: the pooled runner (with its CUDA graphs where the device has them) prefills rows of
 ``--context`` tokens in chunks of ``--chunk`` (a first chunk and later chunks timed apart), then
 decodes ``--rows`` rows together at that context. Times are CUDA-event medians over repeats after
-the graphs are captured. ``--profile`` adds each level's kernels (torch.profiler, device time per
-call) for one later chunk and one decode step at the largest row count. Writes OUT/engine_steps.json
-and OUT/engine_steps.md.
+the graphs are captured. ``--profile`` adds each level's kernels (``linearize.bench.profile``:
+device time per call; on the CPU the operators) for one later chunk and one decode step at the
+largest row count. Writes OUT/engine_steps.json and OUT/engine_steps.md.
 """
 
 from __future__ import annotations
@@ -20,44 +20,16 @@ from pathlib import Path
 
 import torch
 
+from linearize.bench.efficiency import time_calls
+from linearize.bench.profile import kernel_table, profile_calls
 from linearize.io import write_results
 from linearize.serve.server import load_family, make_engine
 from linearize.serve.settings import ServeSettings
 
 
-def timed(fn, repeats: int) -> float:
+def timed(fn, repeats: int, device: torch.device) -> float:
     """Median ms of ``fn`` over ``repeats`` calls (CUDA events on CUDA, the wall clock otherwise)."""
-    times = []
-    for _ in range(repeats):
-        if torch.cuda.is_available():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            import time
-
-            t0 = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
-
-
-def kernels(fn) -> list[tuple[str, float, int]]:
-    """(kernel name, device ms, calls) of one call of ``fn``, largest first."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages():
-        device_us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-        if device_us > 0 and e.device_type == torch.autograd.DeviceType.CUDA:
-            rows.append((e.key[:90], device_us / 1e3, e.count))
-    return sorted(rows, key=lambda r: -r[1])
+    return 1e3 * statistics.median(time_calls(fn, repeats, device))
 
 
 def measure(runner, level: int, ids: torch.Tensor, chunk: int, rows: list[int], repeats: int, profile: bool) -> dict:
@@ -86,9 +58,10 @@ def measure(runner, level: int, ids: torch.Tensor, chunk: int, rows: list[int], 
 
     for fn in (first_chunk, later_chunk):  # captured first (two calls), then timed
         fn(), fn()
-    entry = {"first_chunk_ms": timed(first_chunk, repeats), "later_chunk_ms": timed(later_chunk, repeats)}
+    device = ids.device
+    entry = {"first_chunk_ms": timed(first_chunk, repeats, device), "later_chunk_ms": timed(later_chunk, repeats, device)}
     entry["prefill_ms_per_1k"] = (entry["first_chunk_ms"] + (context // chunk - 1) * entry["later_chunk_ms"]) / context * 1000
-    token = torch.full((1, 1), 5, device=ids.device)
+    token = torch.full((1, 1), 5, device=device)
 
     def decode(batch):  # one decode step of ``batch`` at the rows' context (positions reset each call)
         for s in batch:
@@ -97,10 +70,10 @@ def measure(runner, level: int, ids: torch.Tensor, chunk: int, rows: list[int], 
 
     for r in rows:
         decode(seqs[:r]), decode(seqs[:r])
-        entry[f"decode_{r}_ms"] = timed(functools.partial(decode, seqs[:r]), repeats)
+        entry[f"decode_{r}_ms"] = timed(functools.partial(decode, seqs[:r]), repeats, device)
     if profile:
-        entry["later_chunk_kernels"] = kernels(later_chunk)[:25]
-        entry["decode_kernels"] = kernels(functools.partial(decode, seqs[: max(rows)]))[:25]
+        entry["later_chunk_kernels"] = profile_calls(later_chunk, calls=1, device=device)
+        entry["decode_kernels"] = profile_calls(functools.partial(decode, seqs[: max(rows)]), calls=1, device=device)
     return entry
 
 
@@ -130,7 +103,7 @@ def main() -> None:
     for level in [int(x) for x in a.levels.split(",")]:
         engine = make_engine(model, tokenizer, levels, device, settings, policy=f"static:{level}")
         ids = torch.randint(3, vocab, (1, a.context), generator=gen).to(device)
-        entry = measure(engine.runner, level, ids, a.chunk, rows, a.repeats, a.profile and device.type == "cuda")
+        entry = measure(engine.runner, level, ids, a.chunk, rows, a.repeats, a.profile)
         result["levels"][level] = entry
         lines.append(f"| {level} | {entry['first_chunk_ms']:.2f} | {entry['later_chunk_ms']:.2f} | {entry['prefill_ms_per_1k']:.2f} | "
                      + " | ".join(f"{entry[f'decode_{r}_ms']:.2f}" for r in rows) + " |")  # fmt: skip
@@ -139,8 +112,7 @@ def main() -> None:
     for level, entry in result["levels"].items():
         for name in ("later_chunk_kernels", "decode_kernels"):
             if name in entry:
-                lines += ["", f"## level {level}: {name.replace('_', ' ')}", "", "| kernel | ms | calls |", "|---|---:|---:|"]
-                lines += [f"| `{k}` | {ms:.3f} | {n} |" for k, ms, n in entry[name]]
+                lines += ["", f"## level {level}: {name.replace('_', ' ')}", "", *kernel_table(entry[name], unit="call")]
     write_results(out, "engine_steps", result, "\n".join(lines) + "\n", indent=1)
     print("\n".join(lines))
 

@@ -38,7 +38,7 @@ from ..io import write_results
 from ..runtime import max_positions
 from ..spec import ConversionSpec
 from ..teacher import teacher_modes
-from .efficiency import _decode_tokens, _random_ids, _time_calls, decode_warmup
+from .efficiency import _decode_tokens, _random_ids, time_calls, decode_warmup
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +97,8 @@ def _measure(model, side: str, *, context: int, steps: int, budget: int, max_bat
             # the largest batch is memory-bound: no stacked copies of the projections' weights beside it
             decoder = StaticDecoder(model, batch_size=batch, max_length=max_length, compile=compile, fuse_projections=False)
             decoder.prefill(ids)
-            _time_calls(decoder.step, decode_warmup(0, True), device)  # eager steps, then the capture
-            median = statistics.median(_time_calls(decoder.step, steps, device))
+            time_calls(decoder.step, decode_warmup(0, True), device)  # eager steps, then the capture
+            median = statistics.median(time_calls(decoder.step, steps, device))
             break
         except torch.OutOfMemoryError:
             if device.type != "cuda" or batch == 1:

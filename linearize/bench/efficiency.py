@@ -78,7 +78,7 @@ def cuda_mean_us(fn: Callable[[], Any], repeats: int = 100, warmup: int = 5) -> 
     return start.elapsed_time(end) / repeats * 1000
 
 
-def _time_calls(fn: Callable[[], Any], n: int, device: torch.device) -> list[float]:
+def time_calls(fn: Callable[[], Any], n: int, device: torch.device) -> list[float]:
     """Seconds of each of ``n`` successive calls of ``fn``."""
     if device.type == "cuda":
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
@@ -132,8 +132,8 @@ def bench_prefill(
             check_length(model, length)
             ids = _random_ids(model, batch_size, length, device, seed)
             call = functools.partial(_prefill, model, ids)
-            _time_calls(call, warmup, device)
-            median = statistics.median(_time_calls(call, repeats, device))
+            time_calls(call, warmup, device)
+            median = statistics.median(time_calls(call, repeats, device))
             rows.append({"length": length, "batch_size": batch_size, "median_s": median, "tokens_per_s": batch_size * length / median})
             logger.info("prefill %d x %d: %.2f ms", batch_size, length, median * 1e3)
     return rows
@@ -193,8 +193,8 @@ def bench_decode(
                 step = decoder.step
             else:
                 step = _decoder(model, _random_ids(model, batch_size, context, device, seed), warmup + steps)
-            _time_calls(step, warmup, device)
-            median = statistics.median(_time_calls(step, steps, device))
+            time_calls(step, warmup, device)
+            median = statistics.median(time_calls(step, steps, device))
             rows.append({"context": context, "batch_size": batch_size, "steps": steps, "warmup": warmup, "median_s": median,
                          "tokens_per_s": batch_size / median, "decoder": _decoder_name(decoder)})  # fmt: skip
             logger.info("decode batch %d @ %d: %.2f ms/token", batch_size, context, median * 1e3)
@@ -495,15 +495,15 @@ def decode_speed(
                 start = time.perf_counter()
                 steps_of[name] = _decoder(model, ids, warmup + steps)  # prefill into a fresh cache
                 prefill_s[name] = time.perf_counter() - start
-                _time_calls(steps_of[name], warmup, dev)
+                time_calls(steps_of[name], warmup, dev)
             runs = dict(steps_of)
             if floor_context is not None:  # the reference after a few tokens, stepping in the same rounds
                 runs[None] = _decoder(first, ids[:, :floor_context], warmup + steps)
-                _time_calls(runs[None], warmup, dev)
+                time_calls(runs[None], warmup, dev)
             times: dict[str | None, list[float]] = {name: [] for name in runs}
             for _ in range(steps):  # one step of each model in turn: a slower spell of the machine hits all alike
                 for name, step in runs.items():
-                    times[name] += _time_calls(step, 1, dev)
+                    times[name] += time_calls(step, 1, dev)
             if floor_context is not None:
                 floor_s, reference_s = statistics.median(times[None]), statistics.median(times[names[0]])
                 floor.append({"context": context, "floor_context": min(floor_context, context), "decode_s": floor_s,

@@ -51,7 +51,7 @@ from ..layers.base import project_qkv
 from ..layers.registry import KINDS
 from ..ops import fused_decode
 from ..spec import ConversionSpec
-from .efficiency import _time_calls
+from .efficiency import time_calls
 from .shapes import SHAPES, LayerShape
 
 logger = logging.getLogger(__name__)
@@ -186,8 +186,8 @@ def roofline(kind: str, options, config, shape: LayerShape, *, phase: str, batch
 
 
 def _median(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int) -> float:
-    _time_calls(fn, warmup, device)
-    return statistics.median(_time_calls(fn, repeats, device))
+    time_calls(fn, warmup, device)
+    return statistics.median(time_calls(fn, repeats, device))
 
 
 def _fastest_backend(make_run: Callable[[], Callable[[], Any]], device: torch.device, warmup: int, repeats: int,

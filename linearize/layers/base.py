@@ -401,7 +401,7 @@ def derived(module: nn.Module, name: str, sources: tuple[Tensor, ...], build: Ca
     return value
 
 
-def hedgehog_weights(phi_q: nn.Module, phi_k: nn.Module, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def _hedgehog_weights(phi_q: nn.Module, phi_k: nn.Module, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """The two maps' weights stacked for ``token_features``: (2 Hq, D, f) and biases (2 Hq, 1, f),
     queries' first."""
     weight = torch.cat((phi_q.weight, phi_k.weight)).to(dtype).contiguous()  # (2 Hq, D, f)
@@ -425,11 +425,18 @@ def token_features(module: nn.Module, phi_q: nn.Module, phi_k: nn.Module, q: Ten
         qf = phi_q(q).reshape(b, hq, -1)  # (B, Hq, F)
         kf = (phi_k(k.repeat_interleave(n_rep, dim=1)) if n_rep > 1 else phi_k(k)).reshape(b, hq, -1)  # (B, Hq, F)
         return qf, kf
-    weight, bias = derived(module, "hedgehog", (phi_q.weight, phi_q.bias, phi_k.weight, phi_k.bias),
-                           lambda: hedgehog_weights(phi_q, phi_k, q.dtype))  # fmt: skip
-    if weight.dtype != q.dtype:
-        weight, bias = weight.to(q.dtype), bias.to(q.dtype)
+    weight, bias = stacked_hedgehog(module, phi_q, phi_k, q.dtype)
     return hedgehog_pair(q.reshape(b, hq, d), k.reshape(b, hkv, d), weight, bias)
+
+
+def stacked_hedgehog(module: nn.Module, phi_q: nn.Module, phi_k: nn.Module, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``module``'s two Hedgehog maps stacked (``_hedgehog_weights``, kept between tokens: ``derived``),
+    in ``dtype``: what a decode step's features are made from."""
+    weight, bias = derived(module, "hedgehog", (phi_q.weight, phi_q.bias, phi_k.weight, phi_k.bias),
+                           lambda: _hedgehog_weights(phi_q, phi_k, dtype))  # fmt: skip
+    if weight.dtype != dtype:
+        weight, bias = weight.to(dtype), bias.to(dtype)
+    return weight, bias
 
 
 def expect_state(state: BatchState | None, kind: type, module: ConvertedAttention):

@@ -15,7 +15,7 @@ from ..ops.dsla import DslaDecodeState, dsla_attention, dsla_decode_step, dsla_p
 from ..ops.fused_prefill import for_inference, token_major_features
 from ..ops.states import DslaState
 from .base import (KERNELS, STATE_BYTES, AttentionKind, Attend, ConvertedAttention, SpecError, derived, expect_state, head_sizes,
-                   hedgehog_weights, resolve_kernel, tensors_at, token_features)
+                   resolve_kernel, stacked_hedgehog, tensors_at, token_features)
 from .feature_map import FeatureMapOptions, HedgehogFeatureMap, feature_map_pair
 
 
@@ -208,10 +208,7 @@ class DslaAttention(ConvertedAttention):
         phi_q, phi_k = self._modules.get("feature_map_q"), self._modules.get("feature_map_k")  # none without feature maps
         if not (isinstance(phi_q, HedgehogFeatureMap) and isinstance(phi_k, HedgehogFeatureMap)):
             return None
-        weight, bias = derived(self, "hedgehog", (phi_q.weight, phi_q.bias, phi_k.weight, phi_k.bias),
-                               lambda: hedgehog_weights(phi_q, phi_k, q.dtype))  # fmt: skip
-        if weight.dtype != q.dtype:
-            weight, bias = weight.to(q.dtype), bias.to(q.dtype)
+        weight, bias = stacked_hedgehog(self, phi_q, phi_k, q.dtype)
         if not fused_decode.dsla_inputs_apply(q, weight):
             return None
         b = q.shape[0]

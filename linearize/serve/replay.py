@@ -253,9 +253,6 @@ class _AdmitAt(Policy):
         self.next += 1
         return level
 
-    def raises(self, running, memory) -> dict[str, int]:
-        return {}
-
     def level_cap(self, levels) -> int:
         return max(self.levels)
 
