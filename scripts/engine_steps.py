@@ -1,11 +1,13 @@
 """The serving engine's two step kinds timed per conversion level: a one-row prefill chunk and a batched decode step.
 
-    python scripts/engine_steps.py OUT [--model smollm2-135m-dsla-chained] [--levels 0,15,30] [--context 2048]
+    python scripts/engine_steps.py OUT [--model smollm2-135m-dsla-chained] [--levels 0,15,30,4/8/11] [--context 2048]
         [--chunk 512] [--rows 1,8,32] [--profile]
 
 For each level: the pooled runner (with its CUDA graphs where the device has them) prefills rows of
 ``--context`` tokens in chunks of ``--chunk`` (a first chunk and later chunks timed apart), then
-decodes ``--rows`` rows together at that context. Times are CUDA-event medians over repeats after
+decodes ``--rows`` rows together at that context. A level written as a mix (``4/8/11``) gives the rows
+those levels in turn (a decode batch of mixed levels, as length-caps makes them; its prefill rows at the
+highest). Times are CUDA-event medians over repeats after
 the graphs are captured. ``--profile`` adds each level's kernels (``linearize.bench.profile``:
 device time per call; on the CPU the operators) for one later chunk and one decode step at the
 largest row count. Writes OUT/engine_steps.json and OUT/engine_steps.md.
@@ -32,14 +34,15 @@ def timed(fn, repeats: int, device: torch.device) -> float:
     return 1e3 * statistics.median(time_calls(fn, repeats, device))
 
 
-def measure(runner, level: int, ids: torch.Tensor, chunk: int, rows: list[int], repeats: int, profile: bool) -> dict:
-    """One level's step times on ``runner``: rows of ``ids`` (1, context) prefilled in chunks, then
-    a fresh row's first chunk, a later chunk and decode steps of each row count, timed."""
-    context = ids.shape[1]
+def measure(runner, mix: tuple[int, ...], ids: torch.Tensor, chunk: int, rows: list[int], repeats: int, profile: bool) -> dict:
+    """One level's (or a mix of levels') step times on ``runner``: rows of ``ids`` (1, context)
+    prefilled in chunks (row i at level ``mix[i % len(mix)]``), then a fresh row's first chunk and a
+    later chunk at the highest level, and decode steps of each row count, timed."""
+    context, level = ids.shape[1], max(mix)
     runner.reserve(max(rows) + 3, context + 64)
     seqs = []
-    for _ in range(max(rows)):
-        seq = runner.new_sequence(level)
+    for i in range(max(rows)):
+        seq = runner.new_sequence(mix[i % len(mix)])
         for s in range(0, context, chunk):
             runner.forward([seq], ids[:, s : s + chunk])
         seqs.append(seq)
@@ -100,10 +103,11 @@ def main() -> None:
     lines = [f"# Engine steps: {a.model}, context {a.context}, chunks of {a.chunk}", "",
              "| level | first chunk ms | later chunk ms | prefill ms / 1K tokens | " + " | ".join(f"decode {r} rows ms" for r in rows) + " |",
              "|---:|---:|---:|---:|" + "---:|" * len(rows)]  # fmt: skip
-    for level in [int(x) for x in a.levels.split(",")]:
-        engine = make_engine(model, tokenizer, levels, device, settings, policy=f"static:{level}")
+    for level in a.levels.split(","):
+        mix = tuple(int(x) for x in level.split("/"))
+        engine = make_engine(model, tokenizer, levels, device, settings, policy=f"static:{max(mix)}")
         ids = torch.randint(3, vocab, (1, a.context), generator=gen).to(device)
-        entry = measure(engine.runner, level, ids, a.chunk, rows, a.repeats, a.profile)
+        entry = measure(engine.runner, mix, ids, a.chunk, rows, a.repeats, a.profile)
         result["levels"][level] = entry
         lines.append(f"| {level} | {entry['first_chunk_ms']:.2f} | {entry['later_chunk_ms']:.2f} | {entry['prefill_ms_per_1k']:.2f} | "
                      + " | ".join(f"{entry[f'decode_{r}_ms']:.2f}" for r in rows) + " |")  # fmt: skip

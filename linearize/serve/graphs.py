@@ -16,12 +16,12 @@ step. Here the forward reads and writes only tensors that live between steps:
 So every index is a device tensor and the kernels are the same at every step: softmax layers write
 the new key and value at each row's slot and position and attend through ``slot_attention`` (each
 row reads its own length); converted layers advance each row's DSLA states where they are in the
-pool. Rows of different levels share the call: at a layer that some rows run converted, both paths
-run on every row (a converted row attends over 0 keys; a softmax row's state update lands in its
-slot's unused state row) and each row keeps its own; in a batch whose rows all share one level, a
-layer they all run converted runs its converted path alone. Graphs are keyed by (bucket, highest
-level in the batch, whether every row is at it; padding rows take that level); the first step of a key runs eagerly (kernels pick their configurations, caches fill),
-the second captures it; the graphs share one memory pool, and all of them (with their pool) are
+pool. Rows of different levels share the call: a layer every row runs converted (below the
+batch's lowest level) runs its converted path alone; at a layer that only some rows run converted,
+both paths run on every row (a converted row attends over 0 keys; a softmax row's state update
+lands in its slot's unused state row) and each row keeps its own. Graphs are keyed by (bucket,
+lowest level in the batch, highest; padding rows take the highest); the first step of a key runs
+eagerly (kernels pick their configurations, caches fill), the second captures it; the graphs share one memory pool, and all of them (with their pool) are
 dropped when a runner's pool is created or grows (their addresses change).
 
 Decoding through graphs gives the same logits as the eager pooled runner (tested on the CPU, where
@@ -187,7 +187,7 @@ class _Bucket(_Entry):
 
 class StaticDecode(_StaticSteps):
     """Decode steps of a ``PooledRunner`` on static buffers; on CUDA (``capture``) replayed as CUDA
-    graphs keyed by (padded batch size, highest level in the batch, whether every row is at it)."""
+    graphs keyed by (padded batch size, lowest level in the batch, highest)."""
 
     what = "decode step"
 
@@ -216,31 +216,31 @@ class StaticDecode(_StaticSteps):
         bucket.ids[:n].copy_(ids)
         if pad:
             bucket.ids[n:].zero_()
-        self._run(bucket, (hi, all(s.level == hi for s in seqs)))
+        self._run(bucket, (min(s.level for s in seqs), hi))
         for s in seqs:
             s.position += 1
         return bucket.logits[:n].clone()
 
-    def _step(self, bucket: _Bucket, key: tuple[int, bool]) -> None:
-        """One decode step on the bucket's buffers under ``key`` (highest level, every row at it): its
-        logits written in place."""
+    def _step(self, bucket: _Bucket, key: tuple[int, int]) -> None:
+        """One decode step on the bucket's buffers under ``key`` (the rows' lowest and highest levels):
+        its logits written in place."""
         runner = self.runner
-        hi, uniform = key
+        lo, hi = key
         lengths = bucket.positions + 1  # keys each softmax row reads, its new one included
 
         def attention(i: int, attn, h: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-            return attn.o_proj(self._attention(i, attn, h, (cos, sin), bucket, lengths, hi, uniform))
+            return attn.o_proj(self._attention(i, attn, h, (cos, sin), bucket, lengths, lo, hi))
 
         logits = decoder_forward(runner.model, runner._layers, [], bucket.ids, bucket.positions.view(-1, 1), attention)
         bucket.logits.copy_(logits)
 
-    def _attention(self, i: int, attn, h: Tensor, pe, bucket: _Bucket, lengths: Tensor, hi: int, uniform: bool) -> Tensor:
-        """Layer i's attention output before its projection, (B, 1, Hq * Dv) in h's dtype (``uniform``:
-        every row is at level ``hi``)."""
+    def _attention(self, i: int, attn, h: Tensor, pe, bucket: _Bucket, lengths: Tensor, lo: int, hi: int) -> Tensor:
+        """Layer i's attention output before its projection, (B, 1, Hq * Dv) in h's dtype (the rows'
+        levels lie in ``lo..hi``)."""
         runner = self.runner
         rank = self.rank.get(i)
-        converted = rank is not None and rank < hi
-        softmax = runner._keys[i] is not None and not (converted and uniform)  # some row runs layer i as softmax
+        converted = rank is not None and rank < hi  # some row runs layer i converted
+        softmax = runner._keys[i] is not None and not (rank is not None and rank < lo)  # some row runs it as softmax
         b = bucket.rows
         out = None
         if converted:

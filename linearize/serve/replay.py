@@ -229,14 +229,18 @@ def warm_up(engine: Engine, tokens: Sequence[int], lengths: Sequence[int] = WARM
     return levels
 
 
-def graph_levels(engine: Engine, requests: Sequence["ReplayRequest"]) -> list[int]:
-    """The levels whose static steps a replay warms up: those the policy admits the requests at on
-    an empty engine (length-caps: its caps; memory: mostly 0) and the warm-up's levels."""
+def admitted_levels(engine: Engine, requests: Sequence["ReplayRequest"]) -> list[int]:
+    """The levels the engine's policy admits the requests at on an empty engine (length-caps: its
+    caps; memory: mostly 0)."""
     from .policy import MemoryView
 
     empty = MemoryView(engine.config.kv_budget, 0, engine.levels)
-    admitted = {engine.policy.admission_level(len(r.prompt), len(r.prompt) + r.output_tokens, empty) for r in requests}
-    return sorted(admitted | set(warm_up_levels_of(engine.policy.level_cap(engine.levels))))
+    return sorted({engine.policy.admission_level(len(r.prompt), len(r.prompt) + r.output_tokens, empty) for r in requests})
+
+
+def graph_levels(engine: Engine, requests: Sequence["ReplayRequest"]) -> list[int]:
+    """The levels whose static steps a replay warms up: ``admitted_levels`` and the warm-up's levels."""
+    return sorted(set(admitted_levels(engine, requests)) | set(warm_up_levels_of(engine.policy.level_cap(engine.levels))))
 
 
 class _AdmitAt(Policy):
@@ -257,13 +261,14 @@ class _AdmitAt(Policy):
         return max(self.levels)
 
 
-def warm_up_graphs(engine: Engine, tokens: Sequence[int], levels: Sequence[int]) -> int:
+def warm_up_graphs(engine: Engine, tokens: Sequence[int], levels: Sequence[int], lows: Sequence[int] = ()) -> int:
     """Run every static step shape the engine's steps will take at ``levels`` twice before anything
     is timed, so that their CUDA graphs are captured now rather than by timed steps (a capture stops
     the device and costs several eager steps): decode steps at every padded batch size up to
     ``max_running`` (batches of one-chunk prompts that decode together at least twice; at each level
-    one batch with every row at it and, above the lowest level, one with a row at the lowest: a
-    decode graph is keyed by its highest level and whether every row is at it) and prefill chunks of every
+    one batch with every row at it and, for each lower level of ``lows`` and the lowest of
+    ``levels``, one with a row at that level beside the others: a decode graph is keyed by the
+    batch's lowest and highest levels) and prefill chunks of every
     multiple of the runner's alignment up to ``max_step_tokens``, first chunks and continuations
     (prompts of two such chunks and one token, the step's budget set to the chunk). Call it after
     ``Engine.reserve`` (a growth of the arena drops the graphs). Returns the requests run (0 where
@@ -283,12 +288,12 @@ def warm_up_graphs(engine: Engine, tokens: Sequence[int], levels: Sequence[int])
         return (stream * (n // len(stream) + 1))[:n]
 
     ran = 0
-    lowest = min(levels, default=0)
+    lows = sorted({min(levels, default=0), *lows})
     try:
         for level in sorted(set(levels)):
-            # each bucket with every row at the level, then (above the lowest level) with one row at the lowest:
-            # a decode step's graph is keyed by its highest level and whether every row is at it
-            mixes = [(level,)] + ([(lowest, level)] if level > lowest else [])
+            # each bucket with every row at the level, then with one row at each lower level of lows:
+            # a decode step's graph is keyed by the batch's lowest and highest levels
+            mixes = [(level,)] + [(low, level) for low in lows if low < level]
             for mix in mixes:
                 for rows in sizes:  # prompts of one aligned chunk: a few steps prefill them all, then the whole batch decodes twice
                     if rows < len(mix):
@@ -535,7 +540,7 @@ def run_replay(engine_factory, requests: Sequence[ReplayRequest], policies: Sequ
                 tokens = requests[0].prompt if requests else [1]
                 warm_up(engine, tokens)
                 engine.reserve(max((len(r.prompt) + r.output_tokens for r in requests), default=1))  # no growth while timed
-                warm_up_graphs(engine, tokens, graph_levels(engine, requests))
+                warm_up_graphs(engine, tokens, graph_levels(engine, requests), lows=admitted_levels(engine, requests))
                 retries = _alloc_retries(device)
                 profile_out = Path(out_dir) / f"profile_{_file_name(name)}.txt" if profile_steps and out_dir is not None else None
                 records, timeline = replay_engine(engine, requests, rate_scale=rate_scale, timeout=timeout, profile_steps=profile_steps,

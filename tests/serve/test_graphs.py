@@ -99,11 +99,13 @@ def test_engine_gives_the_same_tokens_with_static_decoding(policy):
     assert outputs[True] == outputs[False]
 
 
-def test_a_batch_at_one_level_runs_its_converted_layers_alone(monkeypatch):
+def test_layers_every_row_runs_converted_run_their_converted_path_alone(monkeypatch):
     """Once a row has run every layer as softmax (every layer has its key pool), a static decode step
-    whose rows share one level runs the converted path alone at the layers they run converted (one
-    slot attention call per softmax layer); rows of mixed levels run both paths where any row is
-    converted. The logits equal the reference runner's either way."""
+    runs the converted path alone at the layers every row runs converted (one slot attention call per
+    other layer): all the converted ones where the rows share one level, those below the lowest level
+    where they do not; rows of mixed levels run both paths where only some rows are converted. The
+    logits equal the reference runner's either way, and the graphs are keyed by the lowest and
+    highest levels."""
     import linearize.serve.graphs as graphs
 
     calls = []
@@ -112,21 +114,21 @@ def test_a_batch_at_one_level_runs_its_converted_layers_alone(monkeypatch):
     model, levels = family()
     gen = torch.Generator().manual_seed(5)
     ref, pool = Runner(model, levels), PooledRunner(model, levels, graphs=True)
-    level = 2
-    rs = [ref.new_sequence(lv) for lv in (0, level, level, level)]
-    ps = [pool.new_sequence(lv) for lv in (0, level, level, level)]
+    mix = (0, 1, 2, 2, 2)
+    rs = [ref.new_sequence(lv) for lv in mix]
+    ps = [pool.new_sequence(lv) for lv in mix]
     for r, p in zip(rs, ps):  # the level-0 row first: every layer's key pool is made
         prompt = torch.randint(3, 128, (1, 9), generator=gen)
         ref.forward([r], prompt), pool.forward([p], prompt)
     layers = len(pool._layers)
-    for rows, expected in ((slice(1, 4), layers - level), (slice(0, 4), layers)):
+    for rows, expected, key in ((slice(2, 5), layers - 2, (2, 2)), (slice(1, 5), layers - 1, (1, 2)), (slice(0, 4), layers, (0, 2))):
         for _ in range(2):
             calls.clear()
-            ids = torch.randint(3, 128, (3 if rows.start else 4, 1), generator=gen)
+            ids = torch.randint(3, 128, (len(mix[rows]), 1), generator=gen)
             want, got = ref.forward(rs[rows], ids), pool.forward(ps[rows], ids)
             assert (want - got).abs().max().item() < 1e-5
             assert len(calls) == expected, (rows, len(calls))
-    assert {(level, True), (level, False)} <= set(pool._static._entries[4].warm)
+        assert key in pool._static._entries[4].warm
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -254,7 +256,7 @@ def test_engine_cuts_chunks_for_static_prefill_and_gives_the_same_tokens(policy)
 
 def test_warm_up_runs_every_static_step_shape_twice(monkeypatch):
     """The replay's graph warm-up runs each decode bucket up to max_running (10 rows fill the bucket
-    of 16), every row at one level and (above the lowest level) a row at the lowest beside the others,
+    of 16), every row at one level and with a row at each lower level of the lowest and lows beside the others,
     and each aligned prefill chunk length up to the step budget, first chunk and
     continuation, at each level, at least twice (the second run is where a graph is captured); the
     engine's records are clear after, and a runner without static steps is left alone."""
@@ -275,12 +277,13 @@ def test_warm_up_runs_every_static_step_shape_twice(monkeypatch):
     engine.runner._static = StaticDecode(engine.runner, capture=False)
     engine.runner._static_prefill = StaticPrefill(engine.runner, capture=False)
     engine.reserve(300)
-    assert warm_up_graphs(engine, list(range(3, 120)), [0, 2]) > 0
-    for level in (0, 2):
+    assert warm_up_graphs(engine, list(range(3, 120)), [0, 1, 2], lows=[1]) > 0
+    for level in (0, 1, 2):
         for rows in (1, 2, 4, 8, 16):
-            assert runs[("StaticDecode", f"batch {rows}", (level, True))] >= 2, (rows, level)
-            if level and rows > 1:  # and with a row at the lowest level beside the others
-                assert runs[("StaticDecode", f"batch {rows}", (level, False))] >= 2, (rows, level)
+            assert runs[("StaticDecode", f"batch {rows}", (level, level))] >= 2, (rows, level)
+            for low in (0, 1):  # and with a row at the lowest level, or at one of lows, beside the others
+                if low < level and rows > 1:
+                    assert runs[("StaticDecode", f"batch {rows}", (low, level))] >= 2, (rows, low, level)
         for tokens in (64, 128):
             for first in (True, False):
                 assert runs[("StaticPrefill", f"{tokens} tokens", (level, first))] >= 2, (tokens, level, first)
