@@ -261,11 +261,26 @@ class _AdmitAt(Policy):
         return max(self.levels)
 
 
-def warm_up_graphs(engine: Engine, tokens: Sequence[int], levels: Sequence[int], lows: Sequence[int] = ()) -> int:
+def most_running(engine: Engine, requests: Sequence["ReplayRequest"]) -> int:
+    """The most of ``requests`` that can ever run at once on ``engine``: its smallest prompts, each at
+    its fewest bytes at any level the policy may give, added until the next would pass the budget
+    (at least 1, at most ``max_running``): the largest decode batch a replay of them takes."""
+    cap, levels, budget = engine.policy.level_cap(engine.levels), engine.levels, engine.config.kv_budget
+    need = sorted(min(levels.bytes(k, len(r.prompt)) for k in range(cap + 1)) for r in requests)
+    used = count = 0
+    for b in need:
+        if used + b > budget:
+            break
+        used, count = used + b, count + 1
+    return max(1, min(count, engine.config.max_running))
+
+
+def warm_up_graphs(engine: Engine, tokens: Sequence[int], levels: Sequence[int], lows: Sequence[int] = (),
+                   max_rows: int | None = None) -> int:  # fmt: skip
     """Run every static step shape the engine's steps will take at ``levels`` twice before anything
     is timed, so that their CUDA graphs are captured now rather than by timed steps (a capture stops
     the device and costs several eager steps): decode steps at every padded batch size up to
-    ``max_running`` (batches of one-chunk prompts that decode together at least twice; at each level
+    ``max_running``, or ``max_rows`` where given (e.g. ``most_running``) (batches of one-chunk prompts that decode together at least twice; at each level
     one batch with every row at it and, for each lower level of ``lows`` and the lowest of
     ``levels``, one with a row at that level beside the others: a decode graph is keyed by the
     batch's lowest and highest levels) and prefill chunks of every
@@ -280,7 +295,7 @@ def warm_up_graphs(engine: Engine, tokens: Sequence[int], levels: Sequence[int],
     if align <= 1:
         return 0
     policy, budget = engine.policy, engine.config.max_step_tokens
-    most = engine.config.max_running
+    most = engine.config.max_running if max_rows is None else max(1, min(max_rows, engine.config.max_running))
     sizes = [min(b, most) for b in sorted({bucket_rows(n) for n in range(1, most + 1)})]  # rows that fill each bucket
     stream = list(tokens) or [1]
 
@@ -540,7 +555,8 @@ def run_replay(engine_factory, requests: Sequence[ReplayRequest], policies: Sequ
                 tokens = requests[0].prompt if requests else [1]
                 warm_up(engine, tokens)
                 engine.reserve(max((len(r.prompt) + r.output_tokens for r in requests), default=1))  # no growth while timed
-                warm_up_graphs(engine, tokens, graph_levels(engine, requests), lows=admitted_levels(engine, requests))
+                warm_up_graphs(engine, tokens, graph_levels(engine, requests), lows=admitted_levels(engine, requests),
+                               max_rows=most_running(engine, requests))  # fmt: skip
                 retries = _alloc_retries(device)
                 profile_out = Path(out_dir) / f"profile_{_file_name(name)}.txt" if profile_steps and out_dir is not None else None
                 records, timeline = replay_engine(engine, requests, rate_scale=rate_scale, timeout=timeout, profile_steps=profile_steps,

@@ -302,3 +302,24 @@ def test_graph_levels_are_the_policys_admissions_and_the_warm_up_levels():
     cap = caps.policy.level_cap(levels)
     assert graph_levels(caps, requests) == sorted({levels.level_for(0.125), levels.level_for(0.25), *warm_up_levels_of(cap)})
     assert graph_levels(Engine(model, levels, EngineConfig(kv_budget=10**9)), requests) == [0]  # softmax
+
+
+def test_most_running_counts_the_smallest_prompts_that_fit_the_budget():
+    """The largest batch a replay can take: its smallest prompts at their fewest bytes, within the
+    budget and max_running; a converted level that makes a request smaller raises the count."""
+    from linearize.serve.replay import ReplayRequest, most_running
+
+    model, levels = family()
+    requests = [ReplayRequest(0.0, [5] * n, 4, 0, 0) for n in (50, 60, 200, 300, 3000)]
+    one = levels.bytes(0, 50)
+    budget = levels.bytes(0, 50) + levels.bytes(0, 60) + levels.bytes(0, 200)
+    softmax = Engine(model, levels, EngineConfig(kv_budget=budget), policy=parse_policy("softmax", levels))
+    assert most_running(softmax, requests) == 3
+    assert most_running(Engine(model, levels, EngineConfig(kv_budget=budget, max_running=2)), requests) == 2
+    assert most_running(Engine(model, levels, EngineConfig(kv_budget=one // 2)), requests) == 1  # none fits: one runs alone
+    long = [ReplayRequest(0.0, [5] * 3000, 4, 0, 0)] * 5
+    budget = 2 * levels.bytes(0, 3000) + 1
+    assert most_running(Engine(model, levels, EngineConfig(kv_budget=budget)), long) == 2
+    top = levels.max_level
+    assert 5 * levels.bytes(top, 3000) <= budget  # converted, all five fit
+    assert most_running(Engine(model, levels, EngineConfig(kv_budget=budget), policy=parse_policy(f"static:{top}", levels)), long) == 5
