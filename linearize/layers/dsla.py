@@ -130,11 +130,13 @@ class DslaAttention(ConvertedAttention):
             v, scale = repeat_kv(v, n_rep), 1.0  # the normaliser cancels any scale
         return q, k, v, log_h, log_r, gamma, scale
 
-    def _prefill(self, p, x, state, fixed_gamma: float | None, backend: str):
+    def _prefill(self, p, x, state, fixed_gamma: float | None, backend: str, valid: Tensor | None = None):
         """DSLA's inference prefill on token-major inputs, the features written token-major (Hedgehog's
         in one kernel, without repeated KV heads): where ``fused_dsla.applies`` (half precision, tile
         sizes), its two kernels, the gates made inside them from their low-rank inputs; else
-        ``dsla_prefill``, both gates from one projection (``stacked_log_gates``)."""
+        ``dsla_prefill``, both gates from one projection (``stacked_log_gates``). ``valid``: the
+        tokens from valid[0] on are padding (``prefill_padded``); None where the fused kernels do
+        not apply then."""
         q, k, v = p.q_lin, p.k_lin, p.v
         n_rep = q.shape[1] // k.shape[1]
         if self.normalize:
@@ -150,9 +152,26 @@ class DslaAttention(ConvertedAttention):
         if fused_dsla.applies(qf, vt, rank):  # the gates made inside the kernels, both states in one pass
             down, up, bias = self.fused_gate_weights()
             return fused_dsla.dsla_prefill_fused(qf, kf, vt, fused_dsla.gate_inputs(x, down, rank), up, bias, gamma, state=state,
-                                                 scale=scale, normalize=self.normalize)  # fmt: skip
+                                                 scale=scale, normalize=self.normalize, valid=valid)  # fmt: skip
+        if valid is not None:
+            return None
         return dsla_prefill(qf, kf, vt, self.stacked_log_gates(x), gamma, state=state, scale=scale, backend=backend,
                             normalize=self.normalize, chunk=self.options.chunk)  # fmt: skip
+
+    def prefill_padded(self, p, x: Tensor, state: DslaState | None, valid: Tensor) -> tuple[Tensor, DslaState]:
+        """The hybrid mode's prefill of a chunk padded at its end: ``valid`` a one-element integer
+        tensor on x's device, the tokens from valid[0] on padding, which leave the states as they are
+        (their outputs are undefined). A device value, so a CUDA graph captured once serves every
+        count: where the fused kernels apply (``for_inference``, ``fused_dsla.applies``) they mask the
+        padding themselves; elsewhere the hybrid mode runs with the padding mask. Returns the
+        output (B, Hq, T, Dv) and the states after the valid tokens."""
+        if for_inference(p.q, None):
+            done = self._prefill(p, x, state, None, resolve_kernel(self.options.kernel, p.q.device), valid=valid)
+            if done is not None:
+                return done
+        b, t = x.shape[:2]
+        mask = (torch.arange(t, device=x.device) < valid.reshape(1))[None].expand(b, t)
+        return self.attend(p, x, mask, state, mode="hybrid")
 
     def _dsla(self, fixed_gamma: float | None) -> Attend:
         def dsla(p, x, valid, state):

@@ -133,13 +133,13 @@ def _kernels() -> _Kernels:
 
     @triton.jit
     def state_block(
-        s1, s2, z1, z2, n, kf, values, xr, up, bias, hs, zs, ends, cg, T, b, h, hk, ok, ov, iv,
+        s1, s2, z1, z2, n, kf, values, xr, up, bias, hs, zs, ends, cg, T, TV, b, h, hk, ok, ov, iv,
         s_fb, s_ft, s_fh, s_vb, s_vt, s_vh, s_xb, s_xt, s_hb, s_hn, s_hs, s_hh, s_zb, s_zn, s_zs, s_zh,
         F: tl.constexpr, DV: tl.constexpr, HF: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr,
         IEEE: tl.constexpr,
     ):  # fmt: skip
         """Store both states (and normalisers) before block n and the block's cumulative log-gates;
-        return the states after it."""
+        return the states after it. Tokens from TV on (<= T) are padding: no key, no value, no decay."""
         first = (ok * 0 + iv) == 0  # one value tile's programs store the per-feature vectors
         tile = ok[:, None] * DV + ov[None, :]  # (feature, value) within a head's stored state
         n = tl.cast(n, tl.int64)  # offsets past 2^31 elements: the stored states at 128K tokens, the features at 256K
@@ -152,10 +152,11 @@ def _kernels() -> _Kernels:
             tl.store(zbase + s_zs, z2, mask=first)
         t = n * BLOCK + tl.arange(0, BLOCK)
         mt = t < T
-        kt = tl.load(kf + b * s_fb + t[:, None] * s_ft + h * s_fh + ok[None, :], mask=mt[:, None], other=0.0).to(tl.float32)
-        vt = tl.load(values + b * s_vb + t[:, None] * s_vt + hk * s_vh + ov[None, :], mask=mt[:, None], other=0.0)
-        g1 = _log_gates(xr, up, bias, b, 0, t, mt, h * F + ok, s_xb, s_xt, HF=HF, R=R)  # (BLOCK, BK)
-        g2 = _log_gates(xr, up, bias, b, 1, t, mt, h * F + ok, s_xb, s_xt, HF=HF, R=R)
+        mv = t < TV  # the tokens that are not padding
+        kt = tl.load(kf + b * s_fb + t[:, None] * s_ft + h * s_fh + ok[None, :], mask=mv[:, None], other=0.0).to(tl.float32)
+        vt = tl.load(values + b * s_vb + t[:, None] * s_vt + hk * s_vh + ov[None, :], mask=mv[:, None], other=0.0)
+        g1 = _log_gates(xr, up, bias, b, 0, t, mv, h * F + ok, s_xb, s_xt, HF=HF, R=R)  # (BLOCK, BK)
+        g2 = _log_gates(xr, up, bias, b, 1, t, mv, h * F + ok, s_xb, s_xt, HF=HF, R=R)
         end1, end2 = tl.sum(g1, axis=0), tl.sum(g2, axis=0)  # (BK,): log decay over the block
         ebase = ends + b * s_zb + n * s_zn + h * s_zh + ok
         tl.store(ebase, end1, mask=first)
@@ -214,12 +215,17 @@ def _kernels() -> _Kernels:
     @state_tiled(STATE_TILES, ["F", "DV", "BLOCK"], interpreted=(32, 64))
     @triton.jit
     def dsla_states(
-        kf, values, xr, up, bias, h0, hs, zs, ends, cg, final, T, n_rep, blocks, B,
+        kf, values, xr, up, bias, h0, hs, zs, ends, cg, final, T, valid, n_rep, blocks, B,
         s_fb, s_ft, s_fh, s_vb, s_vt, s_vh, s_xb, s_xt, s_hb, s_hn, s_hs, s_hh, s_zb, s_zn, s_zs, s_zh,
         H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, W: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr,
         BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, NORM: tl.constexpr, IEEE: tl.constexpr, PIPELINED: tl.constexpr,
+        PADDED: tl.constexpr,
     ):  # fmt: skip
         ik, iv = tl.program_id(0), tl.program_id(1)
+        if PADDED:  # the tokens before valid[0] are the call's: the rest is padding
+            TV = tl.minimum(tl.load(valid).to(tl.int32), T)
+        else:
+            TV = T
         r = tl.program_id(2).to(tl.int64)  # one (batch row, query head)
         b = r // H
         h = r % H
@@ -244,13 +250,13 @@ def _kernels() -> _Kernels:
         HF: tl.constexpr = H * F
         if PIPELINED:  # a for loop, which Triton software-pipelines
             for n in range(0, blocks):
-                s1, s2, z1, z2 = _state_block(s1, s2, z1, z2, n, kf, values, xr, up, bias, hs, zs, ends, cg, T, b, h, hk, ok, ov, iv,
+                s1, s2, z1, z2 = _state_block(s1, s2, z1, z2, n, kf, values, xr, up, bias, hs, zs, ends, cg, T, TV, b, h, hk, ok, ov, iv,
                                               s_fb, s_ft, s_fh, s_vb, s_vt, s_vh, s_xb, s_xt, s_hb, s_hn, s_hs, s_hh, s_zb, s_zn,
                                               s_zs, s_zh, F=F, DV=DV, HF=HF, R=R, BLOCK=BLOCK, NORM=NORM, IEEE=IEEE)  # fmt: skip
         else:  # Triton's interpreter takes no range() over a run-time bound with NumPy 2
             n = 0
             while n < blocks:
-                s1, s2, z1, z2 = _state_block(s1, s2, z1, z2, n, kf, values, xr, up, bias, hs, zs, ends, cg, T, b, h, hk, ok, ov, iv,
+                s1, s2, z1, z2 = _state_block(s1, s2, z1, z2, n, kf, values, xr, up, bias, hs, zs, ends, cg, T, TV, b, h, hk, ok, ov, iv,
                                               s_fb, s_ft, s_fh, s_vb, s_vt, s_vh, s_xb, s_xt, s_hb, s_hn, s_hs, s_hh, s_zb, s_zn,
                                               s_zs, s_zh, F=F, DV=DV, HF=HF, R=R, BLOCK=BLOCK, NORM=NORM, IEEE=IEEE)  # fmt: skip
                 n += 1
@@ -472,8 +478,13 @@ def dsla_prefill_fused(
     scale: float | None = None,
     normalize: bool = False,
     block: int = BLOCK,
+    valid: Tensor | None = None,
 ) -> tuple[Tensor, DslaState]:
-    """DSLA's prefill, without padding: ``dsla_attention`` with log-gates logsigmoid(xr W_up + b) / 16.
+    """DSLA's prefill: ``dsla_attention`` with log-gates logsigmoid(xr W_up + b) / 16, without
+    padding, or padded at the end: ``valid`` a one-element integer tensor on qf's device, the tokens
+    from valid[0] on padding (every row's), which leave the states as they are (no key or value, no
+    decay; their outputs are undefined). A device value: a CUDA graph captures the call once for
+    every count.
 
     qf and kf (B, T, Hq, F) token-major features (kf for every query head), v (B, T, Hkv, Dv); xr
     (B, T, 2, R) the gates' low-rank inputs (``gate_inputs``), ``up`` (2, R, Hq F) and ``bias``
@@ -532,9 +543,12 @@ def dsla_prefill_fused(
     def state_grid(meta):
         return (nf // meta["BK"], dv // meta["BV"], b * hq)
 
+    if valid is not None and (valid.numel() != 1 or valid.device != qf.device or valid.dtype.is_floating_point):
+        raise ValueError(f"valid must be a one-element integer tensor on {qf.device}, got {valid.dtype} {tuple(valid.shape)} on {valid.device}")
     k.states[state_grid](
-        kf, v, xs, up, bias, final if h0 is None else h0, hs, zs, ends, cg, final, t, hq // hkv, blocks, b, *strides,
-        H=hq, F=nf, DV=dv, W=width, R=r, BLOCK=block, HAS_H0=h0 is not None, NORM=normalize, IEEE=ieee, PIPELINED=not interp,
+        kf, v, xs, up, bias, final if h0 is None else h0, hs, zs, ends, cg, final, t, final if valid is None else valid, hq // hkv, blocks,
+        b, *strides, H=hq, F=nf, DV=dv, W=width, R=r, BLOCK=block, HAS_H0=h0 is not None, NORM=normalize, IEEE=ieee,
+        PIPELINED=not interp, PADDED=valid is not None,
     )  # fmt: skip
 
     def output_grid(meta):

@@ -12,8 +12,8 @@ Each ``step()``:
 4. launches the decode of one token for every running request whose prompt is in (one batched
    forward; its tokens start back to the host without waiting);
 5. spends the rest of the step's token budget on prefill chunks (launched while the device still
-   runs the decode; cut to multiples of the runner's ``prefill_align``, all but a prompt's last,
-   where its static path wants them): first requests already running, then new ones in arrival order, each admitted
+   runs the decode; cut to multiples of the runner's ``prefill_align``, all but a prompt's last
+   (which its static path pads), where its static path wants them): first requests already running, then new ones in arrival order, each admitted
    only when the bytes of its prompt fit the budget at the level the policy gives it. A request
    that cannot fit even alone at the highest level allowed is rejected (finish_reason 'rejected'),
    never dropped silently;

@@ -1,7 +1,7 @@
 """The pooled runner's decode forward and prefill chunks on static buffers, captured as CUDA graphs
 (the gpt-fast pattern for a continuous batch). ``StaticDecode`` below; ``StaticPrefill``: one-row
-prefill chunks of a multiple of ``PREFILL_ALIGN`` tokens, graphs keyed by (length, level, first chunk
-or not), each layer's memory read and written at the row's slot as described there.
+prefill chunks padded to a multiple of ``PREFILL_ALIGN`` tokens, graphs keyed by (padded length,
+level, first chunk or not), each layer's memory read and written at the row's slot as described there.
 
 An engine step that decodes runs every layer for one token per running request. Launched op by op,
 that forward costs the same tens of milliseconds of host time whatever its batch (a Llama-2-7B
@@ -45,8 +45,8 @@ from ..ops.softmax import slot_attention, slot_prefill_attention
 from .runner import decoder_forward, on_device
 
 PREFILL_ALIGN = 64
-"""Prefill chunks of a multiple of this many tokens run on static buffers (``StaticPrefill``); the
-engine cuts a prompt's chunks to it, all but the last."""
+"""Prefill chunks run on static buffers of a multiple of this many tokens (``StaticPrefill``, a
+chunk padded up to the next); the engine cuts a prompt's chunks to it, all but the last."""
 
 logger = logging.getLogger(__name__)
 
@@ -269,7 +269,7 @@ class _Chunk(_Entry):
 
     tokens: int
     ids: Tensor  # (1, T)
-    meta: Tensor  # (2,): the row's first position and its slot
+    meta: Tensor  # (3,): the row's first position, its slot, and the chunk's tokens (the rest is padding)
     offsets: Tensor  # (T,) 0..T-1
     logits: Tensor  # (1, vocab) float32
 
@@ -278,22 +278,26 @@ class _Chunk(_Entry):
 
 
 class StaticPrefill(_StaticSteps):
-    """One-row prefill chunks of ``PREFILL_ALIGN`` multiples of a ``PooledRunner`` on static buffers;
-    on CUDA (``capture``) replayed as CUDA graphs keyed by (length, level, first chunk or not).
+    """One-row prefill chunks of a ``PooledRunner`` on static buffers of ``PREFILL_ALIGN`` multiples
+    (a chunk of another length padded up to the next, at its end); on CUDA (``capture``) replayed as
+    CUDA graphs keyed by (padded length, level, first chunk or not).
 
     Softmax layers write the chunk's keys and values at the row's slot and positions and attend
     through ``slot_prefill_attention``, which reads the slot in place, only up to the chunk's last
-    position (start and slot are device values: the launch is the same whatever the row holds); converted
-    layers gather the row's DSLA states from the pool (none on a first chunk), run the layer's
-    prefill and write them back."""
+    position (start and slot are device values: the launch is the same whatever the row holds);
+    converted layers gather the row's DSLA states from the pool (none on a first chunk), run the
+    layer's padded prefill (``DslaAttention.prefill_padded``: the padding leaves the states as they
+    are) and write them back. Padding tokens write keys and values past the row's last token, which
+    nothing reads (a softmax query reads only the positions before it; the row's next tokens
+    overwrite them), and the logits are the last real token's: the same as an unpadded chunk's."""
 
     what = "prefill chunk"
 
     def supports(self, seq, tokens: int) -> bool:
-        """Whether a chunk of ``tokens`` for ``seq`` can run here: a multiple of PREFILL_ALIGN within
-        the pools' capacity, and every layer's memory in place (``_layers_ready``)."""
+        """Whether a chunk of ``tokens`` for ``seq`` can run here: padded to a multiple of
+        PREFILL_ALIGN within the pools' capacity, and every layer's memory in place (``_layers_ready``)."""
         runner = self.runner
-        if tokens % PREFILL_ALIGN or seq.position + tokens > runner._capacity:
+        if seq.position + padded_length(tokens) > runner._capacity:
             return False
         return self._layers_ready(runner.levels.converted_layers(seq.level))
 
@@ -301,11 +305,14 @@ class StaticPrefill(_StaticSteps):
     def forward(self, seq, ids: Tensor) -> Tensor:
         """The logits (1, vocab) float32 of the chunk's last token; the row's position advances."""
         t, device = ids.shape[1], ids.device
+        n = padded_length(t)
         vocab = self.runner.model.config.vocab_size
-        chunk = self._entry(t, lambda: _Chunk(t, torch.zeros(1, t, dtype=torch.long, device=device), torch.zeros(2, dtype=torch.long, device=device),
-                                              torch.arange(t, device=device), torch.zeros(1, vocab, device=device)))  # fmt: skip
-        chunk.meta.copy_(on_device([seq.position, seq.slot], device))
-        chunk.ids.copy_(ids)
+        chunk = self._entry(n, lambda: _Chunk(n, torch.zeros(1, n, dtype=torch.long, device=device), torch.zeros(3, dtype=torch.long, device=device),
+                                              torch.arange(n, device=device), torch.zeros(1, vocab, device=device)))  # fmt: skip
+        chunk.meta.copy_(on_device([seq.position, seq.slot, t], device))
+        chunk.ids[:, :t].copy_(ids)
+        if t < n:
+            chunk.ids[:, t:].zero_()
         self._run(chunk, (seq.level, seq.position == 0))
         seq.position += t
         return chunk.logits.clone()
@@ -314,7 +321,7 @@ class StaticPrefill(_StaticSteps):
         runner = self.runner
         level, fresh = key
         converted = runner.levels.converted_layers(level)
-        start, slot = chunk.meta[0], chunk.meta[1:2]
+        start, slot, valid = chunk.meta[0], chunk.meta[1:2], chunk.meta[2:3]
         positions = (start + chunk.offsets)[None]  # (1, T)
 
         def attention(i: int, attn, h: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -322,7 +329,7 @@ class StaticPrefill(_StaticSteps):
             if i in converted:
                 pool = runner._states[i]
                 p = attn.project(h, (cos, sin))
-                o, new = attn.attend(p, h, None, None if fresh else pool.select(slot), mode="hybrid")
+                o, new = attn.prefill_padded(p, h, None if fresh else pool.select(slot), valid)
                 for dst, src in zip(pool.tensors(), new.tensors()):
                     dst.index_copy_(0, slot, src.to(dst.dtype))
             else:
@@ -330,8 +337,13 @@ class StaticPrefill(_StaticSteps):
                 keys, values = runner._keys[i], runner._values[i]
                 keys[slot, :, positions[0]] = k[0].transpose(0, 1).to(keys.dtype)  # (T, Hkv, D) at the row's positions
                 values[slot, :, positions[0]] = v[0].transpose(0, 1).to(values.dtype)
-                o = slot_prefill_attention(q[0], keys, values, chunk.meta, attn.scaling)[None]  # (1, Hq, T, Dv)
+                o = slot_prefill_attention(q[0], keys, values, chunk.meta[:2], attn.scaling)[None]  # (1, Hq, T, Dv)
             return attn.o_proj(o.transpose(1, 2).reshape(1, t, -1).to(h.dtype))
 
-        logits = decoder_forward(runner.model, runner._layers, [], chunk.ids, positions, attention)
+        logits = decoder_forward(runner.model, runner._layers, [], chunk.ids, positions, attention, last=valid - 1)
         chunk.logits.copy_(logits)
+
+
+def padded_length(tokens: int) -> int:
+    """The static length a prefill chunk of ``tokens`` runs at: the next multiple of PREFILL_ALIGN."""
+    return -(-tokens // PREFILL_ALIGN) * PREFILL_ALIGN

@@ -172,11 +172,12 @@ def next_positions(seqs, ids: Tensor) -> Tensor:
     return start[:, None] + torch.arange(ids.shape[1], device=ids.device)
 
 
-def decoder_forward(model, layers, seqs, ids: Tensor, positions: Tensor, attention) -> Tensor:
+def decoder_forward(model, layers, seqs, ids: Tensor, positions: Tensor, attention, last: Tensor | None = None) -> Tensor:
     """The decoder stack both runners drive: embed ``ids`` (B, T) at ``positions`` (B, T; see
     ``next_positions``), then per layer norm, ``attention(i, self_attn, h, cos, sin)`` (its output
     after o_proj, (B, T, hidden); the runner's own row grouping and memory), residual and MLP; advance
-    every sequence's position by T. Returns each row's last-position logits (B, vocab), float32."""
+    every sequence's position by T. Returns each row's last-position logits (B, vocab), float32, or
+    those at position ``last`` (a one-element device tensor: a padded chunk's last token)."""
     base = model.model
     t = ids.shape[1]
     x = base.embed_tokens(ids)  # (B, T, hidden)
@@ -186,7 +187,8 @@ def decoder_forward(model, layers, seqs, ids: Tensor, positions: Tensor, attenti
         x = x + layer.mlp(rms_norm(layer.post_attention_layernorm, x))
     for s in seqs:
         s.position += t
-    return model.lm_head(rms_norm(base.norm, x[:, -1])).float()  # (B, vocab)
+    x = x[:, -1] if last is None else x.index_select(1, last.reshape(1)).squeeze(1)
+    return model.lm_head(rms_norm(base.norm, x)).float()  # (B, vocab)
 
 
 def rms_norm(norm, x: Tensor) -> Tensor:

@@ -121,6 +121,37 @@ def test_blocks_that_decay_more_than_their_sub_blocks_hold_equal_the_torch_kerne
     _states_close(got_state, want_state, 1e-4)
 
 
+@pytest.mark.parametrize("prior, t, pad, strength, shift", [(0, 70, 58, 1.0, None), (40, 100, 28, 1.0, 17.0), (0, 1, 63, 6.0, None),
+                                                        (30, 128, 64, 1.0, None)])  # fmt: skip
+@pytest.mark.parametrize("normalize", [True, False], ids=["normalised", "raw"])
+@torch.no_grad()
+def test_a_call_padded_at_the_end_equals_the_call_without_the_padding(prior, t, pad, strength, shift, normalize):
+    """``valid``: the tokens from valid[0] on are padding (random features, values and gates, as a
+    padded chunk's would be): the outputs of the tokens before it and the final states equal the
+    torch kernel's on those tokens alone, with weak, factored and pairwise blocks, from an empty and
+    a continued state; the padding ends inside a block and on a block's edge."""
+    gen = torch.Generator().manual_seed(t + pad + prior)
+    gamma = torch.rand(HQ, generator=gen).to(DEVICE)
+    state = None
+    if prior:
+        _, state = _reference(*_inputs(1, prior, 16, gen, normalize, strength, shift), gamma, None, normalize)
+    args = _inputs(1, t + pad, 16, gen, normalize, strength, shift)
+    real = [x[:, :t] for x in args[:4]] + args[4:]
+    want, want_state = _reference(*real, gamma, state, normalize)
+    rank = 16
+    u, c = fused_dsla.gate_weights(args[4], args[5], rank)
+    with fused_decode.use_fused(True):
+        got, got_state = fused_dsla.dsla_prefill_fused(*args[:3], args[3], u, c, gamma, state=state, normalize=normalize,
+                                                       valid=torch.tensor([t], device=DEVICE))  # fmt: skip
+    unpadded, _ = _fused(*real, gamma, state, normalize)
+    assert got.shape == (1, HQ, t + pad, DV)
+    torch.testing.assert_close(got[:, :, :t], want, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(got[:, :, :t], unpadded, atol=2e-6, rtol=2e-6)
+    _states_close(got_state, want_state, 1e-4)
+    with pytest.raises(ValueError, match="one-element integer tensor"):
+        fused_dsla.dsla_prefill_fused(*args[:3], args[3], u, c, gamma, valid=torch.tensor([1.0, 2.0], device=DEVICE))
+
+
 @pytest.mark.parametrize("block", [16, 32, 128])
 @pytest.mark.parametrize("strength", [1.0, 6.0], ids=["weak", "strong"])
 @torch.no_grad()
