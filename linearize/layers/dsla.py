@@ -135,8 +135,8 @@ class DslaAttention(ConvertedAttention):
         in one kernel, without repeated KV heads): where ``fused_dsla.applies`` (half precision, tile
         sizes), its two kernels, the gates made inside them from their low-rank inputs; else
         ``dsla_prefill``, both gates from one projection (``stacked_log_gates``). ``valid``: the
-        tokens from valid[0] on are padding (``prefill_padded``); None where the fused kernels do
-        not apply then."""
+        tokens from valid[0] on are padding (``prefill_padded``), for ``dsla_prefill`` with no key,
+        value or decay, as ``dsla_attention`` masks them."""
         q, k, v = p.q_lin, p.k_lin, p.v
         n_rep = q.shape[1] // k.shape[1]
         if self.normalize:
@@ -153,22 +153,22 @@ class DslaAttention(ConvertedAttention):
             down, up, bias = self.fused_gate_weights()
             return fused_dsla.dsla_prefill_fused(qf, kf, vt, fused_dsla.gate_inputs(x, down, rank), up, bias, gamma, state=state,
                                                  scale=scale, normalize=self.normalize, valid=valid)  # fmt: skip
-        if valid is not None:
-            return None
-        return dsla_prefill(qf, kf, vt, self.stacked_log_gates(x), gamma, state=state, scale=scale, backend=backend,
-                            normalize=self.normalize, chunk=self.options.chunk)  # fmt: skip
+        gates = self.stacked_log_gates(x)  # (B, T, 2, Hq, F)
+        if valid is not None:  # padding: no key, no value (nor the normaliser's one), no decay
+            real = (torch.arange(x.shape[1], device=x.device) < valid.reshape(1))[None, :, None, None]  # (1, T, 1, 1)
+            kf, vt, gates = kf.masked_fill(~real, 0.0), vt.masked_fill(~real, 0.0), gates.masked_fill(~real[..., None], 0.0)
+        return dsla_prefill(qf, kf, vt, gates, gamma, state=state, scale=scale, backend=backend, normalize=self.normalize,
+                            chunk=self.options.chunk)  # fmt: skip
 
     def prefill_padded(self, p, x: Tensor, state: DslaState | None, valid: Tensor) -> tuple[Tensor, DslaState]:
         """The hybrid mode's prefill of a chunk padded at its end: ``valid`` a one-element integer
         tensor on x's device, the tokens from valid[0] on padding, which leave the states as they are
         (their outputs are undefined). A device value, so a CUDA graph captured once serves every
-        count: where the fused kernels apply (``for_inference``, ``fused_dsla.applies``) they mask the
-        padding themselves; elsewhere the hybrid mode runs with the padding mask. Returns the
+        count: the inference prefill (``for_inference``) masks the padding itself (the fused kernels
+        or ``dsla_prefill``); elsewhere the hybrid mode runs with the padding mask. Returns the
         output (B, Hq, T, Dv) and the states after the valid tokens."""
         if for_inference(p.q, None):
-            done = self._prefill(p, x, state, None, resolve_kernel(self.options.kernel, p.q.device), valid=valid)
-            if done is not None:
-                return done
+            return self._prefill(p, x, state, None, resolve_kernel(self.options.kernel, p.q.device), valid=valid)
         b, t = x.shape[:2]
         mask = (torch.arange(t, device=x.device) < valid.reshape(1))[None].expand(b, t)
         return self.attend(p, x, mask, state, mode="hybrid")

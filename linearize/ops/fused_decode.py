@@ -505,6 +505,11 @@ def dsla_read(partials: Tensor) -> Tensor:
     return partials[0] if partials.shape[0] == 1 else partials.sum(dim=0)
 
 
+def tile_sized(*sizes: int) -> bool:
+    """Every size a power of two from 16 (what the kernels' tiles and ``tl.dot`` take)."""
+    return all(n >= 16 and n & (n - 1) == 0 for n in sizes)
+
+
 DSLA_INPUT_ROWS = 16
 """Batch rows per program of ``dsla_decode_inputs`` (each program one query head's weights)."""
 
@@ -514,7 +519,7 @@ def dsla_inputs_apply(q: Tensor, hedgehog_weight: Tensor) -> bool:
     maps ``hedgehog_weight`` (2 Hq, D, f): on a device the fused kernels are enabled for, D and f
     powers of two from 16."""
     d, f = hedgehog_weight.shape[-2:]
-    return enabled(q) and all(n >= 16 and n & (n - 1) == 0 for n in (d, f))
+    return enabled(q) and tile_sized(d, f)
 
 
 @torch.library.custom_op("linearize::dsla_decode_inputs", mutates_args=())

@@ -53,7 +53,7 @@ from torch import Tensor
 from . import fused_decode
 from .common import EMPTY_DENOMINATOR
 from .dsla import FACTORED_DECAY_LIMIT, GATE_NORMALISER, token_major_sizes
-from .fused_prefill import _strides, _tile_sized, state_tiled
+from .fused_prefill import _strides, state_tiled
 from .states import DslaState
 
 BLOCK = 64
@@ -77,7 +77,7 @@ def applies(qf: Tensor, v: Tensor, rank: int) -> bool:
     The caller checks ``fused_prefill.for_inference`` (CUDA, no gradient, no padding)."""
     if qf.dtype not in DTYPES or v.dtype != qf.dtype or (qf.dtype == torch.float32 and not fused_decode.forced()):
         return False
-    return _tile_sized(qf.shape[-1], v.shape[-1], padded_rank(rank))
+    return fused_decode.tile_sized(qf.shape[-1], v.shape[-1], padded_rank(rank))
 
 
 def padded_rank(rank: int) -> int:
@@ -500,7 +500,7 @@ def dsla_prefill_fused(
         raise ValueError(f"gate inputs {tuple(xr.shape)}, up {tuple(up.shape)} and bias {tuple(bias.shape)} must be (B, T, 2, R), "
                          f"(2, R, Hq F) and (2, Hq F) = {(b, t, 2, 'R')}, {(2, 'R', hq * nf)}, {(2, hq * nf)} with R a power of two "
                          "from 16 (gate_inputs, gate_weights)")  # fmt: skip
-    if not _tile_sized(nf, dv):
+    if not fused_decode.tile_sized(nf, dv):
         raise ValueError(f"features ({nf}) and value size ({dv}) must be powers of two from 16 for the fused prefill")
     if qf.dtype not in DTYPES or kf.dtype != qf.dtype or v.dtype != qf.dtype:
         raise ValueError(f"qf, kf and v must share one dtype of {DTYPES}, got {qf.dtype}, {kf.dtype} and {v.dtype}")

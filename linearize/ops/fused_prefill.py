@@ -59,11 +59,6 @@ def for_inference(x: Tensor, valid: Tensor | None) -> bool:
     return valid is None and not torch.is_grad_enabled() and fused_decode.enabled(x)
 
 
-def _tile_sized(*sizes: int) -> bool:
-    """Every size a power of two from 16 (what the kernels' tiles and ``tl.dot`` take)."""
-    return all(n >= 16 and n & (n - 1) == 0 for n in sizes)
-
-
 def applies(q: Tensor, k: Tensor, v: Tensor, *, valid: Tensor | None, branches: str, overlap: bool, phi_q: FeatureFn) -> bool:
     """Whether ``hybrid_attention`` takes ``hybrid_prefill`` for this call: ``for_inference``, the
     hybrid is the non-overlapping two-branch one, q is half precision (float32 inputs keep the exact
@@ -72,7 +67,7 @@ def applies(q: Tensor, k: Tensor, v: Tensor, *, valid: Tensor | None, branches: 
         return False
     if q.dtype not in DTYPES or (q.dtype == torch.float32 and not fused_decode.forced()):
         return False
-    return _tile_sized(q.shape[-1], v.shape[-1], num_features(phi_q, q))
+    return fused_decode.tile_sized(q.shape[-1], v.shape[-1], num_features(phi_q, q))
 
 
 def num_features(phi: FeatureFn, x: Tensor) -> int:
@@ -303,7 +298,7 @@ def hedgehog_token_major(x: Tensor, weight: Tensor, bias: Tensor, n_rep: int = 1
         raise ValueError(f"out has shape {tuple(out.shape)} and dtype {out.dtype}; expected {(b, t, hq, 2 * fh)} and {x.dtype}")
     if t == 0:
         return out
-    if not _tile_sized(d, fh):  # the torch map on the repeated heads
+    if not fused_decode.tile_sized(d, fh):  # the torch map on the repeated heads
         xr = x.repeat_interleave(n_rep, dim=1) if n_rep > 1 else x
         return out.copy_(hedgehog(xr, weight.to(x.dtype), bias.to(x.dtype)).transpose(1, 2))
     _kernels().hedgehog[(-(-t // BT_FEATURES), b * hq)](

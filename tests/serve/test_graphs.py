@@ -195,17 +195,36 @@ def _prefill_both(plans, device="cpu"):
     return worst, calls, pool
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused"])
-def test_static_prefill_equals_the_reference_runner(fused):
+@pytest.mark.parametrize("fused, dsla_kernels", [(False, False), (True, True), (True, False)], ids=["torch", "fused", "fused-gla"])
+def test_static_prefill_equals_the_reference_runner(fused, dsla_kernels, monkeypatch):
     """Prompts fed in chunks of 64 to 192 tokens (first chunks and continuations, every level, a
     prompt that grows the arena's capacity), their last chunks ragged (padded to 64 on the static
     path): every chunk's logits, the positions and the decode after equal the reference runner's,
     and every chunk whose pools exist took the static path. fused: the static steps through the
-    slot kernels (Triton's interpreter on the CPU)."""
+    slot kernels (Triton's interpreter on the CPU), DSLA's prefill through its fused kernels
+    (dsla_kernels) or through ``dsla_prefill`` with the padding masked (fused-gla)."""
+    import linearize.layers.dsla as dsla_layers
+    from linearize.ops import fused_dsla
     from linearize.serve.graphs import PREFILL_ALIGN
 
     if fused and not fused_decode.triton_available():
         pytest.skip("needs Triton (the test extra installs it)")
+    inside, taken = [], set()  # the prefill functions the static chunks' DSLA layers ran
+    padded = dsla_layers.DslaAttention.prefill_padded
+
+    def counted_padded(self, *a, **k):
+        inside.append(1)
+        try:
+            return padded(self, *a, **k)
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(dsla_layers.DslaAttention, "prefill_padded", counted_padded)
+    for module, name in ((fused_dsla, "dsla_prefill_fused"), (dsla_layers, "dsla_prefill")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, name=name, **k: (inside and taken.add(name)) or real(*a, **k))
+    if not dsla_kernels:
+        monkeypatch.setattr(fused_dsla, "applies", lambda *a: False)
     with fused_decode.use_fused(fused):
         worst, calls, pool = _prefill_both([(0, [64, 64, 5]), (3, [128, 64, 30]), (2, [64, 192, 64, 3]), (1, [64, 7])])
     assert worst < 1e-5
@@ -213,6 +232,7 @@ def test_static_prefill_equals_the_reference_runner(fused):
     # a ragged one on the static buffers of the next multiple of 64
     assert calls == [64, 5, 64, 30, 64, 192, 64, 3, 64, 7]
     assert set(pool._static_prefill._entries) == {PREFILL_ALIGN, 3 * PREFILL_ALIGN}
+    assert taken == (set() if not fused else {"dsla_prefill_fused" if dsla_kernels else "dsla_prefill"})  # torch: the masked hybrid mode
     assert pool._capacity > 256  # the 323-token prompt grew it
 
 
