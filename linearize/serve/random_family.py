@@ -64,24 +64,32 @@ def dsla_spec(num_layers: int) -> dict:
     return {**recipe["spec"], "order": list(range(num_layers))}
 
 
+def random_config(name: str):
+    """The transformers LlamaConfig of ``random:NAME`` (no weights)."""
+    from transformers import LlamaConfig
+
+    shape = random_shape(name)
+    return LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                       num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                       head_dim=shape.hidden // shape.heads, max_position_embeddings=shape.max_positions, rope_theta=10000.0,
+                       rms_norm_eps=1e-5, tie_word_embeddings=shape.tie_embeddings, bos_token_id=1, eos_token_id=2,
+                       pad_token_id=None)  # fmt: skip
+
+
 def build_random_family(name: str, device, *, seed: int = 0):
     """(model, tokenizer) of ``random:NAME`` on ``device`` (bfloat16 on CUDA, float32 otherwise),
     in eval mode, identical for identical seed."""
     import contextlib
 
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from ..convert import convert
 
     shape = random_shape(name)
+    config = random_config(name)
     device = torch.device(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    config = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-                         num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-                         head_dim=shape.hidden // shape.heads, max_position_embeddings=shape.max_positions, rope_theta=10000.0,
-                         rms_norm_eps=1e-5, tie_word_embeddings=shape.tie_embeddings, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=None)  # fmt: skip
     previous = torch.get_default_dtype()
     rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
     with rng, contextlib.ExitStack() as stack:

@@ -38,7 +38,8 @@ import torch
 from tqdm.auto import tqdm
 
 from .engine import Engine
-from .policy import Policy
+from .levels import LevelMemory
+from .policy import MemoryView, Policy
 from .sampling import SamplingParams
 from .settings import DEFAULT_POLICIES, TRACE_NAMES, ReplaySettings, parse_slo  # noqa: F401 (re-exported; settings need no torch)
 
@@ -538,6 +539,25 @@ Run = Callable[[], tuple[list[RequestRecord], list[dict[str, Any]], dict[str, An
 conversions, and optionally preemptions and mean_level, which then replace the records' own)."""
 
 
+def memory_bound(levels: LevelMemory, policy: Policy, requests: Sequence[ReplayRequest], budget: int) -> dict[str, float | None]:
+    """What a policy's bytes allow where memory bounds the batch: each request at its final length
+    (prompt + output) and at the level the policy gives it with the budget full (static and
+    length-caps: their one level; memory: its level cap), against every request at level 0.
+    {"bytes_vs_softmax": the policy's bytes / softmax's, "capacity_vs_softmax": its inverse, how many
+    times softmax's concurrent requests the same memory holds}. On a server whose batch memory
+    bounds, the capacity is about what the policy can gain on mean latency; compute and queueing move
+    the measured ratio around it."""
+    full = MemoryView(budget, budget, levels)
+    softmax = ours = 0
+    for request in requests:
+        final = len(request.prompt) + request.output_tokens
+        softmax += levels.bytes(0, final)
+        ours += levels.bytes(policy.admission_level(len(request.prompt), final, full), final)
+    if not softmax or not ours:
+        return {"bytes_vs_softmax": None, "capacity_vs_softmax": None}
+    return {"bytes_vs_softmax": ours / softmax, "capacity_vs_softmax": softmax / ours}
+
+
 def run_replay(engine_factory, requests: Sequence[ReplayRequest], policies: Sequence[str], *, rate_scale: float = 1.0,
                slo: dict[str, float] | None = None, timeout: float | None = None, out_dir: str | Path | None = None,
                settings: dict[str, Any] | None = None, profile_steps: int = 0, profile_from: int = PROFILE_FROM_STEP) -> dict[str, Any]:
@@ -566,7 +586,8 @@ def run_replay(engine_factory, requests: Sequence[ReplayRequest], policies: Sequ
                                            "conversions": engine.counters["conversions"],
                                            "arena_bytes": arena() if arena is not None else None,
                                            "alloc_retries": None if retries is None else _alloc_retries(device) - retries,
-                                           "engine_steps": step_stats(timeline)}  # fmt: skip
+                                           "engine_steps": step_stats(timeline),
+                                           "memory_bound": memory_bound(engine.levels, engine.policy, requests, engine.config.kv_budget)}  # fmt: skip
             finally:
                 engine.close()
                 del engine
@@ -690,8 +711,9 @@ def sweep_report(results: dict[float, dict[str, Any]]) -> dict[str, Any]:
     for rate, result in results.items():
         for policy, entry in (result.get("across_runs") or runs_together(result["policies"])).items():
             policies.setdefault(policy, []).append({"rate_scale": rate, **entry})
+    bounds = {base_policy(name): (m.get("memory_bound") or {}).get("capacity_vs_softmax") for name, m in first["policies"].items()}
     return {"settings": {k: v for k, v in first["settings"].items() if k != "rate_scale"}, "rate_scales": list(results),
-            "policies": policies}  # fmt: skip
+            "policies": policies, "memory_bound": {p: b for p, b in bounds.items() if b is not None}}  # fmt: skip
 
 
 def sweep_markdown(sweep: dict[str, Any]) -> str:
@@ -717,6 +739,11 @@ def sweep_markdown(sweep: dict[str, Any]) -> str:
         lines.append(f"| {rate:g} | " + " | ".join(f(c and c["normalized_latency_mean_s"], 1e3) for c in cells)
                      + "".join(f" | {f(r, 1, 2)}x" if r is not None else " | " for r in ratios)
                      + " | " + " | ".join(f(c and c["p99_mean_s"], 1e3, 0) for c in cells) + f" | {lost} |")  # fmt: skip
+    bounds = sweep.get("memory_bound") or {}
+    if any(p in bounds for p in others):
+        lines += ["", "Memory bound (the same at every rate: how many times softmax's concurrent requests each policy's bytes let "
+                      "the budget hold, every request at its final length and at the level the policy gives it with memory full): "
+                  + ", ".join(f"{p} {bounds[p]:.2f}x" for p in others if p in bounds) + "."]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -731,7 +758,8 @@ def write_sweep(sweep: dict[str, Any], out: str | Path) -> None:
 
 def plot_sweep(sweep: dict[str, Any], out: Path) -> None:
     """latency_vs_rate.png: each policy's mean normalised latency against the rate scale (bars: the
-    fastest and slowest run) and, beside it, each converting policy's ratio to softmax."""
+    fastest and slowest run) and, beside it, each converting policy's ratio to softmax, with its memory
+    bound dashed where the reports give one."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -750,7 +778,10 @@ def plot_sweep(sweep: dict[str, Any], out: Path) -> None:
         if policy != "softmax":
             ratio = [(e["rate_scale"], e["speedup_vs_softmax"]) for e in done if e.get("speedup_vs_softmax") is not None]
             if ratio:
-                right.plot(*zip(*ratio), marker="o", label=policy)
+                (line,) = right.plot(*zip(*ratio), marker="o", label=policy)
+                bound = (sweep.get("memory_bound") or {}).get(policy)
+                if bound is not None:
+                    right.axhline(bound, color=line.get_color(), ls="--", lw=1, label=f"{policy}: memory bound")
     left.set(xlabel="rate scale (x the trace's arrival rate)", ylabel="mean normalised latency (ms per output token)", yscale="log")
     right.axhline(1.0, color="grey", lw=1)
     right.set(xlabel="rate scale (x the trace's arrival rate)", ylabel="softmax's latency / the policy's (above 1: faster)")
@@ -774,9 +805,12 @@ def replay_markdown(result: dict[str, Any]) -> str:
     s = result["settings"]
     lines = [f"# Trace replay\n\n{s['requests']} requests, arrival times / {s['rate_scale']}; "
              + ", ".join(f"{k} {v}" for k, v in s.items() if k not in ("requests", "rate_scale")) + "\n",
-             "| policy | completed | rejected | lost | mean normalised latency (ms/token) | p99 | vs softmax | TTFT mean (s) | TTFT p99 "
-             "| TPOT mean (ms) | E2E mean (s) | out tok/s | goodput (req/s) | preemptions | conversions | mean level | peak / budget |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "Memory bound: how many times softmax's concurrent requests the policy's bytes let the budget hold (every request at "
+             "its final length, at the level the policy gives it with memory full): about the most it can gain on mean latency "
+             "where memory bounds the batch.\n",
+             "| policy | completed | rejected | lost | mean normalised latency (ms/token) | p99 | vs softmax | memory bound | TTFT mean (s) "
+             "| TTFT p99 | TPOT mean (ms) | E2E mean (s) | out tok/s | goodput (req/s) | preemptions | conversions | mean level | peak / budget |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def f(x, scale=1.0, digits=2):
         return "" if x is None else f"{x * scale:.{digits}f}"
@@ -789,10 +823,15 @@ def replay_markdown(result: dict[str, Any]) -> str:
             text += f" (<= {f(bounds[1], 100, 0)}%)" if bounds[1] is not None else f" (> {f(bounds[0], 100, 0)}%)"
         return text
 
+    def bound(m) -> str:
+        capacity = (m.get("memory_bound") or {}).get("capacity_vs_softmax")
+        return "" if capacity is None else f"{capacity:.2f}x"
+
     for policy, m in result["policies"].items():
         lines.append(
             f"| {policy} | {m['completed']} | {m['rejected']} | {m['lost']} | {f(m['normalized_latency_s']['mean'], 1e3)} "
-            f"| {f(m['normalized_latency_s']['p99'], 1e3)} | {f(m.get('speedup_vs_softmax'))}x | {f(m['ttft_s']['mean'])} | {f(m['ttft_s']['p99'])} "
+            f"| {f(m['normalized_latency_s']['p99'], 1e3)} | {f(m.get('speedup_vs_softmax'))}x | {bound(m)} | {f(m['ttft_s']['mean'])} "
+            f"| {f(m['ttft_s']['p99'])} "
             f"| {f(m['tpot_s']['mean'], 1e3)} | {f(m['e2e_s']['mean'])} | {f(m['output_throughput'], 1, 1)} | {f(m['goodput'])} "
             f"| {m['preemptions']} | {m['conversions']} | {f(m['mean_level'], 1, 1)} "
             f"| {peak(m)} |"

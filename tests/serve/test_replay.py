@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from linearize.data import TRACES
-from linearize.serve.replay import (RequestRecord, TraceRequest, across_runs, augment, base_policy, decode_fit, load_trace, parse_slo,
-                                    run_replay, step_stats, summarize, sweep_markdown, sweep_report)
+from linearize.serve.policy import parse_policy
+from linearize.serve.replay import (ReplayRequest, RequestRecord, TraceRequest, across_runs, augment, base_policy, decode_fit, load_trace,
+                                    memory_bound, parse_slo, run_replay, step_stats, summarize, sweep_markdown, sweep_report)
 from linearize.serve.settings import ReplaySettings
 
 from .test_api import tiny_engine
@@ -110,6 +111,34 @@ def test_replay_every_policy_loses_nothing(tmp_path):
         assert (tmp_path / name).stat().st_size > 0
     assert "| memory |" in (tmp_path / "report.md").read_text()
     assert "Engine steps (in process)" in (tmp_path / "report.md").read_text()
+    assert result["policies"]["softmax"]["memory_bound"]["capacity_vs_softmax"] == pytest.approx(1.0)
+    assert "| vs softmax | memory bound |" in (tmp_path / "report.md").read_text()
+    assert "| 1.00x | 1.00x |" in (tmp_path / "report.md").read_text()  # softmax: its ratio and its bound
+
+
+def test_memory_bound_counts_each_request_at_its_final_length_and_its_policys_level():
+    """Softmax's bytes over the policy's, every request at prompt + output tokens: static at its
+    level, length-caps at its prompt's cap (4 layers: 12.5% and 25% -> 1 layer, 37.5% and 50% -> 2),
+    memory at its level cap; a state outweighs a short context, so the bound can fall below 1."""
+    _, engine = tiny_engine()
+    levels = engine.levels
+    prompts_and_outputs = [(10, 1000), (3000, 20), (5000, 300), (9000, 5)]
+    requests = [ReplayRequest(0.0, [5] * n, out, i, 0) for i, (n, out) in enumerate(prompts_and_outputs)]
+    finals = [n + out for n, out in prompts_and_outputs]
+    softmax = sum(levels.bytes(0, t) for t in finals)
+
+    def bound(policy):
+        return memory_bound(levels, parse_policy(policy, levels), requests, budget=10**9)
+
+    assert bound("softmax") == {"bytes_vs_softmax": pytest.approx(1.0), "capacity_vs_softmax": pytest.approx(1.0)}
+    for level in (1, 3, 4):
+        expected = softmax / sum(levels.bytes(level, t) for t in finals)
+        assert bound(f"static:{level}")["capacity_vs_softmax"] == pytest.approx(expected)
+    caps = [1, 1, 2, 2]  # < 2K, 2K-4K, 4K-8K, >= 8K of 4 layers
+    assert bound("length-caps")["capacity_vs_softmax"] == pytest.approx(softmax / sum(levels.bytes(k, t) for k, t in zip(caps, finals)))
+    assert bound("memory:max-level=3")["capacity_vs_softmax"] == pytest.approx(bound("static:3")["capacity_vs_softmax"])
+    short = [ReplayRequest(0.0, [5] * 4, 2, 0, 0)]
+    assert memory_bound(levels, parse_policy("static:4", levels), short, budget=10**9)["capacity_vs_softmax"] < 1
 
 
 def test_replay_profiles_engine_steps_per_policy(tmp_path):
@@ -255,6 +284,11 @@ def test_a_sweep_reports_each_policy_against_the_rate():
     assert "| 6 | 500.0 | 200.0 | 2.50x |" in table
     with pytest.raises(ValueError, match="at least one replay"):
         sweep_report({})
+    bounded = _report(2.0, {"softmax": 0.2, "memory": 0.1})
+    bounded["policies"]["memory"]["memory_bound"] = {"capacity_vs_softmax": 1.32, "bytes_vs_softmax": 1 / 1.32}
+    assert "Memory bound (the same at every rate" in sweep_markdown(sweep_report({2.0: bounded}))
+    assert "): memory 1.32x." in sweep_markdown(sweep_report({2.0: bounded}))
+    assert "Memory bound" not in table
 
 
 def test_rate_scales_parse_and_bad_ones_are_named():
@@ -282,4 +316,30 @@ def test_replay_command_sweeps_the_rate(tmp_path):
     sweep = json.loads((tmp_path / "sweep.json").read_text())
     assert sweep["rate_scales"] == [10.0, 40.0] and list(sweep["policies"]) == ["memory:high=1.0:max-level=2"]
     assert [e["rate_scale"] for e in sweep["policies"]["memory:high=1.0:max-level=2"]] == [10.0, 40.0]
+    assert sweep["memory_bound"]["memory:high=1.0:max-level=2"] > 0  # each in-process report gives its policy's bound
     assert (tmp_path / "latency_vs_rate.png").stat().st_size > 0 and "| 40 |" in (tmp_path / "sweep.md").read_text()
+
+
+def test_the_memory_bound_script_bounds_a_window_without_replaying_it(tmp_path):
+    """scripts/memory_bound.py: the replay's requests of a window (prompts capped as the replay caps them)
+    and each policy's bound, the same numbers memory_bound gives on those requests."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "memory_bound.py"
+    subprocess.run([sys.executable, str(script), str(tmp_path), "--model", "random:tiny", "--requests", "12", "--max-prompt", "3000",
+                    "--policies", "length-caps,static:100%"], check=True, capture_output=True)  # fmt: skip
+    result = json.loads((tmp_path / "memory_bound.json").read_text())
+    assert result["requests"] == 12 and result["max_prompt"] == 3000 and sum(result["prompts_by_length_cap"].values()) == 12
+    assert result["policies"]["softmax"]["capacity_vs_softmax"] == pytest.approx(1.0)
+    from linearize.serve.levels import LevelMemory
+    from linearize.serve.random_family import dsla_spec, random_config
+    from linearize.spec import ConversionSpec
+
+    levels = LevelMemory.from_spec(ConversionSpec.from_dict(dsla_spec(4)), random_config("random:tiny"), 2)
+    trace = load_trace(TRACES / "azure_llm_2023_conv.csv")[:12]
+    requests = augment(trace, torch.arange(3, 4099), max_prompt=3000)
+    expected = memory_bound(levels, parse_policy("static:100%", levels), requests, budget=1 << 30)
+    assert result["policies"]["static:100%"]["capacity_vs_softmax"] == pytest.approx(expected["capacity_vs_softmax"])
+    assert "| length-caps |" in (tmp_path / "memory_bound.md").read_text()
