@@ -545,8 +545,8 @@ def memory_bound(levels: LevelMemory, policy: Policy, requests: Sequence[ReplayR
     length-caps: their one level; memory: its level cap), against every request at level 0.
     {"bytes_vs_softmax": the policy's bytes / softmax's, "capacity_vs_softmax": its inverse, how many
     times softmax's concurrent requests the same memory holds}. On a server whose batch memory
-    bounds, the capacity is about what the policy can gain on mean latency; compute and queueing move
-    the measured ratio around it."""
+    bounds, the capacity is about what the policy gains in tokens per step; mean latency follows it,
+    except at loads between softmax's capacity and the policy's, where softmax's queue grows."""
     full = MemoryView(budget, budget, levels)
     softmax = ours = 0
     for request in requests:
@@ -806,8 +806,8 @@ def replay_markdown(result: dict[str, Any]) -> str:
     lines = [f"# Trace replay\n\n{s['requests']} requests, arrival times / {s['rate_scale']}; "
              + ", ".join(f"{k} {v}" for k, v in s.items() if k not in ("requests", "rate_scale")) + "\n",
              "Memory bound: how many times softmax's concurrent requests the policy's bytes let the budget hold (every request at "
-             "its final length, at the level the policy gives it with memory full): about the most it can gain on mean latency "
-             "where memory bounds the batch.\n",
+             "its final length, at the level the policy gives it with memory full): about what it gains in tokens per step where "
+             "memory bounds the batch.\n",
              "| policy | completed | rejected | lost | mean normalised latency (ms/token) | p99 | vs softmax | memory bound | TTFT mean (s) "
              "| TTFT p99 | TPOT mean (ms) | E2E mean (s) | out tok/s | goodput (req/s) | preemptions | conversions | mean level | peak / budget |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
