@@ -12,7 +12,7 @@
 #   7b       random:llama2-7b (random weights, every layer DSLA), 34GiB, up to 16 of 32 layers,
 #            --max-running 40 (its pools: 40 slots x 4,096 tokens x 512 KiB = 80 GiB), prompts up to 4,096 tokens
 #   tiny     random:tiny on DEVICE=cpu: checks the script in seconds
-# Environment: DEVICE (cuda)  REQUESTS ("40 100": one replay per count, in turn)  RATE (8)  RATES (a sweep instead of RATE:
+# Environment: DEVICE (cuda)  START (0: the first trace request replayed)  REQUESTS ("40 100": one replay per count, in turn)  RATE (8)  RATES (a sweep instead of RATE:
 #   comma-separated rate scales, e.g. 2,3,4,6; each replay's report per rate and sweep.md beside)  TIMEOUT (150 s per policy)
 #   POLICIES (softmax,length-caps,memory,softmax)  REPEATS (1; N: the policy list replayed N times in turn, the report's
 #   "Across runs" table gives each policy's mean and range over its runs)
@@ -45,7 +45,7 @@ mkdir -p "$WORK/logs" "$WORK/replay"
 rm -f "$WORK"/*.done  # markers of an earlier study in the same WORK_DIR would end --pack at once
 echo "${#SETTINGS[@]}" > "$WORK/expected"
 rate="--rate-scale $RATE"; [ -n "${RATES:-}" ] && rate="--rate-scales $RATES"
-common="--device ${DEVICE:-cuda} --trace azure-conv $rate --policies $POLICIES"
+common="--device ${DEVICE:-cuda} --trace azure-conv --start ${START:-0} $rate --policies $POLICIES"
 common+=" --slo ttft=2s,tpot=100ms --timeout $TIMEOUT --runner $RUNNER --${GRAPHS:-graphs}"
 declare -A chain  # GPU -> the commands of the settings it runs, one after another (one GPU: all in turn)
 for i in "${!SETTINGS[@]}"; do
