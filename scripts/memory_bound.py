@@ -23,7 +23,7 @@ from linearize.io import write_results
 from linearize.serve.levels import LevelMemory
 from linearize.serve.policy import LENGTH_CAPS, parse_policy
 from linearize.serve.random_family import dsla_spec, is_random, random_config, random_shape
-from linearize.serve.replay import augment, load_trace, memory_bound
+from linearize.serve.replay import augment, load_trace, memory_bound, prompt_cap
 from linearize.serve.settings import ReplaySettings
 from linearize.spec import ConversionSpec
 
@@ -58,7 +58,7 @@ def main() -> None:
     if not trace:
         raise SystemExit(f"start {args.start} is past the trace's end")
     levels, positions = family_levels(args.model, args.dtype_bytes)
-    max_prompt = max(1, min(args.max_prompt, positions - max(r.output_tokens for r in trace)))  # as the replay caps it
+    max_prompt = max(1, prompt_cap(trace, args.max_prompt, positions))
     requests = augment(trace, torch.arange(3, 4099), turns_mean=replay.turns_mean, max_prompt=max_prompt, seed=replay.seed)
     prompts = [len(r.prompt) for r in requests]
     edges = [0] + [int(below) if below != float("inf") else None for below, _ in LENGTH_CAPS]

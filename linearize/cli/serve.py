@@ -85,9 +85,9 @@ def prompt_stream(model_name: str, tokenizer, replay):
 
 def replay_requests(trace, replay, tokenizer, model_name: str, max_positions: int):
     """(the augmented requests, the prompt cap used) for a model of ``max_positions`` positions."""
-    from ..serve.replay import augment
+    from ..serve.replay import augment, prompt_cap
 
-    max_prompt = min(replay.max_prompt, max_positions - max(r.output_tokens for r in trace))
+    max_prompt = prompt_cap(trace, replay.max_prompt, max_positions)
     stream = prompt_stream(model_name, tokenizer, replay)
     requests = augment(trace, stream, turns_mean=replay.turns_mean, max_prompt=max(1, max_prompt), seed=replay.seed)
     return requests, max_prompt

@@ -106,6 +106,17 @@ class ReplayRequest:
     session: int
     turn: int
 
+    @property
+    def final_tokens(self) -> int:
+        """Its context once every output token is in: prompt + output."""
+        return len(self.prompt) + self.output_tokens
+
+
+def prompt_cap(trace: Sequence[TraceRequest], max_prompt: int, max_positions: int) -> int:
+    """The prompt cap a replay augments ``trace`` with: ``max_prompt``, less where the model's
+    ``max_positions`` must also hold the longest output."""
+    return min(max_prompt, max_positions - max(r.output_tokens for r in trace))
+
 
 def augment(trace: Sequence[TraceRequest], tokens: torch.Tensor, *, turns_mean: float = 3.0, max_prompt: int = 8192,
             seed: int = 0) -> list[ReplayRequest]:
@@ -233,10 +244,8 @@ def warm_up(engine: Engine, tokens: Sequence[int], lengths: Sequence[int] = WARM
 def admitted_levels(engine: Engine, requests: Sequence["ReplayRequest"]) -> list[int]:
     """The levels the engine's policy admits the requests at on an empty engine (length-caps: its
     caps; memory: mostly 0)."""
-    from .policy import MemoryView
-
     empty = MemoryView(engine.config.kv_budget, 0, engine.levels)
-    return sorted({engine.policy.admission_level(len(r.prompt), len(r.prompt) + r.output_tokens, empty) for r in requests})
+    return sorted({engine.policy.admission_level(len(r.prompt), r.final_tokens, empty) for r in requests})
 
 
 def graph_levels(engine: Engine, requests: Sequence["ReplayRequest"]) -> list[int]:
@@ -550,7 +559,7 @@ def memory_bound(levels: LevelMemory, policy: Policy, requests: Sequence[ReplayR
     full = MemoryView(budget, budget, levels)
     softmax = ours = 0
     for request in requests:
-        final = len(request.prompt) + request.output_tokens
+        final = request.final_tokens
         softmax += levels.bytes(0, final)
         ours += levels.bytes(policy.admission_level(len(request.prompt), final, full), final)
     if not softmax or not ours:
@@ -574,7 +583,7 @@ def run_replay(engine_factory, requests: Sequence[ReplayRequest], policies: Sequ
             try:
                 tokens = requests[0].prompt if requests else [1]
                 warm_up(engine, tokens)
-                engine.reserve(max((len(r.prompt) + r.output_tokens for r in requests), default=1))  # no growth while timed
+                engine.reserve(max((r.final_tokens for r in requests), default=1))  # no growth while timed
                 warm_up_graphs(engine, tokens, graph_levels(engine, requests), lows=admitted_levels(engine, requests),
                                max_rows=most_running(engine, requests))  # fmt: skip
                 retries = _alloc_retries(device)
