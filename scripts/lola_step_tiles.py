@@ -6,11 +6,13 @@ the step's few torch kernels around the two fused ones included).
 
 The defaults are a Llama-3-8B-shaped layer read as LoLA with 256 sparse slots and a square Hedgehog
 map (256 features). OUT_DIR/lola_step_tiles.json holds the megabytes one step must move (the
-cache's bfloat16 keys and values once, [S | z] read and written once), the microseconds per call of
-the torch step (``torch_step_us``; its state pass in the hybrid's state kernel) and of each tile
-(``BLxBVwWcC``: candidates per program x value columns of a state tile, warps of the errors kernel,
-warps of the commit kernel; a failed compile gives its error), and the best tile's kernels by
-device time over 10 steps (``profile_us``).
+cache's bfloat16 keys and values once, [S | z] read and written once; with kept recalls, those read
+and written too), the microseconds per call of the torch step (``torch_step_us``; its state pass in
+the hybrid's state kernel) and of each tile of the fused step, scoring the cache from the state
+(``state``) and from kept recalls (``kept``, ``fused_lola.KEEP_RECALL``) (``BLxBVwWcC``: candidates
+per program x value columns of a state tile, warps of the errors kernel, warps of the commit kernel;
+a failed compile gives its error), and each one's best tile's kernels by device time over 10 steps
+(``state_profile_us``, ``kept_profile_us``).
 """
 
 from __future__ import annotations
@@ -56,24 +58,29 @@ def main() -> None:
     state.linear.k_sum.uniform_(1, 2)
     q, k, v = (torch.randn(b, h, 1, d, device=dev, dtype=dt) for h in (hq, hkv, hkv))
     rows = {}
-    bytes_moved = (2 * b * hq * lam * d * 2) + 2 * (b * hq * 2 * d * (d + 1) * 4)  # bfloat16 cache k, v once; [S | z] read + written
-    for fused in (False, True):
+    state_bytes = 2 * (b * hq * 2 * d * (d + 1) * 4)  # [S | z] read + written
+    bytes_moved = {"state": (2 * b * hq * lam * d * 2) + state_bytes,  # bfloat16 cache k, v once
+                   "kept": (2 * b * hq * lam * d * 2) + state_bytes + 2 * b * hq * lam * fused_lola.recall_width(d) * 4}  # and the kept recalls read + written
+    for variant in ("torch", "state", "kept"):  # the torch step; the fused step scoring the cache from the state; from kept recalls
+        fused_lola.KEEP_RECALL = variant == "kept"
         ds = LolaDecodeState.from_state(state, phi_q=phi_q, phi_k=phi_k, window_factor=torch.ones(hq, device=dev), scale=d**-0.5,
                                         dtype=dt, sinks=4, linear_weight=0.1, key_map=(wk, bk))  # fmt: skip
         step = functools.partial(lola_decode_step, ds, q, k, v)
-        with fused_decode.use_fused(fused):
-            if not fused:
+        with fused_decode.use_fused(variant != "torch"):
+            if variant == "torch":
                 rows["torch_step_us"] = cuda_mean_us(step, repeats=50, warmup=3)
                 continue
+            tiles = {}
             for bl, bv, warps, commit_warps in TILES:
                 name = f"{bl}x{bv}w{warps}c{commit_warps}"
                 fused_lola.BLOCK_ROWS, fused_lola.BLOCK_VALUES, fused_lola.WARPS, fused_lola.COMMIT_WARPS = bl, bv, warps, commit_warps
                 try:
-                    rows[name] = cuda_mean_us(step, repeats=50, warmup=3)
+                    tiles[name] = cuda_mean_us(step, repeats=50, warmup=3)
                 except Exception as e:  # noqa: BLE001 (a tile that does not compile is reported, not fatal)
-                    rows[name] = f"{type(e).__name__}: {str(e)[:200]}"
-                print(name, rows[name], flush=True)
-            best = min((k for k in rows if isinstance(rows[k], float) and k != "torch_step_us"), key=rows.get, default=None)
+                    tiles[name] = f"{type(e).__name__}: {str(e)[:200]}"
+                print(variant, name, tiles[name], flush=True)
+            rows[variant] = tiles
+            best = min((k for k in tiles if isinstance(tiles[k], float)), key=tiles.get, default=None)
             if best:  # the kernels of the best tile's step, from the profiler
                 bl, bv, warps, commit_warps = next(t for t in TILES if f"{t[0]}x{t[1]}w{t[2]}c{t[3]}" == best)
                 fused_lola.BLOCK_ROWS, fused_lola.BLOCK_VALUES, fused_lola.WARPS, fused_lola.COMMIT_WARPS = bl, bv, warps, commit_warps
@@ -84,8 +91,9 @@ def main() -> None:
                         step()
                     torch.cuda.synchronize()
                 kernels = {e.key: e.device_time_total / 10 for e in prof.key_averages() if e.device_time_total > 0}
-                rows["profile_us"] = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:12])
-    report = {"batch": b, "heads": hq, "kv_heads": hkv, "head_dim": d, "sparse": lam, "bytes_moved_MB": bytes_moved / 1e6,
+                rows[f"{variant}_profile_us"] = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:12])
+    report = {"batch": b, "heads": hq, "kv_heads": hkv, "head_dim": d, "sparse": lam,
+              "bytes_moved_MB": {k: v / 1e6 for k, v in bytes_moved.items()},
               "device": torch.cuda.get_device_name(), "us_per_step": rows}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "lola_step_tiles.json").write_text(json.dumps(report, indent=1))

@@ -47,16 +47,29 @@ def _product(p, s, LOWP: tl.constexpr):
 
 
 @triton.jit
-def _errors(pp, pn, vals, rows, mrows, s_v, base, FH: tl.constexpr, DV: tl.constexpr, R: tl.constexpr,
-            BF: tl.constexpr, BV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr):  # fmt: skip
+def _distance2(num, den, ok, vals, rows, mrows, s_v, ov, mv):
+    """Squared distance (R,) of the readouts num / den (where ``ok``, else 0) to the values at
+    vals + rows * s_v, over the value columns ``ov`` (``mv``: those below DV)."""
+    vv = tl.load(vals + rows[:, None] * s_v + ov[None, :], mask=mrows[:, None] & mv[None, :], other=0.0).to(tl.float32)
+    diff = tl.where(ok[:, None], num / den[:, None], 0.0) - vv
+    diff = tl.where(mv[None, :], diff, 0.0)
+    return tl.sum(diff * diff, axis=1)
+
+
+@triton.jit
+def _errors(pp, pn, vals, rows, mrows, s_v, base, rec, FH: tl.constexpr, DV: tl.constexpr, R: tl.constexpr,
+            BF: tl.constexpr, BV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr, STORE: tl.constexpr, RW: tl.constexpr):  # fmt: skip
     """Self-recall error of R candidates (features pp, pn; values at vals + rows * s_v) against
-    the state at ``base`` ((2 FH) x (DV + 1) float32, row-major): (R,) float32."""
+    the state at ``base`` ((2 FH) x (DV + 1) float32, row-major): (R,) float32. STORE: each
+    candidate's recall [phi S, phi z] also written to its row of ``rec`` (rows of RW >= DV + 1 float32)."""
     W: tl.constexpr = DV + 1
     of = tl.arange(0, BF)
     mf = of < FH
     zp = tl.load(base + of * W + DV, mask=mf, other=0.0)
     zn = tl.load(base + (FH + of) * W + DV, mask=mf, other=0.0)
     den = tl.sum(pp * zp[None, :], axis=1) + tl.sum(pn * zn[None, :], axis=1)
+    if STORE:
+        tl.store(rec + rows * RW + DV, den, mask=mrows)
     ok = den > EPS
     den = tl.where(ok, den, 1.0)
     err2 = tl.zeros([R], dtype=tl.float32)
@@ -67,10 +80,37 @@ def _errors(pp, pn, vals, rows, mrows, s_v, base, FH: tl.constexpr, DV: tl.const
         sp = tl.load(base + of[:, None] * W + ov[None, :], mask=m2, other=0.0)
         sn = tl.load(base + (FH + of)[:, None] * W + ov[None, :], mask=m2, other=0.0)
         num = _product(pp, sp, LOWP) + _product(pn, sn, LOWP)
-        vv = tl.load(vals + rows[:, None] * s_v + ov[None, :], mask=mrows[:, None] & mv[None, :], other=0.0).to(tl.float32)
-        diff = tl.where(ok[:, None], num / den[:, None], 0.0) - vv
-        diff = tl.where(mv[None, :], diff, 0.0)
-        err2 += tl.sum(diff * diff, axis=1)
+        if STORE:
+            tl.store(rec + rows[:, None] * RW + ov[None, :], num, mask=mrows[:, None] & mv[None, :])
+        err2 += _distance2(num, den, ok, vals, rows, mrows, s_v, ov, mv)
+    return tl.sqrt(err2)
+
+
+@triton.jit
+def _errors_kept(pp, pn, vals, rows, mrows, s_v, rec, pend, FH: tl.constexpr, DV: tl.constexpr, R: tl.constexpr,
+                 BF: tl.constexpr, BV: tl.constexpr, EPS: tl.constexpr, RW: tl.constexpr):  # fmt: skip
+    """``_errors`` from the candidates' kept recalls instead of the state: each row of ``rec``
+    ([phi S, phi z] against the state before the last write) first takes that write, ``pend`` =
+    (phi_w (2 FH), [v_w, 1] (DV + 1)) float32, as a = phi . phi_w times [v_w, 1] (the rank-one term
+    the write added to the state), and is stored back: (R,) float32, no read of the state."""
+    of = tl.arange(0, BF)
+    mf = of < FH
+    wp = tl.load(pend + of, mask=mf, other=0.0)
+    wn = tl.load(pend + FH + of, mask=mf, other=0.0)
+    a = tl.sum(pp * wp[None, :], axis=1) + tl.sum(pn * wn[None, :], axis=1)  # (R,)
+    den = tl.load(rec + rows * RW + DV, mask=mrows, other=0.0) + a * tl.load(pend + 2 * FH + DV)
+    tl.store(rec + rows * RW + DV, den, mask=mrows)
+    ok = den > EPS
+    den = tl.where(ok, den, 1.0)
+    err2 = tl.zeros([R], dtype=tl.float32)
+    for v0 in range(0, DV, BV):
+        ov = v0 + tl.arange(0, BV)
+        mv = ov < DV
+        m2 = mrows[:, None] & mv[None, :]
+        num = tl.load(rec + rows[:, None] * RW + ov[None, :], mask=m2, other=0.0)
+        num += a[:, None] * tl.load(pend + 2 * FH + ov, mask=mv, other=0.0)[None, :]
+        tl.store(rec + rows[:, None] * RW + ov[None, :], num, mask=m2)
+        err2 += _distance2(num, den, ok, vals, rows, mrows, s_v, ov, mv)
     return tl.sqrt(err2)
 
 
@@ -95,14 +135,18 @@ def _head(r, linear, wk, bk, n_rep, H: tl.constexpr, D: tl.constexpr, FH: tl.con
 
 @triton.jit
 def lola_errors_kernel(
-    linear, errs, cmap, cvals, cvalid, cpos, lmap, lvals, lpos, wk, bk,
+    linear, errs, cmap, cvals, cvalid, cpos, lmap, lvals, lpos, wk, bk, recall, pending, rok, lrec,
     sinks, n_rep,
     H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, DV: tl.constexpr,
     BL: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr,
+    KEEP: tl.constexpr, RW: tl.constexpr,
 ):  # fmt: skip
     """Self-recall errors of one block of candidates of one (row, query head): program (r, c) scores
     cache entries c * BL .. c * BL + BL - 1 into errs[r, :L] (sinks +inf, empty slots -inf); the
-    last block index scores the leaving token into errs[r, L] (sinks +inf)."""
+    last block index scores the leaving token into errs[r, L] (sinks +inf). KEEP: the cache
+    entries' recalls are kept in ``recall`` (B Hq, L, RW), [phi S, phi z] in the first DV + 1 columns: where the row's are current
+    (``rok[b]``) they take the last write (``pending``) and give the errors without the state, else
+    they are computed from it and stored; the leaving token's recall goes to ``lrec`` (B Hq, RW)."""
     r = tl.program_id(0).to(tl.int64)  # one (batch row, query head)
     c = tl.program_id(1)
     b, h, kr, base, od, md, of, mf, w, bias = _head(r, linear, wk, bk, n_rep, H, D, FH, DV, BD, BF)
@@ -111,7 +155,7 @@ def lola_errors_kernel(
         first = o16 == 0
         x16 = tl.load(lmap + kr * D + o16[:, None] * 0 + od[None, :], mask=first[:, None] & md[None, :], other=0.0)
         pp16, pn16 = _features(x16, w, bias, mf, LOWP)
-        e16 = _errors(pp16, pn16, lvals + kr * DV, o16, first, 0, base, FH, DV, 16, BF, BV, LOWP, EPS)
+        e16 = _errors(pp16, pn16, lvals + kr * DV, o16, first, 0, base, lrec + r * RW, FH, DV, 16, BF, BV, LOWP, EPS, KEEP, RW)
         e16 = tl.where(tl.load(lpos + b) < sinks, float("inf"), e16)
         tl.store(errs + r * (L + 1) + L + o16, e16, mask=first)
     else:
@@ -119,7 +163,14 @@ def lola_errors_kernel(
         mc = oc < L
         xb = tl.load(cmap + (r * L + oc)[:, None] * D + od[None, :], mask=mc[:, None] & md[None, :], other=0.0)
         ppb, pnb = _features(xb, w, bias, mf, LOWP)
-        e = _errors(ppb, pnb, cvals + r * L * DV, oc, mc, DV, base, FH, DV, BL, BF, BV, LOWP, EPS)
+        rec = recall + r * L * RW
+        if KEEP:
+            if tl.load(rok + b) != 0:
+                e = _errors_kept(ppb, pnb, cvals + r * L * DV, oc, mc, DV, rec, pending + r * (2 * FH + DV + 1), FH, DV, BL, BF, BV, EPS, RW)
+            else:
+                e = _errors(ppb, pnb, cvals + r * L * DV, oc, mc, DV, base, rec, FH, DV, BL, BF, BV, LOWP, EPS, True, RW)
+        else:
+            e = _errors(ppb, pnb, cvals + r * L * DV, oc, mc, DV, base, rec, FH, DV, BL, BF, BV, LOWP, EPS, False, RW)
         pos = tl.load(cpos + r * L + oc, mask=mc, other=-3)
         val = tl.load(cvalid + r * L + oc, mask=mc, other=0) != 0
         e = tl.where(pos < sinks, float("inf"), e)
@@ -131,15 +182,17 @@ def lola_errors_kernel(
 def lola_commit_kernel(
     linear, errs, qphi, q, out, rbuf, held,
     ckeys, cmap, cvals, cvalid, cpos, lkeys, lmap, lvals, lvalid, lpos, wkeys, wvals, wvalid,
-    wk, bk, factor,
+    wk, bk, factor, recall, pending, rok, lrec,
     sinks, n_rep, scale, weight_tokens,
     H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, DV: tl.constexpr, ETA: tl.constexpr,
     BL: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr,
     BDV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr, SEPARATE: tl.constexpr, READ_STATE: tl.constexpr,
-    READ_SPARSE: tl.constexpr,
+    READ_SPARSE: tl.constexpr, KEEP: tl.constexpr, RW: tl.constexpr,
 ):  # fmt: skip
     """The rest of the step for one (row, query head), from the candidates' errors: the choice, the
-    state's update and read, the cache slot taken, ``held``, and the exact read."""
+    state's update and read, the cache slot taken, ``held``, and the exact read. KEEP: the write is
+    left in ``pending`` for the next step's errors kernel to add to the kept recalls, the slot taken
+    gets the leaving token's recall (``lrec``), and the row's recalls are current (``rok``)."""
     r = tl.program_id(0).to(tl.int64)  # one (batch row, query head)
     b, h, kr, base, od, md, of, mf, w, bias = _head(r, linear, wk, bk, n_rep, H, D, FH, DV, BD, BF)
     W: tl.constexpr = DV + 1
@@ -179,6 +232,10 @@ def lola_commit_kernel(
     fp = tl.sum(tl.where(first[:, None], ppo, 0.0), axis=0)  # (BF,) the features of the token written
     fn = tl.sum(tl.where(first[:, None], pno, 0.0), axis=0)
     scale_w = written.to(tl.float32)
+    pend = pending + r * (2 * FH + W)  # (phi_w, [v_w, 1] or 0): the write, for the kept recalls
+    if KEEP:
+        tl.store(pend + of, fp, mask=mf)
+        tl.store(pend + FH + of, fn, mask=mf)
     qp = tl.load(qphi + r * 2 * FH + of, mask=mf, other=0.0)
     qn = tl.load(qphi + r * 2 * FH + FH + of, mask=mf, other=0.0)
     odv = tl.arange(0, BDV)
@@ -192,6 +249,8 @@ def lola_commit_kernel(
         v_leave = tl.load(lvals + kr * DV + ov, mask=ov < DV, other=0.0).to(tl.float32)
         v_slot = tl.load(cvals + slot * DV + ov, mask=ov < DV, other=0.0).to(tl.float32)
         row = tl.where(ov == DV, 1.0, tl.where(drop, v_leave, v_slot)) * scale_w
+        if KEEP:
+            tl.store(pend + 2 * FH + ov, row, mask=mv)
         m2 = mf[:, None] & mv[None, :]
         ptr = base + of[:, None] * W + ov[None, :]
         sp = tl.load(ptr, mask=m2, other=0.0) + fp[:, None] * row[None, :]
@@ -212,6 +271,12 @@ def lola_commit_kernel(
     tl.store(cvalid + slot, (slot_valid | take).to(cvalid.dtype.element_ty))
     n_held = tl.load(held + r) + written.to(tl.int64)
     tl.store(held + r, n_held)
+    if KEEP:  # the slot's recall: the leaving token's, against the state before the write (pending)
+        for v0 in range(0, W, BV):
+            ov = v0 + tl.arange(0, BV)
+            mv = ov < W
+            tl.store(recall + slot * RW + ov, tl.load(lrec + r * RW + ov, mask=mv, other=0.0), mask=mv & take)
+        tl.store(rok + b, 1)
     tl.debug_barrier()  # the slot and the state's read are stored before the read below loads them
 
     # 4. The read: the window (with the new token) and the cache exactly, one max, the state linearly.

@@ -23,6 +23,13 @@ in torch:
    - the exact read of the window and the cache (one running max, the window factor) plus the
      linear term (with the length factor of ``weight_tokens``), one denominator.
 
+Where the decode state keeps each cache slot's recall [phi S, phi z] (``KEEP_RECALL``; the first
+step, or the first after a torch step, computes them as above and stores them), the errors kernel
+scores the cache without the state: the commit leaves its write (phi_w, [v_w, 1]) pending, and the
+next errors kernel adds it to every slot's recall as (phi . phi_w) [v_w, 1], O(f + Dv) per slot
+instead of the O(f Dv) product, then takes the error from the recall; the slot the leaving token
+takes gets the leaving token's recall, which its own program computed from the state.
+
 The state is read from memory about once (the other candidate blocks and the update pass mostly
 find it in cache) and written once; the cache's keys and values, kept in the model's dtype, are read for the
 errors and again (mostly from cache) for the read. With a bfloat16 model, phi [S | z] runs on
@@ -72,6 +79,9 @@ COMMIT_WARPS = 4
 """Warps per program of the commit kernel (the choice, the state pass, the read)."""
 SELECT_BLOCK = 1024
 """Errors the commit kernel scans at a time for the least."""
+KEEP_RECALL = True
+"""Whether decode states the fused step may run on keep each cache slot's recall (``LolaDecodeState``):
+lambda (Dv + 1) more floats per query head, for errors that do not read the state."""
 
 
 @functools.cache
@@ -90,6 +100,12 @@ def _pow2(n: int) -> int:
     return max(16, next_power_of_2(n))
 
 
+def recall_width(dv: int) -> int:
+    """Floats per kept recall: [phi S, phi z] (Dv + 1) padded to a multiple of 4, so that every
+    row starts 16-byte aligned and is read in vector loads."""
+    return (dv + 4) // 4 * 4
+
+
 def supports(dtype: torch.dtype) -> bool:
     """Whether the kernel runs a model of this dtype (bfloat16 on tensor cores, float32 exactly)."""
     return dtype in (torch.bfloat16, torch.float32)
@@ -97,7 +113,8 @@ def supports(dtype: torch.dtype) -> bool:
 
 @torch.library.custom_op(
     "linearize::lola_step",
-    mutates_args=("linear", "held", "cache_keys", "cache_map_keys", "cache_values", "cache_valid", "cache_positions"),
+    mutates_args=("linear", "held", "cache_keys", "cache_map_keys", "cache_values", "cache_valid", "cache_positions", "recall", "pending",
+                  "recall_ok"),
 )
 def lola_step(
     linear: Tensor, held: Tensor, qphi: Tensor, q: Tensor,
@@ -106,6 +123,7 @@ def lola_step(
     window_keys: Tensor, window_values: Tensor, window_valid: Tensor,
     weight: Tensor, bias: Tensor, factor: Tensor,
     sinks: int, scale: float, weight_tokens: int, read_state: bool, read_sparse: bool,
+    recall: Tensor | None = None, pending: Tensor | None = None, recall_ok: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     """One LoLA decode step after the new token took its window slot, in place on the memory:
     selection, the write into ``linear`` (B Hq, 2f, Dv + 1) float32 [S | z] and ``held`` (B, Hq),
@@ -124,7 +142,13 @@ def lola_step(
       eta, Dv), ``window_valid`` (B, eta) bool;
     - the key map's Hedgehog ``weight`` (Hq, D, f) and ``bias`` (Hq, f) in the model's dtype
       (bfloat16 or float32), ``factor`` (Hq,) float32 the window factor;
-    - ``sinks``, ``scale``, ``weight_tokens``, ``read_state``, ``read_sparse`` as in ``lola_attention``.
+    - ``sinks``, ``scale``, ``weight_tokens``, ``read_state``, ``read_sparse`` as in ``lola_attention``;
+    - the kept recalls (all three or none): ``recall`` (B Hq, lambda, ``recall_width(Dv)``) float32
+      each cache slot's [phi S, phi z] against the state before the last write (its first Dv + 1
+      columns), ``pending`` (B Hq, 2f + Dv + 1)
+      float32 that write (phi_w, [v_w, 1]), ``recall_ok`` (B,) int32 whether the row's recalls are
+      current (0: the step computes them from the state; a step elsewhere that changes the memory
+      sets it to 0). With them the cache entries' errors cost O(f + Dv) each instead of O(f Dv).
     """
     b, hq, lam, d = cache_keys.shape
     dv = cache_values.shape[-1]
@@ -153,6 +177,17 @@ def lola_step(
     if cache_map_keys is not None:
         fused_decode._check("cache_map_keys", cache_map_keys, (b, hq, lam, d))
         fused_decode._check("leave_map_keys", leave_map_keys, (b, hkv, d))
+    keep = recall is not None
+    if keep != (pending is not None) or keep != (recall_ok is not None):
+        raise ValueError("give recall, pending and recall_ok together (the kept recalls) or none of them")
+    if keep:
+        fused_decode._check_buffer("recall", recall)
+        fused_decode._check("recall", recall, (b * hq, lam, recall_width(dv)), torch.float32)
+        fused_decode._check_buffer("pending", pending)
+        fused_decode._check("pending", pending, (b * hq, 2 * fh + dv + 1), torch.float32)
+        fused_decode._check("recall_ok", recall_ok, (b,), torch.int32)
+        if not recall_ok.is_contiguous():
+            raise ValueError("recall_ok must be contiguous (the kernel updates it in place)")
     if not supports(weight.dtype):
         raise ValueError(f"weight must be bfloat16 or float32, got {weight.dtype}")
     if lam < 1 or hq % hkv:
@@ -170,20 +205,26 @@ def lola_step(
     out = torch.empty(rows, dv, device=linear.device, dtype=q.dtype)
     rbuf = torch.empty(rows, dv + 1, device=linear.device, dtype=torch.float32)
     errs = torch.empty(rows, lam + 1, device=linear.device, dtype=torch.float32)
+    if keep:
+        lrec = torch.empty(rows, recall_width(dv), device=linear.device, dtype=torch.float32)
+    else:  # unread
+        recall = pending = lrec = errs
+        recall_ok = held
     errors, commit = _kernels()
     map_keys = cache_map_keys if separate else cache_keys
     block = min(BLOCK_ROWS, _pow2(lam))
     shape = dict(H=hq, L=lam, D=d, FH=fh, DV=dv, BL=block, BD=_pow2(d), BF=_pow2(fh),
-                 BV=min(BLOCK_VALUES, _pow2(dv + 1)), LOWP=weight.dtype == torch.bfloat16, EPS=EMPTY_DENOMINATOR)  # fmt: skip
+                 BV=min(BLOCK_VALUES, _pow2(dv + 1)), LOWP=weight.dtype == torch.bfloat16, EPS=EMPTY_DENOMINATOR, KEEP=keep,
+                 RW=recall_width(dv))  # fmt: skip
     errors[(rows, -(-lam // block) + 1)](
         linear, errs, map_keys, cache_values, cache_valid, cache_positions, leave_map_keys, leave_values, leave_positions, weight, bias,
-        sinks, hq // hkv, **shape, num_warps=WARPS if fh >= 128 else 4,
+        recall, pending, recall_ok, lrec, sinks, hq // hkv, **shape, num_warps=WARPS if fh >= 128 else 4,
     )  # fmt: skip
     commit[(rows,)](
         linear, errs, qphi, q, out, rbuf, held,
         cache_keys, map_keys, cache_values, cache_valid, cache_positions,
         leave_keys, leave_map_keys, leave_values, leave_valid, leave_positions, window_keys, window_values, window_valid,
-        weight, bias, factor,
+        weight, bias, factor, recall, pending, recall_ok, lrec,
         sinks, hq // hkv, scale, weight_tokens, ETA=eta, BS=min(SELECT_BLOCK, _pow2(lam)), BW=_pow2(eta), BDV=_pow2(dv),
         SEPARATE=separate, READ_STATE=read_state, READ_SPARSE=read_sparse, num_warps=COMMIT_WARPS, **shape,
     )  # fmt: skip
@@ -193,7 +234,7 @@ def lola_step(
 @lola_step.register_fake
 def _(linear, held, qphi, q, cache_keys, cache_map_keys, cache_values, cache_valid, cache_positions, leave_keys, leave_map_keys,
       leave_values, leave_valid, leave_positions, window_keys, window_values, window_valid, weight, bias, factor, sinks, scale,
-      weight_tokens, read_state, read_sparse):  # fmt: skip
+      weight_tokens, read_state, read_sparse, recall=None, pending=None, recall_ok=None):  # fmt: skip
     return q.new_empty(linear.shape[0], cache_values.shape[-1])
 
 

@@ -647,7 +647,14 @@ class LolaDecodeState:
       denominator together; ``held`` counts the tokens written into it (for ``weight_tokens``).
 
     ``context`` holds the per-call constants (window factor, linear weights) already on the
-    device. ``canonical()`` gives the equivalent ``LolaState`` (the chunked op's layout)."""
+    device. ``canonical()`` gives the equivalent ``LolaState`` (the chunked op's layout).
+
+    Where the fused step may run (``fused_lola.KEEP_RECALL``), the state also keeps each cache slot's
+    recall [phi(k) S, phi(k) z] (``recall``, lambda (Dv + 1) floats per query head, padded to a
+    multiple of 4: about the bytes of the slots' keys and values in float32): a write into [S | z] changes every recall by a rank-one
+    term, so the step adds that term (kept in ``pending`` until the next step's errors) instead of
+    reading the whole state for every slot. They are derived data: ``recall_ok`` says which rows'
+    are current, and the torch step, which does not keep them, clears it."""
 
     keys: Tensor  # (B, Hkv, eta, D) ring order
     values: Tensor  # (B, Hkv, eta, Dv)
@@ -665,6 +672,9 @@ class LolaDecodeState:
     held: Tensor  # (B, Hq) tokens written into the linear state
     context: _ChunkContext
     key_map: tuple[Tensor, Tensor] | None = None  # phi_k as Hedgehog (weight (Hq, D, f), bias (Hq, f)), for the fused step
+    recall: Tensor | None = None  # (B Hq, lambda, Dv + 1 padded) the fused step's kept recalls [phi S, phi z] of the cache slots
+    pending: Tensor | None = None  # (B Hq, F + Dv + 1) the last write (phi_w, [v_w, 1]), not yet in ``recall``
+    recall_ok: Tensor | None = None  # (B,) int32: 1 where the row's kept recalls are current
 
     @classmethod
     def from_state(cls, state: LolaState, *, phi_q: FeatureFn, phi_k: FeatureFn, window_factor: Tensor, scale: float,
@@ -691,6 +701,14 @@ class LolaDecodeState:
         def kept(x: Tensor | None) -> Tensor | None:
             return None if x is None else x.to(store)
 
+        b, lam, dv = state.sparse.keys.shape[0], state.sparse.keys.shape[2], state.sparse.values.shape[-1]
+        linear = state.linear.kv
+        keep = (fused_lola.KEEP_RECALL and lam > 0 and key_map is not None and recall == "state" and fused_lola.supports(dtype)
+                and linear.dtype == torch.float32 and fused_decode.triton_available() and (linear.is_cuda or fused_decode.interpreting()))  # fmt: skip
+        recalls = {}
+        if keep:  # the first fused step computes them (recall_ok 0)
+            recalls = dict(recall=linear.new_zeros(b * hq, lam, fused_lola.recall_width(dv)), pending=linear.new_zeros(b * hq, linear.shape[2] + dv + 1),
+                           recall_ok=torch.zeros(b, dtype=torch.int32, device=linear.device))  # fmt: skip
         return cls(
             keys=kept(win.keys), values=kept(win.values), linear_keys=kept(win.linear_keys), valid=win.valid, positions=win.positions,
             index=torch.zeros((), dtype=torch.long, device=win.keys.device),
@@ -699,6 +717,7 @@ class LolaDecodeState:
             cache_positions=cache.positions,
             linear=torch.cat([state.linear.kv, state.linear.k_sum[..., None]], dim=-1).flatten(0, 1), held=state_tokens(state),
             context=context, key_map=None if key_map is None else _key_map(key_map, hq, state.sparse.keys.shape[-1], dtype),
+            **recalls,
         )  # fmt: skip
 
     def canonical(self) -> LolaState:
@@ -769,6 +788,8 @@ def lola_decode_step(ds: LolaDecodeState, q: Tensor, k: Tensor, v: Tensor, q_lin
     if lam and ds.key_map is not None and ctx.recall == "state" and fused_decode.enabled(ds.linear) and fused_lola.supports(ctx.dtype) \
             and ds.linear.dtype == torch.float32:  # fmt: skip
         return _step_fused(ds, q, k, v, q_lin, k_lin)
+    if ds.recall_ok is not None:  # this step changes the memory without the kept recalls
+        ds.recall_ok.zero_()
 
     # 1. Select: the leaving token against the cache entries.
     leave = {"keys": repeat_kv(ds.keys.index_select(2, i), n_rep), "values": repeat_kv(ds.values.index_select(2, i), n_rep)}  # (B, Hq, 1, X)
@@ -832,7 +853,7 @@ def _step_fused(ds: LolaDecodeState, q: Tensor, k: Tensor, v: Tensor, q_lin: Ten
     out = fused_lola.lola_step(
         ds.linear, ds.held, qphi, q[:, :, 0], ds.cache_keys, ds.cache_linear_keys, ds.cache_values, ds.cache_valid, ds.cache_positions,
         *leaving, ds.keys, ds.values, ds.valid, weight, bias, ctx.factor.view(hq), ctx.sinks, ctx.scale, ctx.weight_tokens,
-        ctx.read_state, ctx.read_sparse,
+        ctx.read_state, ctx.read_sparse, ds.recall, ds.pending, ds.recall_ok,
     )  # fmt: skip
     return out.view(b, hq, 1, dv)
 

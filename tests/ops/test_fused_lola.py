@@ -117,6 +117,65 @@ def test_fused_step_rejects_bad_arguments():
         fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **{**args, "weight": args["weight"].half(), "bias": args["bias"].half()})
     with pytest.raises(ValueError, match="together"):
         fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **{**args, "cache_map_keys": z(b, hq, lam, d)})
+    with pytest.raises(ValueError, match="recall, pending and recall_ok together"):
+        fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **args, recall=z(b * hq, lam, dv + 1))
+    kept = dict(recall=z(b * hq, lam, fused_lola.recall_width(dv)), pending=z(b * hq, 2 * f + dv + 1), recall_ok=z(b, dtype=torch.int32))
+    with pytest.raises(ValueError, match="recall must have shape"):
+        fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **args, **{**kept, "recall": z(b * hq, lam, dv + 1)})
+    with pytest.raises(ValueError, match="recall_ok must be torch.int32"):
+        fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **args, **{**kept, "recall_ok": z(b, dtype=torch.bool)})
+
+
+def _recall_drift(ds: LolaDecodeState, phi_k) -> float:
+    """How far the kept recalls, with the pending write added, are from phi(k) [S | z] of every
+    valid cache slot recomputed from the state (the invariant the errors kernel relies on)."""
+    b, hq, lam, _ = ds.cache_keys.shape
+    phi = phi_k(ds.cache_keys.float())  # (B, Hq, L, F)
+    f = phi.shape[-1]
+    want = phi @ ds.linear.view(b, hq, f, -1)  # (B, Hq, L, Dv + 1)
+    pend = ds.pending.view(b, hq, -1)
+    a = phi @ pend[..., :f, None]  # (B, Hq, L, 1)
+    got = ds.recall.view(b, hq, lam, -1)[..., : want.shape[-1]] + a * pend[..., None, f:]
+    return float((got - want)[ds.cache_valid].abs().max())
+
+
+@torch.no_grad()
+def test_kept_recalls_stay_the_state_products_and_survive_torch_steps():
+    """The fused step keeps each cache slot's recall [phi S, phi z] (plus the write pending) equal
+    to the product recomputed from the state, step after step; a torch step in between marks the
+    recalls stale, and the next fused step computes them again from the state. Outputs follow the
+    chunked op throughout."""
+    torch.manual_seed(5)
+    b, hq, hkv, d, f, dv, w, lam = 2, 4, 2, 16, 8, 12, 3, 4
+    phi_q, phi_k, key_map = _maps(hq, d, f)
+    options = dict(window_factor=torch.rand(hq, device=DEVICE), sinks=1, linear_weight=0.5)
+    kw = dict(phi_q=phi_q, phi_k=phi_k, window=w, sparse=lam, **options)
+
+    def token(t):
+        return torch.randn(b, hq, t, d, device=DEVICE), torch.randn(b, hkv, t, d, device=DEVICE), torch.randn(b, hkv, t, dv, device=DEVICE)
+
+    _, state = lola_attention(*token(12), chunk=4, **kw)
+    ds = LolaDecodeState.from_state(state, phi_q=phi_q, phi_k=phi_k, scale=d**-0.5, dtype=torch.float32, key_map=key_map, **options)
+    assert ds.recall is not None and ds.recall.shape == (b * hq, lam, 16) and not ds.recall_ok.any()  # Dv + 1 = 13, padded
+    for fused in (True, True, True, False, True, True, False, False, True):
+        q, k, v = token(1)
+        want, state = lola_attention(q, k, v, chunk=1, state=state, **kw)
+        with fused_decode.use_fused(fused):
+            got = lola_decode_step(ds, q, k, v)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        if fused:
+            assert ds.recall_ok.all()
+            assert _recall_drift(ds, phi_k) < 1e-4
+        else:
+            assert not ds.recall_ok.any()
+
+
+@torch.no_grad()
+def test_fused_step_without_kept_recalls(monkeypatch):
+    """With ``KEEP_RECALL`` off the state keeps no recalls and every step scores the cache from
+    the state: the same outputs and memory as the torch step and the chunked op."""
+    monkeypatch.setattr(fused_lola, "KEEP_RECALL", False)
+    _run(d=16, f=16, dv=16, separate=False, reads=(True, True), steps=5)
 
 
 def _bfloat16_runs(b, hq, hkv, d, *, f, lam, w, tokens, chunk, **options):
@@ -165,6 +224,7 @@ def test_fused_step_in_bfloat16_on_cuda():
         for name in ("keys", "values", "valid", "positions", "index", "next_position", "cache_keys", "cache_values", "cache_valid",
                      "cache_positions", "linear", "held"):  # fmt: skip
             getattr(runs[1], name).copy_(getattr(runs[0], name))
+        runs[1].recall_ok.mul_((~flipped.any(-1)).int())  # a row whose cache was replaced: its kept recalls are stale
     # On an H200: 42 of 2,048 head steps (2.1%). The features themselves are bfloat16-rounded
     # projections, so two candidates within about a percent of each other are a tie at that precision.
     assert differ <= 0.05 * 16 * b * hq, f"the fused choice differs from the torch step's in {differ} of {16 * b * hq} head steps"
