@@ -181,8 +181,9 @@ def test_lola_decoder_with_the_fused_step_follows_the_torch_decoder(monkeypatch)
     torch.testing.assert_close(runs[1][1], runs[0][1], atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("name,fused", [("hybrid-nope", False), ("dsla-partial", False), ("hybrid-joint", True), ("lola-nope-sinks-weight", False)],
-                         ids=["hybrid-nope", "dsla-partial", "hybrid-joint-fused", "lola"])
+@pytest.mark.parametrize("name,fused", [("hybrid-nope", False), ("dsla-partial", False), ("hybrid-joint", True), ("lola-nope-sinks-weight", False),
+                                        ("lola-nope-sinks-weight", True)],
+                         ids=["hybrid-nope", "dsla-partial", "hybrid-joint-fused", "lola", "lola-fused"])
 @torch.no_grad()
 def test_compiled_step_equals_the_eager_step(name, fused):
     """torch.compile'd steps (one compilation: nothing in the step changes a Python value) give the
@@ -196,6 +197,9 @@ def test_compiled_step_equals_the_eager_step(name, fused):
         decoder = StaticDecoder(model, batch_size=2, max_length=16, compile=compile)
         with fused_decode.use_fused(fused):
             runs.append((decoder.generate(prompt, max_new_tokens=8), decoder.logits.clone()))
+        if fused and name.startswith("lola"):  # the fused LoLA step ran, on the cache slots' kept recalls
+            states = [m.decode_state for m in decoder.memory if isinstance(getattr(m, "decode_state", None), LolaDecodeState)]
+            assert states and all(st.recall_ok is not None and bool(st.recall_ok.all()) for st in states)
     assert torch.equal(runs[1][0], runs[0][0])
     torch.testing.assert_close(runs[1][1], runs[0][1], atol=1e-5, rtol=1e-5)
 
