@@ -369,6 +369,25 @@ def _recall_errors(kphi, v, frow, vrow, tok, val, base, zbase, sinks, R: tl.cons
 
 
 @triton.jit
+def _recall_errors_resident(kphi, v, frow, vrow, tok, val, st, z, sinks, R: tl.constexpr, F: tl.constexpr, DV: tl.constexpr,
+                            BF: tl.constexpr, BV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr):  # fmt: skip
+    """``_recall_errors`` against [S | z] held in registers: ``st`` (BF, BV) and ``z`` (BF,) float32,
+    zero past F and DV."""
+    of = tl.arange(0, BF)
+    ov = tl.arange(0, BV)
+    mv = ov < DV
+    kf = tl.load(kphi + (frow + tok)[:, None] * F + of[None, :], mask=val[:, None] & (of < F)[None, :], other=0.0).to(tl.float32)
+    acc = _product(kf, st, LOWP)
+    nrm = tl.sum(kf * z[None, :], axis=1)
+    ok = nrm > EPS
+    vv = tl.load(v + (vrow + tok)[:, None] * DV + ov[None, :], mask=val[:, None] & mv[None, :], other=0.0).to(tl.float32)
+    diff = tl.where(ok[:, None], acc / tl.where(ok, nrm, 1.0)[:, None], 0.0) - vv
+    diff = tl.where(mv[None, :], diff, 0.0)
+    e = tl.where(tok < sinks, float("inf"), tl.sqrt(tl.sum(diff * diff, axis=1)))
+    return tl.where(val, e, float("-inf"))
+
+
+@triton.jit
 def _older_block(kx, v, row, ki, tok_i, tok_j, val_j, m, l, acc, scale, D: tl.constexpr, BD: tl.constexpr,
                  DV: tl.constexpr, BDV: tl.constexpr, LOWP: tl.constexpr):  # fmt: skip
     """One block of candidates j into the online softmax of the rows i (keys ``ki``): only those
@@ -422,7 +441,7 @@ def lola_select_kernel(
     H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, ETA: tl.constexpr, C: tl.constexpr, LAM: tl.constexpr,
     BC: tl.constexpr, BL: tl.constexpr, BN: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, LOWP: tl.constexpr,
     EPS: tl.constexpr, SNAP: tl.constexpr, CH0: tl.constexpr, CH1: tl.constexpr,
-    MEMORY: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BM: tl.constexpr,
+    MEMORY: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BM: tl.constexpr, RESIDENT: tl.constexpr,
 ):  # fmt: skip
     """The sequential half of LoLA's chunked prefill for one (row, query head), chunks c_first ..
     c_last - 1 (``ops.lola.lola_attention``'s rule): per chunk the candidates' (the cache, then the
@@ -431,7 +450,9 @@ def lola_select_kernel(
     the cache entries not kept written into [S | z] (the state the chunk's queries read, saved in
     ``snap`` / ``snapz`` when SNAP), then the leavers not kept. No query is read here. MEMORY: each
     error is the smaller of that and the older candidates' recall error (keys ``kx``, the feature
-    maps' inputs per KV head; blocks of BM candidates)."""
+    maps' inputs per KV head; blocks of BM candidates). RESIDENT: [S | z] is held in registers
+    through the chunks (BF >= F and BV >= DV), loaded before the first and stored after the last,
+    instead of read from memory by every block of candidates and by the update."""
     r = tl.program_id(0).to(tl.int64)  # one (batch row, query head)
     b = r // H
     h = r % H
@@ -446,6 +467,13 @@ def lola_select_kernel(
     ob = tl.arange(0, BC)
     oa = tl.arange(0, BN)
     o16 = tl.arange(0, 16).to(tl.int64)
+    ofr = tl.arange(0, BF)
+    ovr = tl.arange(0, BV)
+    mfr = ofr < F
+    mr2 = mfr[:, None] & (ovr < DV)[None, :]
+    if RESIDENT:
+        st_r = tl.load(base + ofr[:, None] * DV + ovr[None, :], mask=mr2, other=0.0)
+        z_r = tl.load(zbase + ofr, mask=mfr, other=0.0)
     # Chunks as constants where Triton's interpreter runs the kernel (it passes runtime scalars as
     # one-element arrays, which NumPy 2 refuses as a loop bound).
     for chunk in range(CH0 if CH1 > 0 else c_first, CH1 if CH1 > 0 else c_last):
@@ -460,11 +488,17 @@ def lola_select_kernel(
             mi = ci < LAM
             tok = tl.load(prev + ci, mask=mi, other=-1).to(tl.int64)
             val = tok >= 0
-            e = _recall_errors(kphi, v, frow, vrow, tl.where(val, tok, 0), val, base, zbase, sinks, BL, F, DV, BF, BV, LOWP, EPS)
+            if RESIDENT:
+                e = _recall_errors_resident(kphi, v, frow, vrow, tl.where(val, tok, 0), val, st_r, z_r, sinks, BL, F, DV, BF, BV, LOWP, EPS)
+            else:
+                e = _recall_errors(kphi, v, frow, vrow, tl.where(val, tok, 0), val, base, zbase, sinks, BL, F, DV, BF, BV, LOWP, EPS)
             tl.store(errs + r * NCP + ci, e, mask=mi)
         ltok = p0 - ETA + ob  # the leavers: the window's n oldest slots
         lval = (ob < n) & (ltok >= 0)
-        e = _recall_errors(kphi, v, frow, vrow, tl.where(lval, ltok, 0), lval, base, zbase, sinks, BC, F, DV, BF, BV, LOWP, EPS)
+        if RESIDENT:
+            e = _recall_errors_resident(kphi, v, frow, vrow, tl.where(lval, ltok, 0), lval, st_r, z_r, sinks, BC, F, DV, BF, BV, LOWP, EPS)
+        else:
+            e = _recall_errors(kphi, v, frow, vrow, tl.where(lval, ltok, 0), lval, base, zbase, sinks, BC, F, DV, BF, BV, LOWP, EPS)
         tl.store(errs + r * NCP + LAM + ob, e)
         tl.debug_barrier()
         if MEMORY:  # or recalled by the older candidates, whichever is smaller (sinks and empty slots as they are)
@@ -517,7 +551,20 @@ def lola_select_kernel(
         ltok = tl.where(lw, ltok, 0)
         sv = snap + ((r * n_seg + chunk - c_first) * F) * DV  # this chunk's saved state
         sz = snapz + (r * n_seg + chunk - c_first) * F
-        for v0 in tl.static_range(0, DV, BV):
+        if RESIDENT:
+            mvr = ovr < DV
+            vc = tl.load(v + (vrow + wtok)[:, None] * DV + ovr[None, :], mask=wval[:, None] & mvr[None, :], other=0.0)
+            vl = tl.load(v + (vrow + ltok)[:, None] * DV + ovr[None, :], mask=lw[:, None] & mvr[None, :], other=0.0)
+            kc = tl.load(kphi + (frow + wtok)[:, None] * F + ofr[None, :], mask=wval[:, None] & mfr[None, :], other=0.0)
+            kl = tl.load(kphi + (frow + ltok)[:, None] * F + ofr[None, :], mask=lw[:, None] & mfr[None, :], other=0.0)
+            st_r = st_r + _exact(tl.trans(kc), vc, LOWP)
+            z_r = z_r + tl.sum(kc.to(tl.float32), axis=0)
+            if SNAP:
+                tl.store(sv + ofr[:, None] * DV + ovr[None, :], st_r, mask=mr2)
+                tl.store(sz + ofr, z_r, mask=mfr)
+            st_r = st_r + _exact(tl.trans(kl), vl, LOWP)
+            z_r = z_r + tl.sum(kl.to(tl.float32), axis=0)
+        for v0 in tl.static_range(0, DV if not RESIDENT else 0, BV):
             ov = v0 + tl.arange(0, BV)
             mv = ov < DV
             vc = tl.load(v + (vrow + wtok)[:, None] * DV + ov[None, :], mask=wval[:, None] & mv[None, :], other=0.0)
@@ -541,6 +588,9 @@ def lola_select_kernel(
         held += nw + tl.sum(lw.to(tl.int32), axis=0)
         tl.debug_barrier()
     tl.store(held_buf + r, held)
+    if RESIDENT:
+        tl.store(base + ofr[:, None] * DV + ovr[None, :], st_r, mask=mr2)
+        tl.store(zbase + ofr, z_r, mask=mfr)
 
 
 @triton.jit

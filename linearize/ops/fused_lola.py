@@ -52,6 +52,10 @@ chunk's output can be computed at once. So:
    cache entries older than it exactly, the saved state and the leavers that have left its window
    linearly.
 
+Where [S | z] is small (``PREFILL_RESIDENT_FLOATS``: SmolLM2's 128 x 64), the selection holds it in
+registers through the chunks (loaded once, stored after the last; each chunk's saved state still
+written) instead of reading it in tiles for every block of candidates and for the update.
+
 A long prompt runs as segments of chunks (the saved states within ``PREFILL_SAVED_BYTES``); on CUDA
 each segment's read runs on a second stream beside the next one's selection, which leaves most SMs
 idle. The selection is latency-bound: one program per head, a few dependent phases per chunk
@@ -248,6 +252,10 @@ PREFILL_BLOCK_RECALL = 64
 """Candidates per block of the recall "memory" pass (its rows; its columns: the cache blocks and the leavers)."""
 PREFILL_WARPS = 8
 """Warps per program of the selection kernel."""
+PREFILL_RESIDENT_FLOATS = 128 * 64
+"""The selection kernel holds [S | z] in registers through the chunks where its padded size is at
+most this many floats (SmolLM2's 128 features x 64 values: 32 per thread at 8 warps), instead of
+reading it from memory in tiles for every block of candidates and for the update."""
 PREFILL_READ_WARPS = 4
 """Warps per program of the read kernel."""
 PREFILL_READ_BLOCK_FEATURES = 64
@@ -349,6 +357,7 @@ def lola_prefill(
     snap = torch.empty(n_buf, rows, n_seg if saved else 1, feats * dv, device=dev, dtype=torch.float32)
     snapz = torch.empty(n_buf, rows, n_seg if saved else 1, feats, device=dev, dtype=torch.float32)
     select, read = _prefill_kernels()
+    resident = _pow2(feats) * _pow2(dv) <= PREFILL_RESIDENT_FLOATS  # [S | z] held in registers through the chunks
     block = min(PREFILL_BLOCK_CACHE, _pow2(sparse))
     bq = max(16, min(PREFILL_READ_QUERIES, bc))  # both powers of two
     common = dict(H=hq, F=feats, DV=dv, ETA=window, C=chunk, LAM=sparse, BC=bc, BL=block, LOWP=q.dtype == torch.bfloat16,
@@ -363,7 +372,8 @@ def lola_prefill(
         select[(rows,)](
             v, kphi, kx, n_real, kv, k_sum, held, hist, lkept, nread, errs, wlist, snap[buf], snapz[buf],
             t, n_chunks, c0, c1, n_seg, sinks, hq // hkv, scale, **common, BN=_pow2(sparse + bc),
-            BF=min(PREFILL_BLOCK_FEATURES, _pow2(feats)), BV=min(PREFILL_BLOCK_VALUES, _pow2(dv)), SNAP=saved,
+            BF=_pow2(feats) if resident else min(PREFILL_BLOCK_FEATURES, _pow2(feats)),
+            BV=_pow2(dv) if resident else min(PREFILL_BLOCK_VALUES, _pow2(dv)), SNAP=saved, RESIDENT=resident,
             CH0=c0 if interp else 0, CH1=c1 if interp else 0, MEMORY=memory, D=d, BD=_pow2(d), BDV=_pow2(dv),
             BM=min(PREFILL_BLOCK_RECALL, _pow2(sparse + bc)), num_warps=PREFILL_WARPS,
         )  # fmt: skip

@@ -326,6 +326,25 @@ def test_fused_prefill_equals_the_chunked_op(case):
     _assert_same_prefill(ref, got)
 
 
+@pytest.mark.parametrize(
+    "case",
+    [dict(sinks=1, linear_weight=[0.2, 0.5, 1.0, 0.0]), dict(separate=True, padded=True, sinks=2, weight_tokens=10, d=12, dv=20, f=12),
+     dict(recall="memory", lam=21, chunk=8, w=8, t=70, hkv=1, dv=70)],
+    ids=["gqa-sink-weights", "separate-padded-masked-tiles", "memory-one-kv-head"],
+)
+@torch.no_grad()
+def test_fused_prefill_with_the_state_in_tiles_equals_the_chunked_op(monkeypatch, case):
+    """The selection reading [S | z] from memory in tiles of 16 x 16 (as it does where the state
+    is too large to hold in registers, ``PREFILL_RESIDENT_FLOATS``), several tiles on each axis,
+    the last ones ragged: the same output and memory as the torch op."""
+    monkeypatch.setattr(fused_lola, "PREFILL_RESIDENT_FLOATS", 0)
+    monkeypatch.setattr(fused_lola, "PREFILL_BLOCK_FEATURES", 16)
+    monkeypatch.setattr(fused_lola, "PREFILL_BLOCK_VALUES", 16)
+    ref, got, calls = _prefill_pair(**case)
+    assert calls == [1]
+    _assert_same_prefill(ref, got)
+
+
 @pytest.mark.parametrize("read_state", [True, False])
 @torch.no_grad()
 def test_fused_prefill_in_segments_equals_the_chunked_op(monkeypatch, read_state):
@@ -427,15 +446,19 @@ def test_fused_prefill_rejects_bad_arguments():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bfloat16 tensor-core products need a GPU")
 @pytest.mark.parametrize("recall", ["state", "memory"])
+@pytest.mark.parametrize("shape", ["llama3-8b", "smollm2"])
 @torch.no_grad()
-def test_fused_prefill_in_bfloat16_on_cuda(monkeypatch, recall):
+def test_fused_prefill_in_bfloat16_on_cuda(monkeypatch, recall, shape):
     """A bfloat16 model at the Llama-3-8B layer's sizes (D 128, f 128, window 64, lambda 256, 32
-    query heads on 8 KV heads), 2,048 tokens in 4 segments (each read on the second stream beside
-    the next one's selection): the fused prefill keeps almost the same cache as the torch op (a
-    near-tie at bfloat16 precision may go the other way, and the state then differs by that token)
-    and its output follows the torch op's, with either recall rule."""
+    query heads on 8 KV heads; its [S | z] read in tiles) and at SmolLM2's (D 64, f 64, 9 query
+    heads on 3; [S | z] held in registers), 2,048 tokens in 4 segments (each read on the second
+    stream beside the next one's selection): the fused prefill keeps almost the same cache as the
+    torch op (a near-tie at bfloat16 precision may go the other way, and the state then differs by
+    that token) and its output follows the torch op's, with either recall rule."""
     monkeypatch.setattr(fused_lola, "PREFILL_SEGMENT_CHUNKS", 8)
-    (out_r, st_r), (out_g, st_g), calls = _prefill_pair(b=1, hq=32, hkv=8, t=2048, d=128, f=128, dv=128, w=64, lam=256, chunk=64,
+    hq, hkv, d = (32, 8, 128) if shape == "llama3-8b" else (9, 3, 64)
+    assert (2 * d * d <= fused_lola.PREFILL_RESIDENT_FLOATS) == (shape == "smollm2")
+    (out_r, st_r), (out_g, st_g), calls = _prefill_pair(b=1, hq=hq, hkv=hkv, t=2048, d=d, f=d, dv=d, w=64, lam=256, chunk=64,
                                                         dtype=torch.bfloat16, sinks=4, linear_weight=0.1, recall=recall)  # fmt: skip
     assert calls == [1]
     same = (st_g.sparse.positions == st_r.sparse.positions).float().mean().item()
