@@ -9,7 +9,7 @@ map (256 features). OUT_DIR/lola_step_tiles.json holds the megabytes one step mu
 cache's bfloat16 keys and values once, [S | z] read and written once; with kept recalls, those read
 and written too), the microseconds per call of the torch step (``torch_step_us``; its state pass in
 the hybrid's state kernel) and of each tile of the fused step, scoring the cache from the state
-(``state``) and from kept recalls (``kept``, ``fused_lola.KEEP_RECALL``) (``BLxBVwWcC``: candidates
+(``state``) and from kept recalls (``kept``, LoLA's ``keep_recalls``) (``BLxBVwWcC``: candidates
 per program x value columns of a state tile, warps of the errors kernel, warps of the commit kernel;
 a failed compile gives its error), and each one's best tile's kernels by device time over 10 steps
 (``state_profile_us``, ``kept_profile_us``).
@@ -62,9 +62,8 @@ def main() -> None:
     bytes_moved = {"state": (2 * b * hq * lam * d * 2) + state_bytes,  # bfloat16 cache k, v once
                    "kept": (2 * b * hq * lam * d * 2) + state_bytes + 2 * b * hq * lam * fused_lola.recall_width(d) * 4}  # and the kept recalls read + written
     for variant in ("torch", "state", "kept"):  # the torch step; the fused step scoring the cache from the state; from kept recalls
-        fused_lola.KEEP_RECALL = variant == "kept"
         ds = LolaDecodeState.from_state(state, phi_q=phi_q, phi_k=phi_k, window_factor=torch.ones(hq, device=dev), scale=d**-0.5,
-                                        dtype=dt, sinks=4, linear_weight=0.1, key_map=(wk, bk))  # fmt: skip
+                                        dtype=dt, sinks=4, linear_weight=0.1, key_map=(wk, bk), keep_recalls=variant == "kept")  # fmt: skip
         step = functools.partial(lola_decode_step, ds, q, k, v)
         with fused_decode.use_fused(variant != "torch"):
             if variant == "torch":

@@ -204,6 +204,33 @@ def test_compiled_step_equals_the_eager_step(name, fused):
     torch.testing.assert_close(runs[1][1], runs[0][1], atol=1e-5, rtol=1e-5)
 
 
+@torch.no_grad()
+def test_lola_keep_recalls_option_reaches_the_decode_state():
+    """LoLA's ``keep_recalls`` option decides whether the fused step's decode states keep the cache
+    slots' recalls; the tokens and logits are the same either way."""
+    if not (fused_decode.interpreting() or torch.cuda.is_available()) or not fused_decode.triton_available():
+        pytest.skip("the fused step runs on CUDA or in Triton's interpreter")
+    from dataclasses import replace
+
+    from linearize.layers.lola import LolaAttention
+
+    model = _model("lola-nope-sinks-weight")
+    prompt = torch.randint(3, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(8))
+    runs = []
+    for keep in (True, False):
+        for m in model.modules():
+            if isinstance(m, LolaAttention):
+                m.spec = replace(m.spec, options=replace(m.options, keep_recalls=keep))
+        decoder = StaticDecoder(model, batch_size=2, max_length=14)
+        with fused_decode.use_fused(True):
+            runs.append(_prefill_and_step(decoder, prompt, 4))
+        states = [m.decode_state for m in decoder.memory if isinstance(getattr(m, "decode_state", None), LolaDecodeState)]
+        assert states and all((st.recall is not None) == keep for st in states)
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
+    for a, b in zip(runs[0][1], runs[1][1]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("name", [None, "hybrid-nope", "dsla"], ids=["teacher", "hybrid-nope", "dsla"])
 @torch.no_grad()
 def test_steps_project_through_stacked_weights_lent_for_the_step(name, monkeypatch):

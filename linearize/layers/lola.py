@@ -37,9 +37,16 @@ class LolaOptions(WindowOptions):
     """What decides which tokens the sparse cache keeps: "state" (LoLA: each candidate's self-recall
     error against the linear state) or "memory" (the smaller of that and how well the older
     candidates recall it, so a repeated token is not held twice; decoding runs the torch step)."""
+    keep_recalls: bool = True
+    """Decoding with the fused step (CUDA): true keeps each sparse-cache slot's recall [phi S, phi z]
+    and adds each token's write to it, so a slot's error does not read the state (about 5x fewer
+    FLOPs per token, sparse_cache x (head_dim + 1) more float32 per query head); false scores every
+    slot against the state each token. The same choices either way (up to rounding)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not isinstance(self.keep_recalls, bool):
+            raise SpecError(f"keep_recalls must be true or false, got {self.keep_recalls!r}")
         check_int("sparse_cache", self.sparse_cache, 0, error=SpecError)
         check_int("chunk", self.chunk, 1, error=SpecError)
         check_int("linear_weight_tokens", self.linear_weight_tokens, 0, error=SpecError)
@@ -85,7 +92,7 @@ class LolaAttention(WindowedLinearAttention):
         return LolaDecodeState.from_state(
             state, phi_q=self.feature_map_q, phi_k=phi_k, window_factor=self.window_factor(), scale=self.scaling,
             dtype=dtype, read_state=read_state, read_sparse=read_sparse, sinks=o.sinks, linear_weight=o.linear_weight,
-            weight_tokens=o.linear_weight_tokens, key_map=key_map, recall=o.recall)  # fmt: skip
+            weight_tokens=o.linear_weight_tokens, key_map=key_map, recall=o.recall, keep_recalls=o.keep_recalls)  # fmt: skip
 
     def decode_step(self, x, position_embeddings, slot):
         """The per-token path (``lola_decode_step``, memory updated in place): on the slot's decode
@@ -128,7 +135,10 @@ class LolaAttention(WindowedLinearAttention):
 
 def lola_memory(options: LolaOptions, config, dtype_bytes: int) -> tuple[int, int]:
     """Window + linear state as a hybrid, plus the sparse cache (which keeps keys before RoPE too:
-    its entries' self-recall error and write need them)."""
+    its entries' self-recall error and write need them). The method's memory: decoding with the
+    fused step (CUDA) and ``keep_recalls`` also keeps each cache slot's recall, sparse_cache x
+    (head_dim + 1, padded to a multiple of 4) float32 per query head more
+    (``ops.lola.LolaDecodeState``; the capacity benchmark measures the decode state itself)."""
     h, _, head_dim = head_sizes(config)
     sparse = options.sparse_cache * (2 + (not options.linear_rope)) * h * head_dim * STATE_BYTES
     return 0, window_bytes(options, config) + sparse + linear_state_bytes(options, config)

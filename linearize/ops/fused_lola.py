@@ -23,7 +23,7 @@ in torch:
    - the exact read of the window and the cache (one running max, the window factor) plus the
      linear term (with the length factor of ``weight_tokens``), one denominator.
 
-Where the decode state keeps each cache slot's recall [phi S, phi z] (``KEEP_RECALL``; the first
+Where the decode state keeps each cache slot's recall [phi S, phi z] (LoLA's ``keep_recalls``; the first
 step, or the first after a torch step, computes them as above and stores them), the errors kernel
 scores the cache without the state: the commit leaves its write (phi_w, [v_w, 1]) pending, and the
 next errors kernel adds it to every slot's recall as (phi . phi_w) [v_w, 1], O(f + Dv) per slot
@@ -83,9 +83,6 @@ COMMIT_WARPS = 4
 """Warps per program of the commit kernel (the choice, the state pass, the read)."""
 SELECT_BLOCK = 1024
 """Errors the commit kernel scans at a time for the least."""
-KEEP_RECALL = True
-"""Whether decode states the fused step may run on keep each cache slot's recall (``LolaDecodeState``):
-lambda (Dv + 1) more floats per query head, for errors that do not read the state."""
 
 
 @functools.cache

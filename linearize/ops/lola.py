@@ -649,7 +649,7 @@ class LolaDecodeState:
     ``context`` holds the per-call constants (window factor, linear weights) already on the
     device. ``canonical()`` gives the equivalent ``LolaState`` (the chunked op's layout).
 
-    Where the fused step may run (``fused_lola.KEEP_RECALL``), the state also keeps each cache slot's
+    Where the fused step may run (and ``keep_recalls``), the state also keeps each cache slot's
     recall [phi(k) S, phi(k) z] (``recall``, lambda (Dv + 1) floats per query head, padded to a
     multiple of 4: about the bytes of the slots' keys and values in float32): a write into [S | z] changes every recall by a rank-one
     term, so the step adds that term (kept in ``pending`` until the next step's errors) instead of
@@ -680,12 +680,13 @@ class LolaDecodeState:
     def from_state(cls, state: LolaState, *, phi_q: FeatureFn, phi_k: FeatureFn, window_factor: Tensor, scale: float,
                    dtype: torch.dtype, read_state: bool = True, read_sparse: bool = True, sinks: int = 0,
                    linear_weight: float | Sequence[float] | Tensor = 1.0, weight_tokens: int = 0,
-                   key_map: tuple[Tensor, Tensor] | None = None, recall: str = "state") -> "LolaDecodeState":
+                   key_map: tuple[Tensor, Tensor] | None = None, recall: str = "state", keep_recalls: bool = True) -> "LolaDecodeState":
         """The decode form of ``state`` (copies: ``state`` is left untouched) for ``lola_attention``'s
         arguments of the same names (checked once here; ``dtype``: the inputs' dtype, in which the
         feature maps run). ``key_map``: when ``phi_k`` is the Hedgehog map with this weight (Hq, D, f)
         and bias (Hq, f), the step runs as ``ops.fused_lola``'s two kernels where the fused kernels
-        apply (they compute the keys' features from it; with ``recall`` "memory" the torch step runs)."""
+        apply (they compute the keys' features from it; with ``recall`` "memory" the torch step runs).
+        ``keep_recalls``: where the fused step may run, keep each cache slot's recall (below)."""
         hq, hkv = state.sparse.keys.shape[1], state.window.keys.shape[1]
         weights = _check_options(heads=hq, window=state.window.keys.shape[2], sparse=state.sparse.keys.shape[2], chunk=1,
                                  window_factor=window_factor, sinks=sinks, linear_weight=linear_weight, weight_tokens=weight_tokens,
@@ -703,7 +704,7 @@ class LolaDecodeState:
 
         b, lam, dv = state.sparse.keys.shape[0], state.sparse.keys.shape[2], state.sparse.values.shape[-1]
         linear = state.linear.kv
-        keep = (fused_lola.KEEP_RECALL and lam > 0 and key_map is not None and recall == "state" and fused_lola.supports(dtype)
+        keep = (keep_recalls and lam > 0 and key_map is not None and recall == "state" and fused_lola.supports(dtype)
                 and linear.dtype == torch.float32 and fused_decode.triton_available() and (linear.is_cuda or fused_decode.interpreting()))  # fmt: skip
         recalls = {}
         if keep:  # the first fused step computes them (recall_ok 0)

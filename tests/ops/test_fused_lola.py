@@ -27,7 +27,7 @@ def _maps(hq: int, d: int, f: int, dtype=torch.float32):
     return functools.partial(hedgehog, weight=wq, bias=bq), functools.partial(hedgehog, weight=wk, bias=bk), (wk, bk)
 
 
-def _run(*, d, f, dv, separate, reads, sinks=1, weight_tokens=0, lam=4, steps=9, duplicate=False):
+def _run(*, d, f, dv, separate, reads, sinks=1, weight_tokens=0, lam=4, steps=9, duplicate=False, keep_recalls=True):
     torch.manual_seed(3)
     read_state, read_sparse = reads
     b, hq, hkv, w = 2, 4, 2, 3
@@ -45,8 +45,9 @@ def _run(*, d, f, dv, separate, reads, sinks=1, weight_tokens=0, lam=4, steps=9,
 
     q, k, v, lin = token(11)
     _, state = lola_attention(q, k, v, chunk=3, **kw, **lin)
-    runs = [LolaDecodeState.from_state(state, phi_q=phi_q, phi_k=phi_k, scale=d**-0.5, dtype=torch.float32, key_map=key_map, **options)
-            for _ in range(2)]  # fmt: skip
+    runs = [LolaDecodeState.from_state(state, phi_q=phi_q, phi_k=phi_k, scale=d**-0.5, dtype=torch.float32, key_map=key_map,
+                                       keep_recalls=keep_recalls, **options) for _ in range(2)]  # fmt: skip
+    assert (runs[1].recall is not None) == keep_recalls
     calls = []
     kernel = fused_lola.lola_step
     for _ in range(steps):
@@ -171,11 +172,10 @@ def test_kept_recalls_stay_the_state_products_and_survive_torch_steps():
 
 
 @torch.no_grad()
-def test_fused_step_without_kept_recalls(monkeypatch):
-    """With ``KEEP_RECALL`` off the state keeps no recalls and every step scores the cache from
+def test_fused_step_without_kept_recalls():
+    """With ``keep_recalls`` off the state keeps no recalls and every step scores the cache from
     the state: the same outputs and memory as the torch step and the chunked op."""
-    monkeypatch.setattr(fused_lola, "KEEP_RECALL", False)
-    _run(d=16, f=16, dv=16, separate=False, reads=(True, True), steps=5)
+    _run(d=16, f=16, dv=16, separate=False, reads=(True, True), steps=5, keep_recalls=False)
 
 
 def _bfloat16_runs(b, hq, hkv, d, *, f, lam, w, tokens, chunk, **options):
