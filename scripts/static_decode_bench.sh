@@ -12,7 +12,9 @@
 # (default "1 64"), PREFILL (the model's prefill lengths; default 256, 'none' to skip), COMPILE=1 (every part: compile each side's decode step with torch.compile first),
 # CAPACITY_CONTEXT (default 32768), PREFILL_LENGTHS (the layer's prefill lengths at batch 1; default
 # 2048,8192,32768,131072; PREFILL_KINDS default "hybrid dsla"),
-# PROFILE=1 (part prefill: each case's kernels, both sides, in layer.md).
+# PROFILE=1 (part prefill: each case's kernels, both sides, in layer.md). Kinds: hybrid, dsla, lola (window 64, 256
+# sparse slots, chunk 64; decoding keeps the slots' recalls), lola-state (the same, each slot scored against the
+# state), lola64 and lola64-state (64 sparse slots).
 set -euo pipefail
 LINEARIZE=${LINEARIZE:-linearize}
 OUT=${1:?usage: $0 OUT [layer|model|profile|capacity|prefill|all]}
@@ -23,7 +25,10 @@ spec() {  # the spec flags of a kind at the settings the shipped models use
     hybrid) echo "--attention hybrid --window 64" ;;
     dsla) echo "--attention dsla" ;;
     lola) echo "--attention lola --window 64 --sparse-cache 256 --chunk 64" ;;
-    *) echo "unknown kind $1 (hybrid, dsla, lola)" >&2; exit 2 ;;
+    lola-state) echo "--attention lola --window 64 --sparse-cache 256 --chunk 64 --keep-recalls false" ;;  # every slot scored against the state
+    lola64) echo "--attention lola --window 64 --sparse-cache 64 --chunk 64" ;;  # LoLA's (64, 64)
+    lola64-state) echo "--attention lola --window 64 --sparse-cache 64 --chunk 64 --keep-recalls false" ;;
+    *) echo "unknown kind $1 (hybrid, dsla, lola, lola-state, lola64, lola64-state)" >&2; exit 2 ;;
   esac
 }
 C=$([ "${COMPILE:-0}" = 1 ] && echo "--compile" || true)
