@@ -7,7 +7,7 @@ the step's few torch kernels around the two fused ones included).
 The defaults are a Llama-3-8B-shaped layer read as LoLA with 256 sparse slots and a square Hedgehog
 map (256 features). OUT_DIR/lola_step_tiles.json holds the megabytes one step must move (the
 cache's bfloat16 keys and values once, [S | z] read and written once; with kept recalls, those read
-and written too), the microseconds per call of the torch step (``torch_step_us``; its state pass in
+and written too, and [S | z] read once and written every ``DEFERRED_WRITES`` tokens), the microseconds per call of the torch step (``torch_step_us``; its state pass in
 the hybrid's state kernel) and of each tile of the fused step, scoring the cache from the state
 (``state``) and from kept recalls (``kept``, LoLA's ``keep_recalls``) (``BLxBVwWcC``: candidates
 per program x value columns of a state tile, warps of the errors kernel, warps of the commit kernel;
@@ -58,9 +58,11 @@ def main() -> None:
     state.linear.k_sum.uniform_(1, 2)
     q, k, v = (torch.randn(b, h, 1, d, device=dev, dtype=dt) for h in (hq, hkv, hkv))
     rows = {}
-    state_bytes = 2 * (b * hq * 2 * d * (d + 1) * 4)  # [S | z] read + written
-    bytes_moved = {"state": (2 * b * hq * lam * d * 2) + state_bytes,  # bfloat16 cache k, v once
-                   "kept": (2 * b * hq * lam * d * 2) + state_bytes + 2 * b * hq * lam * fused_lola.recall_width(d) * 4}  # and the kept recalls read + written
+    lin = b * hq * 2 * d * (d + 1) * 4  # [S | z]
+    cache = 2 * b * hq * lam * d * 2  # bfloat16 cache k, v once
+    recalls = 2 * b * hq * lam * fused_lola.recall_width(d) * 4  # the kept recalls read + written
+    bytes_moved = {"state": cache + 2 * lin,  # [S | z] read + written
+                   "kept": cache + recalls + lin + 2 * lin / fused_lola.DEFERRED_WRITES}  # read, written every DEFERRED_WRITES tokens
     for variant in ("torch", "state", "kept"):  # the torch step; the fused step scoring the cache from the state; from kept recalls
         ds = LolaDecodeState.from_state(state, phi_q=phi_q, phi_k=phi_k, window_factor=torch.ones(hq, device=dev), scale=d**-0.5,
                                         dtype=dt, sinks=4, linear_weight=0.1, key_map=(wk, bk), keep_recalls=variant == "kept")  # fmt: skip

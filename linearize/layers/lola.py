@@ -40,8 +40,9 @@ class LolaOptions(WindowOptions):
     keep_recalls: bool = True
     """Decoding with the fused step (CUDA): true keeps each sparse-cache slot's recall [phi S, phi z]
     and adds each token's write to it, so a slot's error does not read the state (about 5x fewer
-    FLOPs per token, sparse_cache x (head_dim + 1) more float32 per query head); false scores every
-    slot against the state each token. The same choices either way (up to rounding)."""
+    FLOPs per token, sparse_cache x (head_dim + 1) more float32 per query head), and defers the
+    writes into the linear state to every 8th token; false scores every slot against the state
+    each token. The same choices either way (up to rounding)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -137,8 +138,9 @@ def lola_memory(options: LolaOptions, config, dtype_bytes: int) -> tuple[int, in
     """Window + linear state as a hybrid, plus the sparse cache (which keeps keys before RoPE too:
     its entries' self-recall error and write need them). The method's memory: decoding with the
     fused step (CUDA) and ``keep_recalls`` also keeps each cache slot's recall, sparse_cache x
-    (head_dim + 1, padded to a multiple of 4) float32 per query head more
-    (``ops.lola.LolaDecodeState``; the capacity benchmark measures the decode state itself)."""
+    (head_dim + 1, padded to a multiple of 4) float32 per query head more, and 8 deferred writes of
+    (features + head_dim + 1) floats (``ops.lola.LolaDecodeState``; the capacity benchmark measures
+    the decode state itself)."""
     h, _, head_dim = head_sizes(config)
     sparse = options.sparse_cache * (2 + (not options.linear_rope)) * h * head_dim * STATE_BYTES
     return 0, window_bytes(options, config) + sparse + linear_state_bytes(options, config)

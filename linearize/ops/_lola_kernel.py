@@ -57,6 +57,22 @@ def _distance2(num, den, ok, vals, rows, mrows, s_v, ov, mv):
 
 
 @triton.jit
+def _state_tile(base, of, ov, m2, FH: tl.constexpr, W: tl.constexpr):
+    """The tile (rows ``of``, columns ``ov``, mask ``m2``) of [S | z] at ``base`` ((2 FH) x W float32,
+    row-major) for the positive and for the negative features."""
+    sp = tl.load(base + of[:, None] * W + ov[None, :], mask=m2, other=0.0)
+    sn = tl.load(base + (FH + of)[:, None] * W + ov[None, :], mask=m2, other=0.0)
+    return sp, sn
+
+
+@triton.jit
+def _store_state_tile(base, of, ov, m2, sp, sn, FH: tl.constexpr, W: tl.constexpr):
+    """``_state_tile``'s inverse: store the two tiles."""
+    tl.store(base + of[:, None] * W + ov[None, :], sp, mask=m2)
+    tl.store(base + (FH + of)[:, None] * W + ov[None, :], sn, mask=m2)
+
+
+@triton.jit
 def _errors(pp, pn, vals, rows, mrows, s_v, base, rec, FH: tl.constexpr, DV: tl.constexpr, R: tl.constexpr,
             BF: tl.constexpr, BV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr, STORE: tl.constexpr, RW: tl.constexpr):  # fmt: skip
     """Self-recall error of R candidates (features pp, pn; values at vals + rows * s_v) against
@@ -77,8 +93,7 @@ def _errors(pp, pn, vals, rows, mrows, s_v, base, rec, FH: tl.constexpr, DV: tl.
         ov = v0 + tl.arange(0, BV)
         mv = ov < DV
         m2 = mf[:, None] & mv[None, :]
-        sp = tl.load(base + of[:, None] * W + ov[None, :], mask=m2, other=0.0)
-        sn = tl.load(base + (FH + of)[:, None] * W + ov[None, :], mask=m2, other=0.0)
+        sp, sn = _state_tile(base, of, ov, m2, FH, W)
         num = _product(pp, sp, LOWP) + _product(pn, sn, LOWP)
         if STORE:
             tl.store(rec + rows[:, None] * RW + ov[None, :], num, mask=mrows[:, None] & mv[None, :])
@@ -115,6 +130,50 @@ def _errors_kept(pp, pn, vals, rows, mrows, s_v, rec, pend, FH: tl.constexpr, DV
 
 
 @triton.jit
+def _leaving_kept(pp16, pn16, first, qp, qn, vals, base, lrec, qrec, ring, n_ring, FH: tl.constexpr, DV: tl.constexpr,
+                  BF: tl.constexpr, BV: tl.constexpr, K: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr):  # fmt: skip
+    """The leaving token's recall and the query's read against the true [S | z]: the state at
+    ``base`` as stored plus the ``n_ring`` writes deferred in ``ring`` (K rows of (phi (2 FH),
+    [v, 1] (DV + 1))), in one pass over the state. The token's features are row 0 of (pp16, pn16),
+    the query's (qp, qn) (BF,) float32. Stores the recall in ``lrec`` and the read in ``qrec`` (DV + 1
+    each); returns the token's self-recall error."""
+    W: tl.constexpr = DV + 1
+    RING: tl.constexpr = 2 * FH + W
+    of = tl.arange(0, BF)
+    mf = of < FH
+    ok_ = tl.arange(0, K)
+    mk = ok_ < n_ring
+    lp = tl.sum(tl.where(first[:, None], pp16, 0.0), axis=0)  # (BF,)
+    ln = tl.sum(tl.where(first[:, None], pn16, 0.0), axis=0)
+    rp = tl.load(ring + ok_[:, None] * RING + of[None, :], mask=mk[:, None] & mf[None, :], other=0.0)  # (K, BF)
+    rn = tl.load(ring + ok_[:, None] * RING + FH + of[None, :], mask=mk[:, None] & mf[None, :], other=0.0)
+    a_l = tl.sum(rp * lp[None, :], axis=1) + tl.sum(rn * ln[None, :], axis=1)  # (K,) phi_l . phi_j
+    a_q = tl.sum(rp * qp[None, :], axis=1) + tl.sum(rn * qn[None, :], axis=1)
+    zp = tl.load(base + of * W + DV, mask=mf, other=0.0)
+    zn = tl.load(base + (FH + of) * W + DV, mask=mf, other=0.0)
+    den = tl.sum(lp * zp, axis=0) + tl.sum(ln * zn, axis=0)
+    den += tl.sum(a_l * tl.load(ring + ok_ * RING + 2 * FH + DV, mask=mk, other=0.0), axis=0)
+    ok = den > EPS
+    den = tl.where(ok, den, 1.0)
+    err2 = 0.0
+    for v0 in range(0, W, BV):
+        ov = v0 + tl.arange(0, BV)
+        mv = ov < W
+        m2 = mf[:, None] & mv[None, :]
+        sp, sn = _state_tile(base, of, ov, m2, FH, W)
+        rows = tl.load(ring + ok_[:, None] * RING + 2 * FH + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)  # (K, BV)
+        num16 = _product(pp16, sp, LOWP) + _product(pn16, sn, LOWP)
+        num = tl.sum(tl.where(first[:, None], num16, 0.0), axis=0) + tl.sum(a_l[:, None] * rows, axis=0)  # (BV,)
+        tl.store(lrec + ov, num, mask=mv)
+        read = tl.sum(qp[:, None] * sp, axis=0) + tl.sum(qn[:, None] * sn, axis=0) + tl.sum(a_q[:, None] * rows, axis=0)
+        tl.store(qrec + ov, read, mask=mv)
+        vv = tl.load(vals + ov, mask=ov < DV, other=0.0).to(tl.float32)
+        diff = tl.where(ov < DV, tl.where(ok, num / den, 0.0) - vv, 0.0)
+        err2 += tl.sum(diff * diff, axis=0)
+    return tl.sqrt(err2)
+
+
+@triton.jit
 def _head(r, linear, wk, bk, n_rep, H: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
           BF: tl.constexpr):  # fmt: skip
     """What a program of (batch row, query head) ``r`` starts from: its row b, head h, (batch row, KV
@@ -135,18 +194,22 @@ def _head(r, linear, wk, bk, n_rep, H: tl.constexpr, D: tl.constexpr, FH: tl.con
 
 @triton.jit
 def lola_errors_kernel(
-    linear, errs, cmap, cvals, cvalid, cpos, lmap, lvals, lpos, wk, bk, recall, pending, rok, lrec,
+    linear, errs, cmap, cvals, cvalid, cpos, lmap, lvals, lpos, wk, bk, recall, pending, rok, lrec, ring, ring_n, qphi, rbuf,
     sinks, n_rep,
     H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, DV: tl.constexpr,
     BL: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr,
-    KEEP: tl.constexpr, RW: tl.constexpr,
+    KEEP: tl.constexpr, RW: tl.constexpr, K: tl.constexpr,
 ):  # fmt: skip
     """Self-recall errors of one block of candidates of one (row, query head): program (r, c) scores
     cache entries c * BL .. c * BL + BL - 1 into errs[r, :L] (sinks +inf, empty slots -inf); the
     last block index scores the leaving token into errs[r, L] (sinks +inf). KEEP: the cache
-    entries' recalls are kept in ``recall`` (B Hq, L, RW), [phi S, phi z] in the first DV + 1 columns: where the row's are current
-    (``rok[b]``) they take the last write (``pending``) and give the errors without the state, else
-    they are computed from it and stored; the leaving token's recall goes to ``lrec`` (B Hq, RW)."""
+    entries' recalls are kept in ``recall`` (B Hq, L, RW), [phi S, phi z] in the first DV + 1
+    columns: where the row's are current (``rok[b]``) they take the last write (``pending``) and
+    give the errors without the state, else they are computed from it and stored. With them the
+    state's writes are deferred (``ring``, ``ring_n`` of them per (row, query head), K at most): the
+    leaving token's program reads the state once for the token's recall (to ``lrec`` (B Hq, RW)) and
+    for the query's read (to ``rbuf`` (B Hq, DV + 1), features ``qphi``), each with the deferred
+    writes added."""
     r = tl.program_id(0).to(tl.int64)  # one (batch row, query head)
     c = tl.program_id(1)
     b, h, kr, base, od, md, of, mf, w, bias = _head(r, linear, wk, bk, n_rep, H, D, FH, DV, BD, BF)
@@ -155,7 +218,13 @@ def lola_errors_kernel(
         first = o16 == 0
         x16 = tl.load(lmap + kr * D + o16[:, None] * 0 + od[None, :], mask=first[:, None] & md[None, :], other=0.0)
         pp16, pn16 = _features(x16, w, bias, mf, LOWP)
-        e16 = _errors(pp16, pn16, lvals + kr * DV, o16, first, 0, base, lrec + r * RW, FH, DV, 16, BF, BV, LOWP, EPS, KEEP, RW)
+        if KEEP:
+            qp = tl.load(qphi + r * 2 * FH + of, mask=mf, other=0.0)
+            qn = tl.load(qphi + r * 2 * FH + FH + of, mask=mf, other=0.0)
+            e16 = _leaving_kept(pp16, pn16, first, qp, qn, lvals + kr * DV, base, lrec + r * RW, rbuf + r * (DV + 1),
+                                ring + r * K * (2 * FH + DV + 1), tl.load(ring_n + r), FH, DV, BF, BV, K, LOWP, EPS)  # fmt: skip
+        else:
+            e16 = _errors(pp16, pn16, lvals + kr * DV, o16, first, 0, base, lrec + r * RW, FH, DV, 16, BF, BV, LOWP, EPS, False, RW)
         e16 = tl.where(tl.load(lpos + b) < sinks, float("inf"), e16)
         tl.store(errs + r * (L + 1) + L + o16, e16, mask=first)
     else:
@@ -182,17 +251,19 @@ def lola_errors_kernel(
 def lola_commit_kernel(
     linear, errs, qphi, q, out, rbuf, held,
     ckeys, cmap, cvals, cvalid, cpos, lkeys, lmap, lvals, lvalid, lpos, wkeys, wvals, wvalid,
-    wk, bk, factor, recall, pending, rok, lrec,
+    wk, bk, factor, recall, pending, rok, lrec, ring, ring_n,
     sinks, n_rep, scale, weight_tokens,
     H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, DV: tl.constexpr, ETA: tl.constexpr,
     BL: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr,
     BDV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr, SEPARATE: tl.constexpr, READ_STATE: tl.constexpr,
-    READ_SPARSE: tl.constexpr, KEEP: tl.constexpr, RW: tl.constexpr,
+    READ_SPARSE: tl.constexpr, KEEP: tl.constexpr, RW: tl.constexpr, K: tl.constexpr,
 ):  # fmt: skip
     """The rest of the step for one (row, query head), from the candidates' errors: the choice, the
     state's update and read, the cache slot taken, ``held``, and the exact read. KEEP: the write is
     left in ``pending`` for the next step's errors kernel to add to the kept recalls, the slot taken
-    gets the leaving token's recall (``lrec``), and the row's recalls are current (``rok``)."""
+    gets the leaving token's recall (``lrec``), and the row's recalls are current (``rok``); the
+    write joins the deferred ones (``ring``) instead of [S | z], which takes them all once K are
+    waiting, and the query's read (``rbuf``, from the errors kernel) gets its term."""
     r = tl.program_id(0).to(tl.int64)  # one (batch row, query head)
     b, h, kr, base, od, md, of, mf, w, bias = _head(r, linear, wk, bk, n_rep, H, D, FH, DV, BD, BF)
     W: tl.constexpr = DV + 1
@@ -242,24 +313,45 @@ def lola_commit_kernel(
     mdv = odv < DV
     vl = tl.load(lvals + kr * DV + odv, mask=mdv, other=0.0)
 
-    # 2. The token not kept joins [S | z]; the query reads the updated tiles (into rbuf).
+    # 2. The token not kept joins [S | z]; the query reads the updated tiles (into rbuf). With kept
+    # recalls it joins the deferred writes, and [S | z] takes them all once K are waiting.
+    if KEEP:
+        RING: tl.constexpr = 2 * FH + W
+        n_ring = tl.load(ring_n + r)
+        own = ring + r * K * RING
+        fold = n_ring + 1 >= K
+        a_q = tl.sum(qp * fp, axis=0) + tl.sum(qn * fn, axis=0)  # phi_q . phi_w
+        tl.store(own + n_ring * RING + of, fp, mask=mf & (fold == 0))
+        tl.store(own + n_ring * RING + FH + of, fn, mask=mf & (fold == 0))
     for v0 in range(0, W, BV):
         ov = v0 + tl.arange(0, BV)
         mv = ov < W
+        m2 = mf[:, None] & mv[None, :]
         v_leave = tl.load(lvals + kr * DV + ov, mask=ov < DV, other=0.0).to(tl.float32)
         v_slot = tl.load(cvals + slot * DV + ov, mask=ov < DV, other=0.0).to(tl.float32)
         row = tl.where(ov == DV, 1.0, tl.where(drop, v_leave, v_slot)) * scale_w
         if KEEP:
             tl.store(pend + 2 * FH + ov, row, mask=mv)
-        m2 = mf[:, None] & mv[None, :]
-        ptr = base + of[:, None] * W + ov[None, :]
-        sp = tl.load(ptr, mask=m2, other=0.0) + fp[:, None] * row[None, :]
-        tl.store(ptr, sp, mask=m2)
-        ptr = base + (FH + of)[:, None] * W + ov[None, :]
-        sn = tl.load(ptr, mask=m2, other=0.0) + fn[:, None] * row[None, :]
-        tl.store(ptr, sn, mask=m2)
-        read = tl.sum(qp[:, None] * sp, axis=0) + tl.sum(qn[:, None] * sn, axis=0)
-        tl.store(rbuf + r * W + ov, read, mask=mv)
+            tl.store(rbuf + r * W + ov, tl.load(rbuf + r * W + ov, mask=mv, other=0.0) + a_q * row, mask=mv)
+            tl.store(own + n_ring * RING + 2 * FH + ov, row, mask=mv & (fold == 0))
+            if fold:  # [S | z] += the deferred writes and this one
+                addp = fp[:, None] * row[None, :]
+                addn = fn[:, None] * row[None, :]
+                for j in tl.static_range(K - 1):
+                    rj = tl.load(own + j * RING + 2 * FH + ov, mask=mv, other=0.0)
+                    addp += tl.load(own + j * RING + of, mask=mf, other=0.0)[:, None] * rj[None, :]
+                    addn += tl.load(own + j * RING + FH + of, mask=mf, other=0.0)[:, None] * rj[None, :]
+                sp, sn = _state_tile(base, of, ov, m2, FH, W)
+                _store_state_tile(base, of, ov, m2, sp + addp, sn + addn, FH, W)
+        else:
+            sp, sn = _state_tile(base, of, ov, m2, FH, W)
+            sp += fp[:, None] * row[None, :]
+            sn += fn[:, None] * row[None, :]
+            _store_state_tile(base, of, ov, m2, sp, sn, FH, W)
+            read = tl.sum(qp[:, None] * sp, axis=0) + tl.sum(qn[:, None] * sn, axis=0)
+            tl.store(rbuf + r * W + ov, read, mask=mv)
+    if KEEP:
+        tl.store(ring_n + r, tl.where(fold, 0, n_ring + 1))
 
     # 3. The leaving token takes the slot where it is kept; the tokens held.
     kl = tl.load(lkeys + kr * D + od, mask=md, other=0.0)

@@ -23,12 +23,16 @@ in torch:
    - the exact read of the window and the cache (one running max, the window factor) plus the
      linear term (with the length factor of ``weight_tokens``), one denominator.
 
-Where the decode state keeps each cache slot's recall [phi S, phi z] (LoLA's ``keep_recalls``; the first
-step, or the first after a torch step, computes them as above and stores them), the errors kernel
+Where the decode state keeps each cache slot's recall [phi S, phi z] (LoLA's ``keep_recalls``; the
+first step, or the first after a torch step, computes them as above and stores them), the errors kernel
 scores the cache without the state: the commit leaves its write (phi_w, [v_w, 1]) pending, and the
 next errors kernel adds it to every slot's recall as (phi . phi_w) [v_w, 1], O(f + Dv) per slot
 instead of the O(f Dv) product, then takes the error from the recall; the slot the leaving token
-takes gets the leaving token's recall, which its own program computed from the state.
+takes gets the leaving token's recall, which its own program computed from the state. Such a state
+also defers its writes into [S | z] (``DEFERRED_WRITES`` at most): the leaving token's program reads
+the state once for the token's recall and for the query's read (``qphi``, into the read buffer),
+each plus the deferred writes' terms; the commit adds its write to them and the query's read, and
+writes [S | z] only when they are full, all at once.
 
 The state is read from memory about once (the other candidate blocks and the update pass mostly
 find it in cache) and written once; the cache's keys and values, kept in the model's dtype, are read for the
@@ -101,6 +105,11 @@ def _pow2(n: int) -> int:
     return max(16, next_power_of_2(n))
 
 
+DEFERRED_WRITES = 8
+"""Writes into [S | z] a decode state with kept recalls defers (``LolaDecodeState.deferred``): the
+state is written once every this many tokens."""
+
+
 def recall_width(dv: int) -> int:
     """Floats per kept recall: [phi S, phi z] (Dv + 1) padded to a multiple of 4, so that every
     row starts 16-byte aligned and is read in vector loads."""
@@ -115,7 +124,7 @@ def supports(dtype: torch.dtype) -> bool:
 @torch.library.custom_op(
     "linearize::lola_step",
     mutates_args=("linear", "held", "cache_keys", "cache_map_keys", "cache_values", "cache_valid", "cache_positions", "recall", "pending",
-                  "recall_ok"),
+                  "recall_ok", "deferred", "deferred_count"),
 )
 def lola_step(
     linear: Tensor, held: Tensor, qphi: Tensor, q: Tensor,
@@ -125,6 +134,7 @@ def lola_step(
     weight: Tensor, bias: Tensor, factor: Tensor,
     sinks: int, scale: float, weight_tokens: int, read_state: bool, read_sparse: bool,
     recall: Tensor | None = None, pending: Tensor | None = None, recall_ok: Tensor | None = None,
+    deferred: Tensor | None = None, deferred_count: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     """One LoLA decode step after the new token took its window slot, in place on the memory:
     selection, the write into ``linear`` (B Hq, 2f, Dv + 1) float32 [S | z] and ``held`` (B, Hq),
@@ -146,10 +156,15 @@ def lola_step(
     - ``sinks``, ``scale``, ``weight_tokens``, ``read_state``, ``read_sparse`` as in ``lola_attention``;
     - the kept recalls (all three or none): ``recall`` (B Hq, lambda, ``recall_width(Dv)``) float32
       each cache slot's [phi S, phi z] against the state before the last write (its first Dv + 1
-      columns), ``pending`` (B Hq, 2f + Dv + 1)
-      float32 that write (phi_w, [v_w, 1]), ``recall_ok`` (B,) int32 whether the row's recalls are
-      current (0: the step computes them from the state; a step elsewhere that changes the memory
-      sets it to 0). With them the cache entries' errors cost O(f + Dv) each instead of O(f Dv).
+      columns), ``pending`` (B Hq, 2f + Dv + 1) float32 that write (phi_w, [v_w, 1]), ``recall_ok``
+      (B,) int32 whether the row's recalls are current (0: the step computes them from the state; a
+      step elsewhere that changes the memory sets it to 0). With them the cache entries' errors cost
+      O(f + Dv) each instead of O(f Dv);
+    - with the kept recalls, the writes into [S | z] deferred: ``deferred`` (B Hq, K, 2f + Dv + 1)
+      float32, ``deferred_count`` (B Hq) int32 of them in use (K a power of two): the true state is
+      ``linear`` plus the first ``deferred_count`` writes phi [v, 1]^T; a step adds its write there
+      and [S | z] takes them all when K are waiting, so most steps read the state once and write
+      none of it.
     """
     b, hq, lam, d = cache_keys.shape
     dv = cache_values.shape[-1]
@@ -179,16 +194,22 @@ def lola_step(
         fused_decode._check("cache_map_keys", cache_map_keys, (b, hq, lam, d))
         fused_decode._check("leave_map_keys", leave_map_keys, (b, hkv, d))
     keep = recall is not None
-    if keep != (pending is not None) or keep != (recall_ok is not None):
-        raise ValueError("give recall, pending and recall_ok together (the kept recalls) or none of them")
+    if any(keep != (t is not None) for t in (pending, recall_ok, deferred, deferred_count)):
+        raise ValueError("give recall, pending, recall_ok, deferred and deferred_count together (the kept recalls) or none of them")
     if keep:
         fused_decode._check_buffer("recall", recall)
         fused_decode._check("recall", recall, (b * hq, lam, recall_width(dv)), torch.float32)
         fused_decode._check_buffer("pending", pending)
         fused_decode._check("pending", pending, (b * hq, 2 * fh + dv + 1), torch.float32)
         fused_decode._check("recall_ok", recall_ok, (b,), torch.int32)
-        if not recall_ok.is_contiguous():
-            raise ValueError("recall_ok must be contiguous (the kernel updates it in place)")
+        k_deferred = deferred.shape[1] if deferred.dim() == 3 else 0
+        if k_deferred < 2 or k_deferred & (k_deferred - 1):
+            raise ValueError(f"deferred must be (B Hq, K, 2f + Dv + 1) with K a power of two >= 2, got {tuple(deferred.shape)}")
+        fused_decode._check_buffer("deferred", deferred)
+        fused_decode._check("deferred", deferred, (b * hq, k_deferred, 2 * fh + dv + 1), torch.float32)
+        fused_decode._check("deferred_count", deferred_count, (b * hq,), torch.int32)
+        if not recall_ok.is_contiguous() or not deferred_count.is_contiguous():
+            raise ValueError("recall_ok and deferred_count must be contiguous (the kernels update them in place)")
     if not supports(weight.dtype):
         raise ValueError(f"weight must be bfloat16 or float32, got {weight.dtype}")
     if lam < 1 or hq % hkv:
@@ -209,23 +230,25 @@ def lola_step(
     if keep:
         lrec = torch.empty(rows, recall_width(dv), device=linear.device, dtype=torch.float32)
     else:  # unread
-        recall = pending = lrec = errs
-        recall_ok = held
+        recall = pending = lrec = deferred = errs
+        recall_ok = deferred_count = held
+        k_deferred = 2
     errors, commit = _kernels()
     map_keys = cache_map_keys if separate else cache_keys
     block = min(BLOCK_ROWS, _pow2(lam))
     shape = dict(H=hq, L=lam, D=d, FH=fh, DV=dv, BL=block, BD=_pow2(d), BF=_pow2(fh),
                  BV=min(BLOCK_VALUES, _pow2(dv + 1)), LOWP=weight.dtype == torch.bfloat16, EPS=EMPTY_DENOMINATOR, KEEP=keep,
-                 RW=recall_width(dv))  # fmt: skip
+                 RW=recall_width(dv), K=k_deferred)  # fmt: skip
     errors[(rows, -(-lam // block) + 1)](
         linear, errs, map_keys, cache_values, cache_valid, cache_positions, leave_map_keys, leave_values, leave_positions, weight, bias,
-        recall, pending, recall_ok, lrec, sinks, hq // hkv, **shape, num_warps=WARPS if fh >= 128 else 4,
+        recall, pending, recall_ok, lrec, deferred, deferred_count, qphi, rbuf, sinks, hq // hkv, **shape,
+        num_warps=WARPS if fh >= 128 else 4,
     )  # fmt: skip
     commit[(rows,)](
         linear, errs, qphi, q, out, rbuf, held,
         cache_keys, map_keys, cache_values, cache_valid, cache_positions,
         leave_keys, leave_map_keys, leave_values, leave_valid, leave_positions, window_keys, window_values, window_valid,
-        weight, bias, factor, recall, pending, recall_ok, lrec,
+        weight, bias, factor, recall, pending, recall_ok, lrec, deferred, deferred_count,
         sinks, hq // hkv, scale, weight_tokens, ETA=eta, BS=min(SELECT_BLOCK, _pow2(lam)), BW=_pow2(eta), BDV=_pow2(dv),
         SEPARATE=separate, READ_STATE=read_state, READ_SPARSE=read_sparse, num_warps=COMMIT_WARPS, **shape,
     )  # fmt: skip
@@ -235,7 +258,7 @@ def lola_step(
 @lola_step.register_fake
 def _(linear, held, qphi, q, cache_keys, cache_map_keys, cache_values, cache_valid, cache_positions, leave_keys, leave_map_keys,
       leave_values, leave_valid, leave_positions, window_keys, window_values, window_valid, weight, bias, factor, sinks, scale,
-      weight_tokens, read_state, read_sparse, recall=None, pending=None, recall_ok=None):  # fmt: skip
+      weight_tokens, read_state, read_sparse, recall=None, pending=None, recall_ok=None, deferred=None, deferred_count=None):  # fmt: skip
     return q.new_empty(linear.shape[0], cache_values.shape[-1])
 
 

@@ -651,10 +651,14 @@ class LolaDecodeState:
 
     Where the fused step may run (and ``keep_recalls``), the state also keeps each cache slot's
     recall [phi(k) S, phi(k) z] (``recall``, lambda (Dv + 1) floats per query head, padded to a
-    multiple of 4: about the bytes of the slots' keys and values in float32): a write into [S | z] changes every recall by a rank-one
-    term, so the step adds that term (kept in ``pending`` until the next step's errors) instead of
-    reading the whole state for every slot. They are derived data: ``recall_ok`` says which rows'
-    are current, and the torch step, which does not keep them, clears it."""
+    multiple of 4: about the bytes of the slots' keys and values in float32). A write into [S | z]
+    changes every recall by a rank-one term, so the step adds that term (kept in ``pending`` until
+    the next step's errors) instead of reading the whole state for every slot. They are derived
+    data: ``recall_ok`` says which rows' are current, and the torch step, which does not keep them,
+    clears it. Such a state also defers its writes into [S | z]: the first ``deferred_count`` rows of
+    ``deferred`` are writes not yet in ``linear`` (``linear_state()`` is the true state), which takes
+    them all once ``fused_lola.DEFERRED_WRITES`` are waiting, so most steps read [S | z] once and
+    write none of it; the torch step adds them first."""
 
     keys: Tensor  # (B, Hkv, eta, D) ring order
     values: Tensor  # (B, Hkv, eta, Dv)
@@ -675,6 +679,8 @@ class LolaDecodeState:
     recall: Tensor | None = None  # (B Hq, lambda, Dv + 1 padded) the fused step's kept recalls [phi S, phi z] of the cache slots
     pending: Tensor | None = None  # (B Hq, F + Dv + 1) the last write (phi_w, [v_w, 1]), not yet in ``recall``
     recall_ok: Tensor | None = None  # (B,) int32: 1 where the row's kept recalls are current
+    deferred: Tensor | None = None  # (B Hq, K, F + Dv + 1) writes (phi, [v, 1]) not yet in ``linear``
+    deferred_count: Tensor | None = None  # (B Hq,) int32 how many of them
 
     @classmethod
     def from_state(cls, state: LolaState, *, phi_q: FeatureFn, phi_k: FeatureFn, window_factor: Tensor, scale: float,
@@ -708,8 +714,11 @@ class LolaDecodeState:
                 and linear.dtype == torch.float32 and fused_decode.triton_available() and (linear.is_cuda or fused_decode.interpreting()))  # fmt: skip
         recalls = {}
         if keep:  # the first fused step computes them (recall_ok 0)
-            recalls = dict(recall=linear.new_zeros(b * hq, lam, fused_lola.recall_width(dv)), pending=linear.new_zeros(b * hq, linear.shape[2] + dv + 1),
-                           recall_ok=torch.zeros(b, dtype=torch.int32, device=linear.device))  # fmt: skip
+            width = linear.shape[2] + dv + 1
+            recalls = dict(recall=linear.new_zeros(b * hq, lam, fused_lola.recall_width(dv)), pending=linear.new_zeros(b * hq, width),
+                           recall_ok=torch.zeros(b, dtype=torch.int32, device=linear.device),
+                           deferred=linear.new_zeros(b * hq, fused_lola.DEFERRED_WRITES, width),
+                           deferred_count=torch.zeros(b * hq, dtype=torch.int32, device=linear.device))  # fmt: skip
         return cls(
             keys=kept(win.keys), values=kept(win.values), linear_keys=kept(win.linear_keys), valid=win.valid, positions=win.positions,
             index=torch.zeros((), dtype=torch.long, device=win.keys.device),
@@ -738,7 +747,7 @@ class LolaDecodeState:
             return None if x is None else x.gather(2, order.unsqueeze(-1).expand(-1, -1, -1, x.shape[-1])).float()
 
         dv = self.linear.shape[-1] - 1
-        linear = self.linear.view(*self.cache_valid.shape[:2], -1, dv + 1)  # (B, Hq, F, Dv + 1)
+        linear = self.linear_state().view(*self.cache_valid.shape[:2], -1, dv + 1)  # (B, Hq, F, Dv + 1)
         return LolaState(
             window=WindowState(keys=ring(self.keys, 2), values=ring(self.values, 2), valid=ring(self.valid, 1),
                                positions=ring(self.positions, 1), linear_keys=ring(self.linear_keys, 2)),
@@ -746,6 +755,25 @@ class LolaDecodeState:
                                     positions=self.cache_positions.gather(-1, order), linear_keys=sort(self.cache_linear_keys)),
             linear=LinearState(kv=linear[..., :dv].contiguous(), k_sum=linear[..., dv].contiguous()),
         )  # fmt: skip
+
+
+    def _deferred_sum(self) -> Tensor:
+        """The deferred writes summed: (B Hq, F, Dv + 1), sum over the first ``deferred_count`` of
+        phi [v, 1]^T."""
+        f = self.linear.shape[1]
+        use = torch.arange(self.deferred.shape[1], device=self.linear.device) < self.deferred_count[:, None]  # (B Hq, K)
+        ring = self.deferred * use[..., None]
+        return ring[..., :f].transpose(1, 2) @ ring[..., f:]
+
+    def linear_state(self) -> Tensor:
+        """[S | z] (B Hq, F, Dv + 1) with every write in it: ``linear`` plus the deferred writes."""
+        return self.linear if self.deferred is None else self.linear + self._deferred_sum()
+
+    def fold_deferred(self) -> None:
+        """Add the deferred writes to ``linear`` in place (none left deferred)."""
+        if self.deferred is not None:
+            self.linear.add_(self._deferred_sum())
+            self.deferred_count.zero_()
 
 
 def _key_map(key_map: tuple[Tensor, Tensor], hq: int, d: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -791,6 +819,7 @@ def lola_decode_step(ds: LolaDecodeState, q: Tensor, k: Tensor, v: Tensor, q_lin
         return _step_fused(ds, q, k, v, q_lin, k_lin)
     if ds.recall_ok is not None:  # this step changes the memory without the kept recalls
         ds.recall_ok.zero_()
+    ds.fold_deferred()
 
     # 1. Select: the leaving token against the cache entries.
     leave = {"keys": repeat_kv(ds.keys.index_select(2, i), n_rep), "values": repeat_kv(ds.values.index_select(2, i), n_rep)}  # (B, Hq, 1, X)
@@ -854,7 +883,7 @@ def _step_fused(ds: LolaDecodeState, q: Tensor, k: Tensor, v: Tensor, q_lin: Ten
     out = fused_lola.lola_step(
         ds.linear, ds.held, qphi, q[:, :, 0], ds.cache_keys, ds.cache_linear_keys, ds.cache_values, ds.cache_valid, ds.cache_positions,
         *leaving, ds.keys, ds.values, ds.valid, weight, bias, ctx.factor.view(hq), ctx.sinks, ctx.scale, ctx.weight_tokens,
-        ctx.read_state, ctx.read_sparse, ds.recall, ds.pending, ds.recall_ok,
+        ctx.read_state, ctx.read_sparse, ds.recall, ds.pending, ds.recall_ok, ds.deferred, ds.deferred_count,
     )  # fmt: skip
     return out.view(b, hq, 1, dv)
 

@@ -118,13 +118,16 @@ def test_fused_step_rejects_bad_arguments():
         fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **{**args, "weight": args["weight"].half(), "bias": args["bias"].half()})
     with pytest.raises(ValueError, match="together"):
         fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **{**args, "cache_map_keys": z(b, hq, lam, d)})
-    with pytest.raises(ValueError, match="recall, pending and recall_ok together"):
+    with pytest.raises(ValueError, match="recall, pending, recall_ok, deferred and deferred_count together"):
         fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **args, recall=z(b * hq, lam, dv + 1))
-    kept = dict(recall=z(b * hq, lam, fused_lola.recall_width(dv)), pending=z(b * hq, 2 * f + dv + 1), recall_ok=z(b, dtype=torch.int32))
+    kept = dict(recall=z(b * hq, lam, fused_lola.recall_width(dv)), pending=z(b * hq, 2 * f + dv + 1), recall_ok=z(b, dtype=torch.int32),
+                deferred=z(b * hq, 4, 2 * f + dv + 1), deferred_count=z(b * hq, dtype=torch.int32))
     with pytest.raises(ValueError, match="recall must have shape"):
         fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **args, **{**kept, "recall": z(b * hq, lam, dv + 1)})
     with pytest.raises(ValueError, match="recall_ok must be torch.int32"):
         fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **args, **{**kept, "recall_ok": z(b, dtype=torch.bool)})
+    with pytest.raises(ValueError, match="K a power of two"):
+        fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **args, **{**kept, "deferred": z(b * hq, 3, 2 * f + dv + 1)})
 
 
 def _recall_drift(ds: LolaDecodeState, phi_k) -> float:
@@ -133,19 +136,23 @@ def _recall_drift(ds: LolaDecodeState, phi_k) -> float:
     b, hq, lam, _ = ds.cache_keys.shape
     phi = phi_k(ds.cache_keys.float())  # (B, Hq, L, F)
     f = phi.shape[-1]
-    want = phi @ ds.linear.view(b, hq, f, -1)  # (B, Hq, L, Dv + 1)
+    want = phi @ ds.linear_state().view(b, hq, f, -1)  # (B, Hq, L, Dv + 1)
     pend = ds.pending.view(b, hq, -1)
     a = phi @ pend[..., :f, None]  # (B, Hq, L, 1)
     got = ds.recall.view(b, hq, lam, -1)[..., : want.shape[-1]] + a * pend[..., None, f:]
     return float((got - want)[ds.cache_valid].abs().max())
 
 
+@pytest.mark.parametrize("deferred", [2, 4, 8])
 @torch.no_grad()
-def test_kept_recalls_stay_the_state_products_and_survive_torch_steps():
+def test_kept_recalls_stay_the_state_products_and_survive_torch_steps(monkeypatch, deferred):
     """The fused step keeps each cache slot's recall [phi S, phi z] (plus the write pending) equal
     to the product recomputed from the state, step after step; a torch step in between marks the
-    recalls stale, and the next fused step computes them again from the state. Outputs follow the
-    chunked op throughout."""
+    recalls stale, and the next fused step computes them again from the state. The state's writes
+    are deferred (2, 4 or 8 at most: [S | z] takes them every 2 or 4 tokens, or only when a torch
+    step needs it): outputs follow the chunked op throughout, and the state the decode state stands
+    for is the op's."""
+    monkeypatch.setattr(fused_lola, "DEFERRED_WRITES", deferred)
     torch.manual_seed(5)
     b, hq, hkv, d, f, dv, w, lam = 2, 4, 2, 16, 8, 12, 3, 4
     phi_q, phi_k, key_map = _maps(hq, d, f)
@@ -168,7 +175,10 @@ def test_kept_recalls_stay_the_state_products_and_survive_torch_steps():
             assert ds.recall_ok.all()
             assert _recall_drift(ds, phi_k) < 1e-4
         else:
-            assert not ds.recall_ok.any()
+            assert not ds.recall_ok.any() and not ds.deferred_count.any()
+        torch.testing.assert_close(ds.linear_state().view(b, hq, -1, dv + 1)[..., :dv], state.linear.kv, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ds.linear_state().view(b, hq, -1, dv + 1)[..., dv], state.linear.k_sum, atol=1e-5, rtol=1e-5)
+    assert ds.deferred.shape[1] == deferred
 
 
 @torch.no_grad()
@@ -203,7 +213,7 @@ def test_fused_step_in_bfloat16_on_cuda():
     differ = 0
     for _ in range(16):
         q, k, v = (torch.randn(b, h, 1, d, device=DEVICE, dtype=torch.bfloat16) for h in (hq, hkv, hkv))
-        before = runs[0].linear.view(b, hq, -1).clone()
+        before = runs[0].linear_state().view(b, hq, -1).clone()
         outs = []
         for fused, ds in zip((False, True), runs):
             with fused_decode.use_fused(fused):
@@ -218,13 +228,14 @@ def test_fused_step_in_bfloat16_on_cuda():
         # than 5%): a bfloat16 projection rounded one unit the other way (the products' order
         # differs from cuBLAS's) moves a feature by a few percent; another token written would
         # differ by about all of it.
-        got = runs[1].linear.view(b, hq, -1)[~flipped] - before[~flipped]
-        want = runs[0].linear.view(b, hq, -1)[~flipped] - before[~flipped]
+        got = runs[1].linear_state().view(b, hq, -1)[~flipped] - before[~flipped]
+        want = runs[0].linear_state().view(b, hq, -1)[~flipped] - before[~flipped]
         assert ((got - want).norm(dim=-1) <= 0.2 * want.norm(dim=-1) + 1e-4).all()
         for name in ("keys", "values", "valid", "positions", "index", "next_position", "cache_keys", "cache_values", "cache_valid",
                      "cache_positions", "linear", "held"):  # fmt: skip
             getattr(runs[1], name).copy_(getattr(runs[0], name))
         runs[1].recall_ok.mul_((~flipped.any(-1)).int())  # a row whose cache was replaced: its kept recalls are stale
+        runs[1].deferred_count.zero_()  # the state copied holds every write
     # On an H200: 42 of 2,048 head steps (2.1%). The features themselves are bfloat16-rounded
     # projections, so two candidates within about a percent of each other are a tie at that precision.
     assert differ <= 0.05 * 16 * b * hq, f"the fused choice differs from the torch step's in {differ} of {16 * b * hq} head steps"
