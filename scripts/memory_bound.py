@@ -7,8 +7,10 @@ The requests are those ``linearize replay`` makes of the same window (its sessio
 prompt cap; only their lengths count here, so the prompt text is a stand-in). For each policy, every
 request at its final length (prompt + output) and at the level the policy gives it with memory full,
 against every request at level 0: ``linearize.serve.replay.memory_bound``, the "memory bound" column of
-every replay report. Bytes are the serving dtype's (bfloat16: 2 bytes; ``--dtype-bytes``). Writes
-OUT/memory_bound.json and OUT/memory_bound.md.
+every replay report. Bytes are the serving dtype's (bfloat16: 2 bytes; ``--dtype-bytes``). Also the window's
+demand at the trace's own rate (``--rate-scale 1``): its arrival span and the output and prompt tokens per
+second it asks for (``--rate-scale r`` asks r times as many), to set against a policy's saturated
+throughput. Writes OUT/memory_bound.json and OUT/memory_bound.md.
 """
 
 from __future__ import annotations
@@ -66,15 +68,23 @@ def main() -> None:
     bounds = {}
     for policy in ["softmax", *[p.strip() for p in args.policies.split(",") if p.strip() and p.strip() != "softmax"]]:
         bounds[policy] = memory_bound(levels, parse_policy(policy, levels), requests, budget=1 << 30)
+    span = max(r.arrival for r in requests) - min(r.arrival for r in requests)
+    outputs = sum(r.output_tokens for r in requests)
+    demand = {"span_s": span, "output_tokens": outputs, "prompt_tokens": sum(prompts),
+              "output_tokens_per_s": outputs / span if span > 0 else None, "prompt_tokens_per_s": sum(prompts) / span if span > 0 else None}
     result = {"model": args.model, "trace": args.trace, "start": args.start, "requests": len(requests), "max_prompt": max_prompt,
               "dtype_bytes": args.dtype_bytes, "prompt_mean": statistics.mean(prompts), "prompt_max": max(prompts),
-              "prompts_by_length_cap": classes, "policies": bounds}  # fmt: skip
+              "prompts_by_length_cap": classes, "demand_at_rate_scale_1": demand, "policies": bounds}  # fmt: skip
     lines = [f"# Memory bound\n\n{args.model}, {args.trace} requests {args.start}..{args.start + len(requests) - 1}, prompts "
              f"capped at {max_prompt} tokens (mean {result['prompt_mean']:.0f}, at most {result['prompt_max']}; by length-caps' "
              "classes: " + ", ".join(f"{k} tokens {v}" for k, v in classes.items()) + f"), {args.dtype_bytes}-byte values.\n",
              "Each request at its final length (prompt + output) and at the level the policy gives it with memory full, against "
              "every request at level 0.\n", "| policy | bytes vs softmax | memory bound (requests held vs softmax) |", "|---|---:|---:|"]  # fmt: skip
     lines += [f"| {p} | {b['bytes_vs_softmax']:.3f} | {b['capacity_vs_softmax']:.2f}x |" for p, b in bounds.items()]
+    if span > 0:
+        lines.append(f"\nAt the trace's own rate (`--rate-scale 1`) the requests arrive over {span:.0f} s and ask for "
+                     f"{demand['output_tokens_per_s']:.0f} output and {demand['prompt_tokens_per_s']:.0f} prompt tokens/s "
+                     f"({outputs} and {sum(prompts)} in all); `--rate-scale r` asks r times as many per second.")
     markdown = "\n".join(lines) + "\n"
     write_results(args.out, "memory_bound", result, markdown, indent=1)
     print(markdown)

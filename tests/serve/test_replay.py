@@ -343,3 +343,8 @@ def test_the_memory_bound_script_bounds_a_window_without_replaying_it(tmp_path):
     expected = memory_bound(levels, parse_policy("static:100%", levels), requests, budget=1 << 30)
     assert result["policies"]["static:100%"]["capacity_vs_softmax"] == pytest.approx(expected["capacity_vs_softmax"])
     assert "| length-caps |" in (tmp_path / "memory_bound.md").read_text()
+    demand = result["demand_at_rate_scale_1"]  # the window's arrival span and tokens asked for
+    span = max(r.arrival for r in requests) - min(r.arrival for r in requests)
+    assert demand["span_s"] == pytest.approx(span) and demand["output_tokens"] == sum(r.output_tokens for r in requests)
+    assert demand["output_tokens_per_s"] == pytest.approx(demand["output_tokens"] / span)
+    assert demand["prompt_tokens"] == sum(len(r.prompt) for r in requests)
