@@ -658,7 +658,9 @@ class LolaDecodeState:
     clears it. Such a state also defers its writes into [S | z]: the first ``deferred_count`` rows of
     ``deferred`` are writes not yet in ``linear`` (``linear_state()`` is the true state), which takes
     them all once ``fused_lola.DEFERRED_WRITES`` are waiting, so most steps read [S | z] once and
-    write none of it; the torch step adds them first."""
+    write none of it; the torch step adds them first. A row whose recalls are not current has no
+    deferred writes (the fused step computes its recalls from ``linear`` alone): code that changes
+    the memory outside the steps folds them (``fold_deferred``) before clearing ``recall_ok``."""
 
     keys: Tensor  # (B, Hkv, eta, D) ring order
     values: Tensor  # (B, Hkv, eta, Dv)
