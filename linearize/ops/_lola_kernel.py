@@ -432,10 +432,12 @@ def _exact(a, b, LOWP: tl.constexpr):
 
 
 @triton.jit
-def _recall_errors(kphi, v, frow, vrow, tok, val, base, zbase, sinks, R: tl.constexpr, F: tl.constexpr, DV: tl.constexpr,
-                   BF: tl.constexpr, BV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr):  # fmt: skip
+def _recall_errors(kphi, v, frow, vrow, tok, val, base, zbase, st_r, z_r, sinks, R: tl.constexpr, F: tl.constexpr, DV: tl.constexpr,
+                   BF: tl.constexpr, BV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr, RESIDENT: tl.constexpr):  # fmt: skip
     """Self-recall errors (R,) float32 of the tokens ``tok`` (features at kphi row frow + tok, values
-    at v row vrow + tok) against [S | z] at ``base`` / ``zbase``: sinks +inf, not ``val`` -inf."""
+    at v row vrow + tok) against [S | z] at ``base`` / ``zbase``, or, RESIDENT, held in registers as
+    ``st_r`` (BF, BV) and ``z_r`` (BF,) (one tile: BF >= F, BV >= DV, zero past them): sinks +inf,
+    not ``val`` -inf."""
     nrm = tl.zeros([R], dtype=tl.float32)
     err2 = tl.zeros([R], dtype=tl.float32)
     for v0 in tl.static_range(0, DV, BV):
@@ -446,10 +448,16 @@ def _recall_errors(kphi, v, frow, vrow, tok, val, base, zbase, sinks, R: tl.cons
             of = f0 + tl.arange(0, BF)
             mf = of < F
             kf = tl.load(kphi + (frow + tok)[:, None] * F + of[None, :], mask=val[:, None] & mf[None, :], other=0.0).to(tl.float32)
-            st = tl.load(base + of[:, None] * DV + ov[None, :], mask=mf[:, None] & mv[None, :], other=0.0)
+            if RESIDENT:
+                st = st_r
+            else:
+                st = tl.load(base + of[:, None] * DV + ov[None, :], mask=mf[:, None] & mv[None, :], other=0.0)
             acc += _product(kf, st, LOWP)
             if v0 == 0:
-                z = tl.load(zbase + of, mask=mf, other=0.0)
+                if RESIDENT:
+                    z = z_r
+                else:
+                    z = tl.load(zbase + of, mask=mf, other=0.0)
                 nrm += tl.sum(kf * z[None, :], axis=1)
         ok = nrm > EPS
         vv = tl.load(v + (vrow + tok)[:, None] * DV + ov[None, :], mask=val[:, None] & mv[None, :], other=0.0).to(tl.float32)
@@ -457,25 +465,6 @@ def _recall_errors(kphi, v, frow, vrow, tok, val, base, zbase, sinks, R: tl.cons
         diff = tl.where(mv[None, :], diff, 0.0)
         err2 += tl.sum(diff * diff, axis=1)
     e = tl.where(tok < sinks, float("inf"), tl.sqrt(err2))
-    return tl.where(val, e, float("-inf"))
-
-
-@triton.jit
-def _recall_errors_resident(kphi, v, frow, vrow, tok, val, st, z, sinks, R: tl.constexpr, F: tl.constexpr, DV: tl.constexpr,
-                            BF: tl.constexpr, BV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr):  # fmt: skip
-    """``_recall_errors`` against [S | z] held in registers: ``st`` (BF, BV) and ``z`` (BF,) float32,
-    zero past F and DV."""
-    of = tl.arange(0, BF)
-    ov = tl.arange(0, BV)
-    mv = ov < DV
-    kf = tl.load(kphi + (frow + tok)[:, None] * F + of[None, :], mask=val[:, None] & (of < F)[None, :], other=0.0).to(tl.float32)
-    acc = _product(kf, st, LOWP)
-    nrm = tl.sum(kf * z[None, :], axis=1)
-    ok = nrm > EPS
-    vv = tl.load(v + (vrow + tok)[:, None] * DV + ov[None, :], mask=val[:, None] & mv[None, :], other=0.0).to(tl.float32)
-    diff = tl.where(ok[:, None], acc / tl.where(ok, nrm, 1.0)[:, None], 0.0) - vv
-    diff = tl.where(mv[None, :], diff, 0.0)
-    e = tl.where(tok < sinks, float("inf"), tl.sqrt(tl.sum(diff * diff, axis=1)))
     return tl.where(val, e, float("-inf"))
 
 
@@ -566,6 +555,9 @@ def lola_select_kernel(
     if RESIDENT:
         st_r = tl.load(base + ofr[:, None] * DV + ovr[None, :], mask=mr2, other=0.0)
         z_r = tl.load(zbase + ofr, mask=mfr, other=0.0)
+    else:  # unread: [S | z] is read from memory in tiles
+        st_r = 0.0
+        z_r = 0.0
     # Chunks as constants where Triton's interpreter runs the kernel (it passes runtime scalars as
     # one-element arrays, which NumPy 2 refuses as a loop bound).
     for chunk in range(CH0 if CH1 > 0 else c_first, CH1 if CH1 > 0 else c_last):
@@ -580,17 +572,13 @@ def lola_select_kernel(
             mi = ci < LAM
             tok = tl.load(prev + ci, mask=mi, other=-1).to(tl.int64)
             val = tok >= 0
-            if RESIDENT:
-                e = _recall_errors_resident(kphi, v, frow, vrow, tl.where(val, tok, 0), val, st_r, z_r, sinks, BL, F, DV, BF, BV, LOWP, EPS)
-            else:
-                e = _recall_errors(kphi, v, frow, vrow, tl.where(val, tok, 0), val, base, zbase, sinks, BL, F, DV, BF, BV, LOWP, EPS)
+            e = _recall_errors(kphi, v, frow, vrow, tl.where(val, tok, 0), val, base, zbase, st_r, z_r, sinks, BL, F, DV, BF, BV, LOWP, EPS,
+                               RESIDENT)  # fmt: skip
             tl.store(errs + r * NCP + ci, e, mask=mi)
         ltok = p0 - ETA + ob  # the leavers: the window's n oldest slots
         lval = (ob < n) & (ltok >= 0)
-        if RESIDENT:
-            e = _recall_errors_resident(kphi, v, frow, vrow, tl.where(lval, ltok, 0), lval, st_r, z_r, sinks, BC, F, DV, BF, BV, LOWP, EPS)
-        else:
-            e = _recall_errors(kphi, v, frow, vrow, tl.where(lval, ltok, 0), lval, base, zbase, sinks, BC, F, DV, BF, BV, LOWP, EPS)
+        e = _recall_errors(kphi, v, frow, vrow, tl.where(lval, ltok, 0), lval, base, zbase, st_r, z_r, sinks, BC, F, DV, BF, BV, LOWP, EPS,
+                           RESIDENT)  # fmt: skip
         tl.store(errs + r * NCP + LAM + ob, e)
         tl.debug_barrier()
         if MEMORY:  # or recalled by the older candidates, whichever is smaller (sinks and empty slots as they are)

@@ -712,8 +712,8 @@ class LolaDecodeState:
 
         b, lam, dv = state.sparse.keys.shape[0], state.sparse.keys.shape[2], state.sparse.values.shape[-1]
         linear = state.linear.kv
-        keep = (keep_recalls and lam > 0 and key_map is not None and recall == "state" and fused_lola.supports(dtype)
-                and linear.dtype == torch.float32 and fused_decode.triton_available() and (linear.is_cuda or fused_decode.interpreting()))  # fmt: skip
+        keep = (keep_recalls and _fused_step_fits(lam, key_map, recall, dtype, linear) and fused_decode.triton_available()
+                and (linear.is_cuda or fused_decode.interpreting()))  # where the fused step may run  # fmt: skip
         recalls = {}
         if keep:  # the first fused step computes them (recall_ok 0)
             width = linear.shape[2] + dv + 1
@@ -758,7 +758,6 @@ class LolaDecodeState:
             linear=LinearState(kv=linear[..., :dv].contiguous(), k_sum=linear[..., dv].contiguous()),
         )  # fmt: skip
 
-
     def _deferred_sum(self) -> Tensor:
         """The deferred writes summed: (B Hq, F, Dv + 1), sum over the first ``deferred_count`` of
         phi [v, 1]^T."""
@@ -776,6 +775,13 @@ class LolaDecodeState:
         if self.deferred is not None:
             self.linear.add_(self._deferred_sum())
             self.deferred_count.zero_()
+
+
+def _fused_step_fits(sparse: int, key_map, recall: str, dtype: torch.dtype, linear: Tensor) -> bool:
+    """Whether ``fused_lola.lola_step`` can decode such a memory (where the fused kernels are
+    enabled): a sparse cache, the Hedgehog key map, the self-recall rule, a dtype it supports and
+    [S | z] in float32."""
+    return bool(sparse) and key_map is not None and recall == "state" and fused_lola.supports(dtype) and linear.dtype == torch.float32
 
 
 def _key_map(key_map: tuple[Tensor, Tensor], hq: int, d: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -816,8 +822,7 @@ def lola_decode_step(ds: LolaDecodeState, q: Tensor, k: Tensor, v: Tensor, q_lin
     n_rep = ctx.n_rep
     i = ds.index.view(1)
 
-    if lam and ds.key_map is not None and ctx.recall == "state" and fused_decode.enabled(ds.linear) and fused_lola.supports(ctx.dtype) \
-            and ds.linear.dtype == torch.float32:  # fmt: skip
+    if _fused_step_fits(lam, ds.key_map, ctx.recall, ctx.dtype, ds.linear) and fused_decode.enabled(ds.linear):
         return _step_fused(ds, q, k, v, q_lin, k_lin)
     if ds.recall_ok is not None:  # this step changes the memory without the kept recalls
         ds.recall_ok.zero_()
