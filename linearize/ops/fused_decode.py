@@ -55,13 +55,19 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def kernels_run_on(x: Tensor) -> bool:
+    """Whether Triton's kernels can run on ``x``'s device: CUDA, or the CPU when Triton interprets.
+    (``scripts/kernel_resources.py`` replaces it to compile the kernels for a GPU on a CPU.)"""
+    return x.is_cuda or (interpreting() and x.device.type == "cpu")
+
+
 def enabled(x: Tensor) -> bool:
     """Whether a decode step on ``x``'s device takes the fused kernels: by default on CUDA (with
     Triton importable); inside ``use_fused(True)`` also on the CPU when Triton interprets."""
     asked = forced()
     if asked is False or not triton_available():
         return False
-    return x.is_cuda or (asked is True and interpreting() and x.device.type == "cpu")
+    return kernels_run_on(x) and (x.is_cuda or asked is True)
 
 
 def forced() -> bool | None:

@@ -64,10 +64,15 @@ SUB = 16
 """Queries per sub-block of the output kernel (its decays within a sub-block are taken pairwise)."""
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 STATE_TILES = ((64, 64, 4, 2), (64, 64, 8, 3), (32, 64, 4, 2), (32, 128, 4, 2), (32, 128, 8, 2), (64, 128, 8, 2), (32, 32, 4, 3),
-               (16, 16, 4, 2))  # fmt: skip
-"""(BK, BV, num_warps, num_stages) that ``dsla_states`` is autotuned over on a GPU (those that fit)."""
-OUTPUT_TILES = ((32, 64, 4, 2), (64, 64, 4, 2), (64, 64, 8, 2), (32, 128, 8, 2), (64, 128, 8, 2), (16, 16, 4, 1))
-"""(BK, BV, num_warps, num_stages) that ``dsla_output`` is autotuned over on a GPU (those that fit)."""
+               (16, 16, 4, 2), (32, 128, 8, 2, 128))  # fmt: skip
+"""(BK, BV, num_warps, num_stages[, registers per thread at most]) that ``dsla_states`` is autotuned
+over on a GPU (those that fit). The last: two 8-warp programs per SM instead of one (ptxas for sm_90
+at the Llama-3-8B shape: 128 registers and 30 spilled, against 175 and none uncapped;
+``scripts/kernel_resources.py``)."""
+OUTPUT_TILES = ((32, 64, 4, 2), (64, 64, 4, 2), (64, 64, 8, 2), (32, 128, 8, 2), (64, 128, 8, 2), (16, 16, 4, 1), (32, 128, 8, 2, 128))
+"""(BK, BV, num_warps, num_stages[, registers per thread at most]) that ``dsla_output`` is autotuned
+over on a GPU (those that fit). The last: two 8-warp programs per SM instead of one (128 registers
+and 102 spilled, against 242 and none uncapped)."""
 
 
 def applies(qf: Tensor, v: Tensor, rank: int) -> bool:

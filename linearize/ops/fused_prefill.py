@@ -77,17 +77,17 @@ def num_features(phi: FeatureFn, x: Tensor) -> int:
     return count(x.shape[-1]) if count is not None else phi(x[:1, :, :1]).shape[-1]
 
 
-def state_tiled(configs: tuple[tuple[int, int, int, int], ...], keys: list[str], interpreted: tuple[int, int]):
+def state_tiled(configs: tuple[tuple[int, ...], ...], keys: list[str], interpreted: tuple[int, int]):
     """A decorator for a Triton kernel with state tiles BK x BV over its F and DV axes: autotuned
-    over ``configs`` ((BK, BV, num_warps, num_stages)) on a GPU, keyed by ``keys``, pruned to the
-    tiles no wider than their axes; in Triton's interpreter the widest tiles up to ``interpreted``
-    (BK, BV)."""
+    over ``configs`` ((BK, BV, num_warps, num_stages[, registers per thread at most])) on a GPU,
+    keyed by ``keys``, pruned to the tiles no wider than their axes; in Triton's interpreter the
+    widest tiles up to ``interpreted`` (BK, BV)."""
     import triton
 
     if fused_decode.interpreting():
         bk, bv = interpreted
         return triton.heuristics({"BK": lambda a: min(a["F"], bk), "BV": lambda a: min(a["DV"], bv)})
-    tuned = [triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=st) for bk, bv, w, st in configs]
+    tuned = [triton.Config({"BK": c[0], "BV": c[1]}, num_warps=c[2], num_stages=c[3], maxnreg=c[4] if len(c) > 4 else None) for c in configs]
 
     def fitting(configs, named, **kwargs):  # no tile wider than its axis
         return [c for c in configs if c.kwargs["BK"] <= kwargs["F"] and c.kwargs["BV"] <= kwargs["DV"]]

@@ -713,7 +713,7 @@ class LolaDecodeState:
         b, lam, dv = state.sparse.keys.shape[0], state.sparse.keys.shape[2], state.sparse.values.shape[-1]
         linear = state.linear.kv
         keep = (keep_recalls and _fused_step_fits(lam, key_map, recall, dtype, linear) and fused_decode.triton_available()
-                and (linear.is_cuda or fused_decode.interpreting()))  # where the fused step may run  # fmt: skip
+                and fused_decode.kernels_run_on(linear))  # where the fused step may run  # fmt: skip
         recalls = {}
         if keep:  # the first fused step computes them (recall_ok 0)
             width = linear.shape[2] + dv + 1
