@@ -188,7 +188,7 @@ def test_fused_step_without_kept_recalls():
     _run(d=16, f=16, dv=16, separate=False, reads=(True, True), steps=5, keep_recalls=False)
 
 
-def _bfloat16_runs(b, hq, hkv, d, *, f, lam, w, tokens, chunk, **options):
+def _bfloat16_runs(b, hq, hkv, d, *, f, lam, w, tokens, chunk, keep_recalls=True, **options):
     """A bfloat16 model's LoLA memory after ``tokens`` random tokens (the chunked op), and two decode
     states of it: (the op's arguments, the state, [decode state, decode state])."""
     phi_q, phi_k, key_map = _maps(hq, d, f, torch.bfloat16)
@@ -196,20 +196,24 @@ def _bfloat16_runs(b, hq, hkv, d, *, f, lam, w, tokens, chunk, **options):
     kw = dict(phi_q=phi_q, phi_k=phi_k, window=w, sparse=lam, **options)
     x = [torch.randn(b, h, tokens, d, device=DEVICE, dtype=torch.bfloat16) for h in (hq, hkv, hkv)]
     _, state = lola_attention(*x, chunk=chunk, **kw)
-    runs = [LolaDecodeState.from_state(state, phi_q=phi_q, phi_k=phi_k, scale=d**-0.5, dtype=torch.bfloat16, key_map=key_map, **options)
-            for _ in range(2)]  # fmt: skip
+    runs = [LolaDecodeState.from_state(state, phi_q=phi_q, phi_k=phi_k, scale=d**-0.5, dtype=torch.bfloat16, key_map=key_map,
+                                       keep_recalls=keep_recalls, **options) for _ in range(2)]  # fmt: skip
     return kw, state, runs
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="bfloat16 tensor-core products need a GPU")
+@pytest.mark.parametrize("keep_recalls", [True, False], ids=["kept-recalls", "state"])
 @torch.no_grad()
-def test_fused_step_in_bfloat16_on_cuda():
-    """A bfloat16 model at the Llama-3-8B layer's sizes (D 128, f 128, lambda 256, 32 query heads
-    on 8 KV heads): the fused step's choices, outputs and memory follow the torch step's over 16
-    tokens."""
+def test_fused_step_in_bfloat16(keep_recalls):
+    """A bfloat16 model, on a GPU at the Llama-3-8B layer's sizes (D 128, f 128, lambda 256, 32
+    query heads on 8 KV heads; in Triton's interpreter, its bfloat16 mended by conftest, at D 32,
+    lambda 32): the fused step's choices, outputs and memory follow the torch step's over 16
+    tokens, with the slots' recalls kept (and the writes deferred past a fold) or scored from the
+    state."""
     torch.manual_seed(0)
-    b, hq, hkv, d = 4, 32, 8, 128
-    _, _, runs = _bfloat16_runs(b, hq, hkv, d, f=128, lam=256, w=64, tokens=1024, chunk=64, sinks=4, linear_weight=0.1)
+    b, hq, hkv, d, lam, w, tokens = (4, 32, 8, 128, 256, 64, 1024) if DEVICE == "cuda" else (2, 4, 2, 32, 32, 16, 160)
+    _, _, runs = _bfloat16_runs(b, hq, hkv, d, f=d, lam=lam, w=w, tokens=tokens, chunk=w, sinks=4, linear_weight=0.1,
+                                keep_recalls=keep_recalls)  # fmt: skip
+    assert (runs[0].recall is not None) == keep_recalls
     differ = 0
     for _ in range(16):
         q, k, v = (torch.randn(b, h, 1, d, device=DEVICE, dtype=torch.bfloat16) for h in (hq, hkv, hkv))
@@ -234,8 +238,9 @@ def test_fused_step_in_bfloat16_on_cuda():
         for name in ("keys", "values", "valid", "positions", "index", "next_position", "cache_keys", "cache_values", "cache_valid",
                      "cache_positions", "linear", "held"):  # fmt: skip
             getattr(runs[1], name).copy_(getattr(runs[0], name))
-        runs[1].recall_ok.mul_((~flipped.any(-1)).int())  # a row whose cache was replaced: its kept recalls are stale
-        runs[1].deferred_count.zero_()  # the state copied holds every write
+        if keep_recalls:
+            runs[1].recall_ok.mul_((~flipped.any(-1)).int())  # a row whose cache was replaced: its kept recalls are stale
+            runs[1].deferred_count.zero_()  # the state copied holds every write
     # On an H200: 42 of 2,048 head steps (2.1%). The features themselves are bfloat16-rounded
     # projections, so two candidates within about a percent of each other are a tie at that precision.
     assert differ <= 0.05 * 16 * b * hq, f"the fused choice differs from the torch step's in {differ} of {16 * b * hq} head steps"
@@ -455,21 +460,30 @@ def test_fused_prefill_rejects_bad_arguments():
         fused_lola.lola_prefill(*args[:5], args[5].int(), *args[6:], **options)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="bfloat16 tensor-core products need a GPU")
 @pytest.mark.parametrize("recall", ["state", "memory"])
 @pytest.mark.parametrize("shape", ["llama3-8b", "smollm2"])
 @torch.no_grad()
-def test_fused_prefill_in_bfloat16_on_cuda(monkeypatch, recall, shape):
-    """A bfloat16 model at the Llama-3-8B layer's sizes (D 128, f 128, window 64, lambda 256, 32
-    query heads on 8 KV heads; its [S | z] read in tiles) and at SmolLM2's (D 64, f 64, 9 query
-    heads on 3; [S | z] held in registers), 2,048 tokens in 4 segments (each read on the second
-    stream beside the next one's selection): the fused prefill keeps almost the same cache as the
-    torch op (a near-tie at bfloat16 precision may go the other way, and the state then differs by
-    that token) and its output follows the torch op's, with either recall rule."""
-    monkeypatch.setattr(fused_lola, "PREFILL_SEGMENT_CHUNKS", 8)
-    hq, hkv, d = (32, 8, 128) if shape == "llama3-8b" else (9, 3, 64)
-    assert (2 * d * d <= fused_lola.PREFILL_RESIDENT_FLOATS) == (shape == "smollm2")
-    (out_r, st_r), (out_g, st_g), calls = _prefill_pair(b=1, hq=hq, hkv=hkv, t=2048, d=d, f=d, dv=d, w=64, lam=256, chunk=64,
+def test_fused_prefill_in_bfloat16(monkeypatch, recall, shape):
+    """A bfloat16 model, on a GPU at the Llama-3-8B layer's sizes (D 128, f 128, window 64, lambda
+    256, 32 query heads on 8 KV heads; its [S | z] read in tiles) and at SmolLM2's (D 64, f 64, 9
+    query heads on 3; [S | z] held in registers), 2,048 tokens in 4 segments (each read on the
+    second stream beside the next one's selection); in Triton's interpreter (its bfloat16 mended by
+    conftest) at D 16, lambda 24, 160 tokens in 3 segments, the state in tiles of 16 or in registers:
+    the fused prefill keeps almost the same cache as the torch op (a near-tie at bfloat16 precision
+    may go the other way, and the state then differs by that token) and its output follows the
+    torch op's, with either recall rule."""
+    if DEVICE == "cuda":
+        monkeypatch.setattr(fused_lola, "PREFILL_SEGMENT_CHUNKS", 8)
+        hq, hkv, d, t, w, lam = (32, 8, 128, 2048, 64, 256) if shape == "llama3-8b" else (9, 3, 64, 2048, 64, 256)
+        assert (2 * d * d <= fused_lola.PREFILL_RESIDENT_FLOATS) == (shape == "smollm2")
+    else:
+        hq, hkv, d, t, w, lam = 4, 2, 16, 160, 16, 24
+        monkeypatch.setattr(fused_lola, "PREFILL_SAVED_BYTES", 4 * 4 * hq * (2 * d * d + 2 * d))  # segments of 4 chunks
+        if shape == "llama3-8b":  # [S | z] in tiles, several per axis
+            for name in ("PREFILL_BLOCK_FEATURES", "PREFILL_BLOCK_VALUES", "PREFILL_BLOCK_CACHE", "PREFILL_READ_BLOCK_FEATURES"):
+                monkeypatch.setattr(fused_lola, name, 16)
+            monkeypatch.setattr(fused_lola, "PREFILL_RESIDENT_FLOATS", 0)
+    (out_r, st_r), (out_g, st_g), calls = _prefill_pair(b=1, hq=hq, hkv=hkv, t=t, d=d, f=d, dv=d, w=w, lam=lam, chunk=w,
                                                         dtype=torch.bfloat16, sinks=4, linear_weight=0.1, recall=recall)  # fmt: skip
     assert calls == [1]
     same = (st_g.sparse.positions == st_r.sparse.positions).float().mean().item()

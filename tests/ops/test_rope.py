@@ -41,7 +41,6 @@ def test_kernel_equals_the_reference(cos_rows):
     torch.testing.assert_close(got_k, rope_reference(k, cos, sin), atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="half precision on the GPU")
 @torch.no_grad()
 def test_kernel_in_bfloat16_is_within_an_ulp_of_transformers():
     q, k, cos, sin = _inputs(2, 1, torch.bfloat16)
