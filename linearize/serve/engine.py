@@ -155,12 +155,19 @@ class Engine:
     """Continuous batching over a nested family with per-request conversion levels."""
 
     def __init__(self, model, levels: LevelMemory, config: EngineConfig, *, policy: Policy | None = None, tokenizer=None,
-                 eos_token_ids: Iterable[int] | None = None):
-        self.device = next(model.parameters()).device
-        if config.runner == "pooled":
-            self.runner = PooledRunner(model, levels, config.max_running, graphs=config.graphs and self.device.type == "cuda")
+                 eos_token_ids: Iterable[int] | None = None, runner=None):
+        """``runner``: what runs the model's forwards, in place of the one ``config.runner`` names
+        (``serve.simulate.CostRunner`` runs none and counts what they would cost); ``model`` is
+        then the runner's."""
+        if runner is not None:
+            self.device, self.runner = torch.device(runner.device), runner
         else:
-            self.runner = Runner(model, levels)
+            self.device = next(model.parameters()).device
+            if config.runner == "pooled":
+                self.runner = PooledRunner(model, levels, config.max_running, graphs=config.graphs and self.device.type == "cuda")
+            else:
+                self.runner = Runner(model, levels)
+        model = self.runner.model
         self.levels, self.config = levels, config
         self.policy = policy or SoftmaxPolicy()
         self.tokenizer = tokenizer
