@@ -11,7 +11,7 @@ thread / 4, as Triton's ``n_spills`` counts them: 212 for the LoLA selection at 
 as measured on an H200); the outputs of the calls are garbage (nothing runs) and are not looked at.
 
     python scripts/kernel_resources.py OUT [--shape llama3-8b] [--kinds hybrid,dsla,lola]
-        [--prefill 1024] [--batches 1,64] [--arch 90]
+        [--prefill 1024] [--batches 1,64] [--arch 90] [--set MODULE.NAME=VALUE ...] [--sass DIR]
 
 writes OUT/kernel_resources.json and OUT/kernel_resources.md (a row per kernel and tile choice).
 """
@@ -19,7 +19,9 @@ writes OUT/kernel_resources.json and OUT/kernel_resources.md (a row per kernel a
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -195,8 +197,9 @@ def layer_workload(shape, flags: str, *, prefill: int, batches: list[int], recor
 
 def markdown(result: dict[str, Any]) -> str:
     lines = [f"# Triton kernels' resources, compiled for sm_{result['arch']}", "",
-             f"Shape {result['shape']}, prefill of {result['prefill']} tokens, decode at batch {', '.join(map(str, result['batches']))}; "
-             f"Triton {result['triton']}. Spills: local memory and stack per thread / 4 (the driver's count).", "",
+             f"Shape {result['shape']}, prefill of {result['prefill']} tokens, decode at batch {', '.join(map(str, result['batches'])) or '(none)'}; "
+             f"Triton {result['triton']}. Spills: local memory and stack per thread / 4 (the driver's count)."
+             + (" Set: " + ", ".join(f"{k}={v!r}" for k, v in result["settings"].items()) + "." if result["settings"] else ""), "",
              "| kind | phase | batch | kernel | tiles | warps | stages | registers | spills | shared KiB | SASS | barriers | local |",
              "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in result["kernels"]:
@@ -214,6 +217,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--prefill", type=int, default=1024, help="prompt tokens")
     parser.add_argument("--batches", default="1,64", help="decode batch sizes")
     parser.add_argument("--sass", type=Path, default=None, help="a folder to write each kernel's SASS into")
+    parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                        help="set a constant of a linearize.ops module first, e.g. fused_lola.PREFILL_READ_QUERIES=32 (repeatable)")
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100 / H200)")
     args = parser.parse_args(argv)
     kinds = args.kinds.split(",")
@@ -228,7 +233,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from linearize.ops import fused_decode
 
     shape = layer_shape(args.shape)
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = [int(b) for b in args.batches.split(",") if b.strip()]  # none: the prefill alone
+    settings = {}
+    for item in args.set:
+        name, _, value = item.partition("=")
+        module_name, _, attr = name.rpartition(".")
+        try:
+            module = importlib.import_module(f"linearize.ops.{module_name}")
+            if not module_name or not hasattr(module, attr):
+                raise AttributeError(name)
+            settings[name] = ast.literal_eval(value)
+        except (ImportError, AttributeError, ValueError, SyntaxError):
+            parser.error(f"--set {item!r}: expected MODULE.NAME=VALUE with NAME a constant of linearize.ops.MODULE and VALUE a literal")
+        setattr(module, attr, settings[name])
     recorder = CompileOnly(args.arch, args.sass)
     fused_decode.kernels_run_on = lambda x: True  # the layers take their Triton paths on the CPU
     with recorder.active():
@@ -236,7 +253,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             recorder.context = {"kind": kind}
             layer_workload(shape, KINDS[kind], prefill=args.prefill, batches=batches, recorder=recorder)
     result = {"arch": args.arch, "shape": args.shape, "prefill": args.prefill, "batches": batches, "triton": triton.__version__,
-              "kernels": recorder.rows}  # fmt: skip
+              "settings": settings, "kernels": recorder.rows}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     for name, text in (("kernel_resources.json", json.dumps(result, indent=1)), ("kernel_resources.md", markdown(result))):
         tmp = args.out / f".{name}.tmp"

@@ -59,6 +59,8 @@ class StepCosts:
         engine's work and the replay loop's) on [decodes, decoded rows, prefills, prefilled tokens],
         over a replay's timeline (``replay_engine``'s samples); coefficients kept >= 0. The first
         step of the timeline and steps after an idle gap (no request running before them) are left out."""
+        if timeline and not {"decode_rows", "prefill_tokens"} <= timeline[-1].keys():
+            raise ValueError("this timeline has no per-step work (decode rows, prefill tokens) to fit step costs on")
         rows, times = [], []
         for prev, cur in zip(timeline, timeline[1:]):
             if prev["running"] == 0:

@@ -35,7 +35,8 @@ def test_the_layers_kernels_compile_for_sm90_and_report_their_registers(tmp_path
     layer's own code: the selection, the read, the decode step's errors and commit kernels (and the
     RoPE kernel), each with registers within the hardware's 255, its spills and its SASS counted.
     DSLA's prefill kernels compile each autotuned tile choice that fits, none of the Llama-sized."""
-    done = _run(str(tmp_path), "--shape", "smollm2-135m", "--kinds", "lola,dsla", "--prefill", "128", "--batches", "2")
+    done = _run(str(tmp_path), "--shape", "smollm2-135m", "--kinds", "lola,dsla", "--prefill", "128", "--batches", "2",
+                "--set", "fused_lola.PREFILL_READ_QUERIES=32")
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "kernel_resources.json").read_text())
     assert result["arch"] == 90 and result["shape"] == "smollm2-135m"
@@ -45,6 +46,8 @@ def test_the_layers_kernels_compile_for_sm90_and_report_their_registers(tmp_path
             ("decode", "lola_commit_kernel")} <= lola  # fmt: skip
     for r in rows:
         assert 0 < r["registers"] <= 255 and r["spills"] >= 0 and r["sass"]["instructions"] > 0
+    assert result["settings"] == {"fused_lola.PREFILL_READ_QUERIES": 32}
+    assert next(r for r in rows if r["kernel"] == "lola_read_kernel")["constexprs"]["BQ"] == 32  # the constant set reached the launch
     select = next(r for r in rows if r["kernel"] == "lola_select_kernel")
     assert select["num_warps"] == 8 and select["constexprs"]["F"] == 128 and select["constexprs"]["DV"] == 64
     assert select["sass"]["mma"] > 0  # the errors' products on the tensor cores
@@ -77,6 +80,9 @@ def test_capped_registers_reach_ptxas(tmp_path):
 def test_bad_kinds_and_an_interpreting_triton_are_refused(tmp_path):
     done = _run(str(tmp_path), "--kinds", "lola,nope")
     assert done.returncode == 2 and "nope" in done.stderr and "hybrid" in done.stderr
+    for bad in ("fused_lola.NOPE=1", "nomodule.X=1", "fused_lola.PREFILL_READ_QUERIES=thirty"):
+        done = _run(str(tmp_path), "--set", bad)
+        assert done.returncode == 2 and bad in done.stderr and "MODULE.NAME=VALUE" in done.stderr
     done = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
     assert done.returncode == 2 and "TRITON_INTERPRET" in done.stderr
     assert not (tmp_path / "kernel_resources.json").exists()
