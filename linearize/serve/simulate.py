@@ -37,16 +37,15 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class StepCosts:
     """Seconds one engine step takes: ``step_s`` (fixed when it decodes, per decoded row, fixed when
-    it prefills, per prefilled token; plus ``idle_s`` for a step that does neither)."""
+    it prefills, per prefilled token)."""
 
     decode_fixed_s: float
     decode_row_s: float
     prefill_fixed_s: float
     prefill_token_s: float
-    idle_s: float = 0.0
 
     def step_s(self, decode_rows: int, prefill_tokens: int) -> float:
-        s = self.idle_s
+        s = 0.0
         if decode_rows:
             s += self.decode_fixed_s + self.decode_row_s * decode_rows
         if prefill_tokens:
