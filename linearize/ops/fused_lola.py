@@ -133,8 +133,7 @@ def lola_step(
     window_keys: Tensor, window_values: Tensor, window_valid: Tensor,
     weight: Tensor, bias: Tensor, factor: Tensor,
     sinks: int, scale: float, weight_tokens: int, read_state: bool, read_sparse: bool,
-    recall: Tensor | None = None, pending: Tensor | None = None, recall_ok: Tensor | None = None,
-    deferred: Tensor | None = None, deferred_count: Tensor | None = None,
+    recall: Tensor | None, pending: Tensor | None, recall_ok: Tensor | None, deferred: Tensor | None, deferred_count: Tensor | None,
 ) -> Tensor:  # fmt: skip
     """One LoLA decode step after the new token took its window slot, in place on the memory:
     selection, the write into ``linear`` (B Hq, 2f, Dv + 1) float32 [S | z] and ``held`` (B, Hq),
@@ -154,7 +153,9 @@ def lola_step(
     - the key map's Hedgehog ``weight`` (Hq, D, f) and ``bias`` (Hq, f) in the model's dtype
       (bfloat16 or float32), ``factor`` (Hq,) float32 the window factor;
     - ``sinks``, ``scale``, ``weight_tokens``, ``read_state``, ``read_sparse`` as in ``lola_attention``;
-    - the kept recalls (all three or none): ``recall`` (B Hq, lambda, ``recall_width(Dv)``) float32
+    - the kept recalls (all five, or five Nones; no defaults: a dispatcher that drops trailing
+      arguments equal to their defaults would leave the mutated ones out, and torch 2.11's version
+      bump then indexes past the end): ``recall`` (B Hq, lambda, ``recall_width(Dv)``) float32
       each cache slot's [phi S, phi z] against the state before the last write (its first Dv + 1
       columns), ``pending`` (B Hq, 2f + Dv + 1) float32 that write (phi_w, [v_w, 1]), ``recall_ok``
       (B,) int32 whether the row's recalls are current (0: the step computes them from the state; a
@@ -258,7 +259,7 @@ def lola_step(
 @lola_step.register_fake
 def _(linear, held, qphi, q, cache_keys, cache_map_keys, cache_values, cache_valid, cache_positions, leave_keys, leave_map_keys,
       leave_values, leave_valid, leave_positions, window_keys, window_values, window_valid, weight, bias, factor, sinks, scale,
-      weight_tokens, read_state, read_sparse, recall=None, pending=None, recall_ok=None, deferred=None, deferred_count=None):  # fmt: skip
+      weight_tokens, read_state, read_sparse, recall, pending, recall_ok, deferred, deferred_count):  # fmt: skip
     return q.new_empty(linear.shape[0], cache_values.shape[-1])
 
 

@@ -112,14 +112,15 @@ def test_fused_step_rejects_bad_arguments():
                 leave_positions=z(b, dtype=torch.long), window_keys=z(b, hkv, eta, d), window_values=z(b, hkv, eta, dv),
                 window_valid=z(b, eta, dtype=torch.bool), weight=z(hq, d, f), bias=z(hq, f), factor=z(hq), sinks=0, scale=1.0,
                 weight_tokens=0, read_state=True, read_sparse=True)  # fmt: skip
+    none = dict.fromkeys(("recall", "pending", "recall_ok", "deferred", "deferred_count"))
     with pytest.raises(ValueError, match="linear must have shape"):
-        fused_lola.lola_step(z(b * hq, 2 * f, dv), **args)
+        fused_lola.lola_step(z(b * hq, 2 * f, dv), **args, **none)
     with pytest.raises(ValueError, match="bfloat16 or float32"):
-        fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **{**args, "weight": args["weight"].half(), "bias": args["bias"].half()})
+        fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **{**args, "weight": args["weight"].half(), "bias": args["bias"].half()}, **none)
     with pytest.raises(ValueError, match="together"):
-        fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **{**args, "cache_map_keys": z(b, hq, lam, d)})
+        fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **{**args, "cache_map_keys": z(b, hq, lam, d)}, **none)
     with pytest.raises(ValueError, match="recall, pending, recall_ok, deferred and deferred_count together"):
-        fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **args, recall=z(b * hq, lam, dv + 1))
+        fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **args, **{**none, "recall": z(b * hq, lam, dv + 1)})
     kept = dict(recall=z(b * hq, lam, fused_lola.recall_width(dv)), pending=z(b * hq, 2 * f + dv + 1), recall_ok=z(b, dtype=torch.int32),
                 deferred=z(b * hq, 4, 2 * f + dv + 1), deferred_count=z(b * hq, dtype=torch.int32))
     with pytest.raises(ValueError, match="recall must have shape"):
@@ -128,6 +129,24 @@ def test_fused_step_rejects_bad_arguments():
         fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **args, **{**kept, "recall_ok": z(b, dtype=torch.bool)})
     with pytest.raises(ValueError, match="K a power of two"):
         fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **args, **{**kept, "deferred": z(b * hq, 3, 2 * f + dv + 1)})
+
+
+def test_no_custom_op_gives_a_mutated_argument_a_default():
+    """A dispatcher may leave out trailing arguments equal to their defaults before the autograd
+    version bump indexes an op's mutated ones: torch 2.11's did, and LoLA's decode step without kept
+    recalls (five None) raised IndexError on an H200. So no mutated argument of a linearize op has
+    a default, and every caller passes them."""
+    ops = [fused_lola.lola_step, fused_lola.lola_prefill, fused_decode.hybrid_linear_step, fused_decode.dsla_state_step,
+           fused_decode.dsla_decode_inputs, fused_decode.hybrid_window_read, fused_decode.slot_attention_partials,
+           fused_decode.slot_prefill_attention]  # fmt: skip
+    mutated = 0
+    for op in ops:
+        schema = op._opoverload._schema
+        for arg in schema.arguments:
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                mutated += 1
+                assert not arg.has_default_value(), f"{schema.name}: mutated argument {arg.name} has a default"
+    assert mutated >= 14  # lola_step's 12, the hybrid's and DSLA's state
 
 
 def _recall_drift(ds: LolaDecodeState, phi_k) -> float:
