@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,8 +31,8 @@ from linearize.serve.settings import ReplaySettings
 from linearize.spec import ConversionSpec
 
 
-def family_levels(model: str, dtype_bytes: int) -> tuple[LevelMemory, int]:
-    """(LevelMemory, position limit) of a nested family: a random one from its shape, a saved one loaded on the CPU."""
+def family_levels(model: str, dtype_bytes: int) -> tuple[LevelMemory, Any]:
+    """(LevelMemory, model config) of a nested family: a random one from its shape, a saved one loaded on the CPU."""
     if is_random(model):
         config = random_config(model)
         spec = dsla_spec(random_shape(model).layers)
@@ -40,7 +41,7 @@ def family_levels(model: str, dtype_bytes: int) -> tuple[LevelMemory, int]:
 
         loaded, _ = load_model(model, device="cpu")
         config, spec = loaded.config, loaded.config.linearize
-    return LevelMemory.from_spec(ConversionSpec.from_dict(spec), config, dtype_bytes), config.max_position_embeddings
+    return LevelMemory.from_spec(ConversionSpec.from_dict(spec), config, dtype_bytes), config
 
 
 def main() -> None:
@@ -59,8 +60,8 @@ def main() -> None:
     trace = load_trace(replay.trace_path())[args.start : args.start + args.requests]
     if not trace:
         raise SystemExit(f"start {args.start} is past the trace's end")
-    levels, positions = family_levels(args.model, args.dtype_bytes)
-    max_prompt = max(1, prompt_cap(trace, args.max_prompt, positions))
+    levels, config = family_levels(args.model, args.dtype_bytes)
+    max_prompt = max(1, prompt_cap(trace, args.max_prompt, config.max_position_embeddings))
     requests = augment(trace, torch.arange(3, 4099), turns_mean=replay.turns_mean, max_prompt=max_prompt, seed=replay.seed)
     prompts = [len(r.prompt) for r in requests]
     edges = [0] + [int(below) if below != float("inf") else None for below, _ in LENGTH_CAPS]

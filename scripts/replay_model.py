@@ -34,16 +34,6 @@ from linearize.serve.simulate import StepCosts, simulate_replay, simulated_summa
 from memory_bound import family_levels  # scripts/ is this script's directory
 
 
-def family_config(model: str):
-    from linearize.serve.random_family import is_random, random_config
-
-    if is_random(model):
-        return random_config(model)
-    from linearize.api import load_model
-
-    return load_model(model, device="cpu")[0].config
-
-
 def plot(rows: list[dict], policies: list[str], path: Path, title: str) -> None:
     """Mean latency per output token against the rate scale (model lines, measured points), and each
     policy's mean against softmax's."""
@@ -119,9 +109,9 @@ def main(argv: list[str] | None = None) -> dict:
     trace = load_trace(replay.trace_path())[args.start : args.start + args.requests]
     if not trace:
         raise SystemExit(f"start {args.start} is past the trace's end")
-    levels, positions = family_levels(args.model, args.dtype_bytes)
-    config = family_config(args.model)
-    requests = augment(trace, torch.arange(4096) % config.vocab_size, turns_mean=replay.turns_mean, max_prompt=max(1, prompt_cap(trace, args.max_prompt, positions)),
+    levels, config = family_levels(args.model, args.dtype_bytes)
+    requests = augment(trace, torch.arange(4096) % config.vocab_size, turns_mean=replay.turns_mean,
+                       max_prompt=max(1, prompt_cap(trace, args.max_prompt, config.max_position_embeddings)),
                        seed=replay.seed)  # fmt: skip
     engine_config = EngineConfig(kv_budget=int(parse_bytes(args.kv_budget)), max_step_tokens=args.max_step_tokens, max_running=args.max_running)
     rows = []

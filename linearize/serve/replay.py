@@ -404,21 +404,8 @@ def replay_engine(engine: Engine, requests: Sequence[ReplayRequest], *, rate_sca
             profiler = None
             start += time.monotonic() - paused  # the clock stood still while the profile was written
         stamp = time.monotonic() - start
-        for out in outputs:
-            rec = records[ids[out.request_id]]
-            rec.token_times.extend([stamp] * len(out.token_ids))
-            if out.finish_reason is not None:
-                rec.finish = stamp
-                request = engine.get(out.request_id)
-                rec.level, rec.preemptions, rec.generated = request.level, request.preemptions, len(request.output)
-                if out.finish_reason not in ("stop", "length"):
-                    rec.status = out.finish_reason
-                bar.update(1)
-        work = engine.last_step
-        timeline.append({"t": stamp, "bytes": sum(engine.held_after_step), "running": len(engine.running), "waiting": len(engine.waiting),
-                         "mean_level": statistics.fmean([r.level for r in engine.running]) if engine.running else 0.0,
-                         "decode_rows": work.decode_rows, "decode_s": work.decode_s, "prefill_tokens": work.prefill_tokens,
-                         "prefill_s": work.prefill_s})  # fmt: skip
+        bar.update(stamp_outputs(engine, outputs, records, ids, stamp))
+        timeline.append({**step_sample(engine, stamp), "decode_s": engine.last_step.decode_s, "prefill_s": engine.last_step.prefill_s})
     bar.close()
     if profiler is not None:  # the replay ended first: what was profiled
         _write_profile(profiler, profile_out, steps=steps - profile_from)
@@ -426,6 +413,32 @@ def replay_engine(engine: Engine, requests: Sequence[ReplayRequest], *, rate_sca
         if rec.finish is None:
             rec.status = "unfinished"
     return records, timeline
+
+
+def stamp_outputs(engine: Engine, outputs, records: Sequence[RequestRecord], ids: dict[str, int], stamp: float) -> int:
+    """Record one engine step's outputs at ``stamp`` (seconds since the replay's start) in the
+    records of their requests (``ids``: request id -> record index); how many requests finished."""
+    finished = 0
+    for out in outputs:
+        rec = records[ids[out.request_id]]
+        rec.token_times.extend([stamp] * len(out.token_ids))
+        if out.finish_reason is not None:
+            rec.finish = stamp
+            request = engine.get(out.request_id)
+            rec.level, rec.preemptions, rec.generated = request.level, request.preemptions, len(request.output)
+            if out.finish_reason not in ("stop", "length"):
+                rec.status = out.finish_reason
+            finished += 1
+    return finished
+
+
+def step_sample(engine: Engine, stamp: float) -> dict[str, Any]:
+    """The timeline's sample of the engine after a step: memory held, requests running and waiting,
+    their mean level, and the step's decoded rows and prefilled tokens."""
+    running, work = engine.running, engine.last_step
+    return {"t": stamp, "bytes": sum(engine.held_after_step), "running": len(running), "waiting": len(engine.waiting),
+            "mean_level": statistics.fmean([r.level for r in running]) if running else 0.0,
+            "decode_rows": work.decode_rows, "prefill_tokens": work.prefill_tokens}  # fmt: skip
 
 
 def _start_profiler(device: torch.device):

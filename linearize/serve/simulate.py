@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,10 +27,8 @@ import torch
 from .engine import Engine, EngineConfig
 from .levels import LevelMemory
 from .policy import Policy
-from .replay import ReplayRequest, RequestRecord, summarize
+from .replay import ReplayRequest, RequestRecord, stamp_outputs, step_sample, summarize
 from .sampling import SamplingParams
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -166,21 +163,9 @@ def simulate_replay(levels: LevelMemory, config, engine_config: EngineConfig, po
             now = records[nxt].arrival
             continue
         outputs = engine.step()
-        work = engine.last_step
-        now += costs.step_s(work.decode_rows, work.prefill_tokens)
-        for out in outputs:
-            rec = records[ids[out.request_id]]
-            rec.token_times.extend([now] * len(out.token_ids))
-            if out.finish_reason is not None:
-                rec.finish = now
-                request = engine.get(out.request_id)
-                rec.level, rec.preemptions, rec.generated = request.level, request.preemptions, len(request.output)
-                if out.finish_reason not in ("stop", "length"):
-                    rec.status = out.finish_reason
-        running = engine.running
-        timeline.append({"t": now, "bytes": sum(engine.held_after_step), "running": len(running), "waiting": len(engine.waiting),
-                         "mean_level": sum(r.level for r in running) / len(running) if running else 0.0,
-                         "decode_rows": work.decode_rows, "prefill_tokens": work.prefill_tokens})  # fmt: skip
+        now += costs.step_s(engine.last_step.decode_rows, engine.last_step.prefill_tokens)
+        stamp_outputs(engine, outputs, records, ids, now)
+        timeline.append(step_sample(engine, now))
     for rec in records:
         if rec.finish is None:
             rec.status = "unfinished"
