@@ -38,9 +38,9 @@ KINDS = {
     "hybrid": "--attention hybrid --window 64",
     "dsla": "--attention dsla",
     "dsla-nope": "--attention dsla --linear-rope false",
-    "lola": "--attention lola --window 64 --sparse-cache 256 --chunk 64",
+    "lola": "--attention lola --window 64 --sparse-cache 256 --chunk 64 --keep-recalls true",
     "lola-state": "--attention lola --window 64 --sparse-cache 256 --chunk 64 --keep-recalls false",
-    "lola64": "--attention lola --window 64 --sparse-cache 64 --chunk 64",
+    "lola64": "--attention lola --window 64 --sparse-cache 64 --chunk 64 --keep-recalls true",
     "lola-memory": "--attention lola --window 64 --sparse-cache 256 --chunk 64 --recall memory",
 }
 """Kinds by name: the spec flags of ``linearize bench`` they stand for."""

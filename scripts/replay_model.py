@@ -6,9 +6,11 @@ seeing why a measured ratio is what it is; not a measurement.
     python scripts/replay_model.py OUT --costs REPORT [REPORT ...] [--model smollm2-135m-dsla-chained]
         [--kv-budget 256MiB] [--max-level 15] [--trace azure-conv] [--start 0] [--requests 100]
         [--max-prompt 8192] [--policies softmax,length-caps] [--rates 0.75,1,1.25] [--horizon 600]
+        [--costs-as softmax]
 
 REPORT: ``linearize replay`` reports (report.json or .json.gz), each holding its policies' timelines;
-every policy is costed from its own replay in the first report that has one. The requests are those ``linearize replay`` makes of the window
+every policy is costed from its own replay in the first report that has one (``--costs-as P``: a
+policy no report replayed is costed as P). The requests are those ``linearize replay`` makes of the window
 (``scripts/memory_bound.py``'s stand-in prompts: only their lengths count). Writes OUT/replay_model.json
 and OUT/replay_model.md: per rate and policy the mean, p50 and p99 of the latency per output token,
 TTFT, throughput and mean running requests, and each policy's mean against softmax's.
@@ -74,6 +76,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("out", type=Path)
     parser.add_argument("--costs", type=Path, nargs="+", required=True,
                         help="replay reports (report.json or report.json.gz); each policy is costed from the first holding its timeline")
+    parser.add_argument("--costs-as", default=None, metavar="POLICY",
+                        help="cost the policies no report holds a timeline of as this policy (e.g. softmax: what a policy would give if its steps cost what softmax's do)")
     parser.add_argument("--model", default="smollm2-135m-dsla-chained")
     parser.add_argument("--kv-budget", default="256MiB")
     parser.add_argument("--max-level", type=int, default=None, help="the memory policy's highest level")
@@ -95,15 +99,23 @@ def main(argv: list[str] | None = None) -> dict:
     if not policies or any(r <= 0 for r in rates):
         parser.error(f"needs policies and positive rates, got {args.policies!r} and {args.rates!r}")
     costs, sources = {}, {}
-    for policy in policies:
+    for policy in policies + ([args.costs_as] if args.costs_as and args.costs_as not in policies else []):
         for report in args.costs:
             try:
                 costs[policy], sources[policy] = StepCosts.from_report(report, policy), str(report)
                 break
             except ValueError:
                 continue
+    for policy in policies:
+        if policy in costs:
+            continue
+        if args.costs_as in costs:
+            costs[policy], sources[policy] = costs[args.costs_as], f"{sources[args.costs_as]}, as {args.costs_as}"
         else:
-            parser.error(f"no report among {[str(r) for r in args.costs]} holds a timeline of policy {policy!r}")
+            parser.error(f"no report among {[str(r) for r in args.costs]} holds a timeline of policy {policy!r}"
+                         + (f" or of --costs-as {args.costs_as!r}" if args.costs_as else "; --costs-as POLICY costs it as a policy one does"))
+    costs = {p: costs[p] for p in policies}
+    sources = {p: sources[p] for p in policies}
 
     replay = ReplaySettings(trace=args.trace, start=args.start, requests=args.requests, max_prompt=args.max_prompt)
     trace = load_trace(replay.trace_path())[args.start : args.start + args.requests]

@@ -24,9 +24,9 @@ spec() {  # the spec flags of a kind at the settings the shipped models use
   case "$1" in
     hybrid) echo "--attention hybrid --window 64" ;;
     dsla) echo "--attention dsla" ;;
-    lola) echo "--attention lola --window 64 --sparse-cache 256 --chunk 64" ;;
+    lola) echo "--attention lola --window 64 --sparse-cache 256 --chunk 64 --keep-recalls true" ;;  # decoding keeps the slots' recalls
     lola-state) echo "--attention lola --window 64 --sparse-cache 256 --chunk 64 --keep-recalls false" ;;  # every slot scored against the state
-    lola64) echo "--attention lola --window 64 --sparse-cache 64 --chunk 64" ;;  # LoLA's (64, 64)
+    lola64) echo "--attention lola --window 64 --sparse-cache 64 --chunk 64 --keep-recalls true" ;;  # LoLA's (64, 64)
     lola64-state) echo "--attention lola --window 64 --sparse-cache 64 --chunk 64 --keep-recalls false" ;;
     *) echo "unknown kind $1 (hybrid, dsla, lola, lola-state, lola64, lola64-state)" >&2; exit 2 ;;
   esac

@@ -182,24 +182,40 @@ def test_lola_decoder_with_the_fused_step_follows_the_torch_decoder(monkeypatch)
 
 
 @pytest.mark.parametrize("name,fused", [("hybrid-nope", False), ("dsla-partial", False), ("hybrid-joint", True), ("lola-nope-sinks-weight", False),
-                                        ("lola-nope-sinks-weight", True)],
-                         ids=["hybrid-nope", "dsla-partial", "hybrid-joint-fused", "lola", "lola-fused"])
+                                        ("lola-nope-sinks-weight", True), ("lola-nope-sinks-weight", "kept-recalls")],
+                         ids=["hybrid-nope", "dsla-partial", "hybrid-joint-fused", "lola", "lola-fused", "lola-fused-kept-recalls"])
 @torch.no_grad()
 def test_compiled_step_equals_the_eager_step(name, fused):
     """torch.compile'd steps (one compilation: nothing in the step changes a Python value) give the
-    eager steps' tokens and logits; with the fused kernels (custom ops inside the compiled step) too."""
+    eager steps' tokens and logits; with the fused kernels (custom ops inside the compiled step) too,
+    LoLA's scoring its slots from the state (the default) and from kept recalls."""
     if fused and not fused_decode.triton_available():
         pytest.skip("needs Triton (the test extra installs it)")
     model = _model(name)
+    keep = fused == "kept-recalls"
+    if name.startswith("lola"):
+        from dataclasses import replace
+
+        from linearize.layers.lola import LolaAttention
+
+        for m in model.modules():
+            if isinstance(m, LolaAttention):
+                assert m.options.keep_recalls is False  # the default
+                m.spec = replace(m.spec, options=replace(m.options, keep_recalls=keep))
+    fused = bool(fused)
     prompt = torch.randint(3, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(4))
     runs = []
     for compile in (False, True):
         decoder = StaticDecoder(model, batch_size=2, max_length=16, compile=compile)
         with fused_decode.use_fused(fused):
             runs.append((decoder.generate(prompt, max_new_tokens=8), decoder.logits.clone()))
-        if fused and name.startswith("lola"):  # the fused LoLA step ran, on the cache slots' kept recalls
+        if fused and name.startswith("lola"):  # the fused LoLA step ran: on the cache slots' kept recalls, or with none kept
             states = [m.decode_state for m in decoder.memory if isinstance(getattr(m, "decode_state", None), LolaDecodeState)]
-            assert states and all(st.recall_ok is not None and bool(st.recall_ok.all()) for st in states)
+            assert states
+            if keep:
+                assert all(st.recall_ok is not None and bool(st.recall_ok.all()) for st in states)
+            else:
+                assert all(st.recall is None and st.deferred is None for st in states)
     assert torch.equal(runs[1][0], runs[0][0])
     torch.testing.assert_close(runs[1][1], runs[0][1], atol=1e-5, rtol=1e-5)
 

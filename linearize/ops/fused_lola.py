@@ -277,11 +277,11 @@ PREFILL_RESIDENT_FLOATS = 128 * 64
 """The selection kernel holds [S | z] in registers through the chunks where its padded size is at
 most this many floats (SmolLM2's 128 features x 64 values: 32 per thread at 8 warps), instead of
 reading it from memory in tiles for every block of candidates and for the update."""
-PREFILL_READ_WARPS = 4
+PREFILL_READ_WARPS = 8
 """Warps per program of the read kernel."""
 PREFILL_READ_BLOCK_FEATURES = 64
 """Feature rows per tile of the saved state in the read kernel (all value columns at once)."""
-PREFILL_READ_QUERIES = 64
+PREFILL_READ_QUERIES = 32
 """Queries per program of the read kernel (a chunk's queries over several programs where fewer)."""
 PREFILL_SAVED_BYTES = 256 * 2**20
 """Most bytes of saved states (one [S | z] per chunk, row and query head) between the two kernels:

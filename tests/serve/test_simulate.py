@@ -123,4 +123,11 @@ def test_the_script_models_a_window_at_several_rates(tmp_path):
     assert rows[(0.5, "softmax")]["ttft_s"]["mean"] <= rows[(4.0, "softmax")]["ttft_s"]["mean"]
     bad = subprocess.run([sys.executable, str(script), str(tmp_path / "bad"), "--costs", str(report), "--model", "random:tiny",
                           "--policies", "length-caps"], capture_output=True, text=True)  # fmt: skip
-    assert bad.returncode == 2 and "length-caps" in bad.stderr and "report.json.gz" in bad.stderr
+    assert bad.returncode == 2 and "length-caps" in bad.stderr and "report.json.gz" in bad.stderr and "--costs-as" in bad.stderr
+    stand_in = subprocess.run([sys.executable, str(script), str(tmp_path / "as"), "--costs", str(report), "--model", "random:tiny",
+                               "--kv-budget", "1MiB", "--requests", "12", "--max-prompt", "3000", "--policies", "softmax,length-caps",
+                               "--costs-as", "softmax"], capture_output=True, text=True)  # fmt: skip
+    assert stand_in.returncode == 0, stand_in.stderr[-3000:]
+    costed = json.loads((tmp_path / "as" / "replay_model.json").read_text())
+    assert costed["costs_from"]["length-caps"].endswith("as softmax")
+    assert {r["policy"]: r["costs"]["decode_row_s"] for r in costed["rows"]} == pytest.approx({"softmax": 2e-4, "length-caps": 2e-4})
