@@ -314,8 +314,10 @@ def bench_layer(
             softmax_roofline_fraction=soft_line["roofline_s"] / t_soft, converted_roofline_fraction=conv_line["roofline_s"] / t_conv,
         )  # fmt: skip
         rows.append(row)
+        result["autotuned"] = fused_decode.autotuned_choices()
         if on_row is not None:
             on_row(result)
+    result["autotuned"] = fused_decode.autotuned_choices()
     return result
 
 
@@ -478,7 +480,24 @@ def layer_markdown(results: Sequence[dict[str, Any]]) -> str:
                        f"| softmax roofline % | converted roofline % | converted bound |\n|---|---:|---:|---|---:|---:|---:|---:|---|")
             out.extend(lines)
     out.extend(_profile_markdown(results))
+    out.extend(_autotuned_markdown(results))
     return "\n".join(out) + "\n"
+
+
+def _autotuned_markdown(results: Sequence[dict[str, Any]]) -> list[str]:
+    """What Triton's autotuner chose for the converted kernels (on a GPU; none in the interpreter)."""
+    choices = {}
+    for result in results:  # one process: later results repeat the earlier ones' choices
+        for c in result.get("autotuned") or []:
+            choices[(c["kernel"], tuple(c["key"].items()), tuple(c["dtypes"]))] = c
+    if not choices:
+        return []
+    out = ["\n### autotuner's choices\n", "| kernel | key | dtypes | chosen |", "|---|---|---|---|"]
+    for c in choices.values():
+        key = ", ".join(f"{k}={v}" for k, v in c["key"].items())
+        conf = ", ".join(f"{k} {v}" for k, v in c["config"].items() if v is not None)
+        out.append(f"| {c['kernel']} | {key} | {', '.join(c['dtypes'])} | {conf} |")
+    return out
 
 
 def _profile_markdown(results: Sequence[dict[str, Any]]) -> list[str]:

@@ -86,6 +86,46 @@ def use_fused(on: bool) -> Iterator[None]:
         _FORCED.pop()
 
 
+_AUTOTUNERS: list[Any] = []
+"""Every Triton autotuner this package made (``autotune``), in the order made."""
+
+
+def autotune(configs: list[Any], **kwargs: Any):
+    """``triton.autotune(configs, **kwargs)`` that also records the autotuner, so that what it chose
+    can be reported (``autotuned_choices``)."""
+    import triton
+
+    decorate = triton.autotune(configs, **kwargs)
+
+    def register(fn):
+        tuner = decorate(fn)
+        _AUTOTUNERS.append(tuner)
+        return tuner
+
+    return register
+
+
+def autotuned_choices() -> list[dict[str, Any]]:
+    """What Triton's autotuner chose so far for this package's kernels: per kernel and key (the
+    values of the autotuner's key arguments, then the dtypes of its tensor arguments), the chosen
+    config's meta-parameters, warps, stages and register cap (None: none)."""
+    out = []
+    for tuner in _AUTOTUNERS:
+        fn = getattr(tuner, "base_fn", None) or getattr(tuner, "fn", None)
+        name = getattr(fn, "__name__", None) or str(fn)
+        names = list(tuner.keys)
+        for key, config in tuner.cache.items():
+            key = list(key)
+            out.append({
+                "kernel": name,
+                "key": {n: key[i] for i, n in enumerate(names) if i < len(key)},
+                "dtypes": [str(k) for k in key[len(names):]],
+                "config": {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages,
+                           "maxnreg": config.maxnreg},
+            })  # fmt: skip
+    return out
+
+
 class _Kernels(NamedTuple):
     hybrid: Any
     dsla: Any
@@ -111,7 +151,7 @@ def _kernels() -> _Kernels:
         if interpreting():
             return lambda fn: triton.heuristics({"BK": lambda _: BLOCK_K, "BV": lambda _: BLOCK_V})(fn)
         configs = [triton.Config({"BK": bk, "BV": bv}, num_warps=w) for bk, bv, w in STATE_TILES]
-        return triton.autotune(configs, key=keys, restore_value=[restore])
+        return autotune(configs, key=keys, restore_value=[restore])
 
     @tuned(["F", "V"], "linear")
     @triton.jit(do_not_specialize=["slot"])

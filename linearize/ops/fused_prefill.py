@@ -92,7 +92,7 @@ def state_tiled(configs: tuple[tuple[int, ...], ...], keys: list[str], interpret
     def fitting(configs, named, **kwargs):  # no tile wider than its axis
         return [c for c in configs if c.kwargs["BK"] <= kwargs["F"] and c.kwargs["BV"] <= kwargs["DV"]]
 
-    return triton.autotune(tuned, key=keys, prune_configs_by={"early_config_prune": fitting})
+    return fused_decode.autotune(tuned, key=keys, prune_configs_by={"early_config_prune": fitting})
 
 
 _block_state: Any = None
@@ -114,7 +114,7 @@ def _kernels() -> _Kernels:
         """Autotuned over (num_warps, num_stages) on a GPU; as it is in Triton's interpreter."""
         if fused_decode.interpreting():
             return lambda fn: fn
-        return triton.autotune([triton.Config({}, num_warps=w, num_stages=s) for w, s in configs], key=keys)
+        return fused_decode.autotune([triton.Config({}, num_warps=w, num_stages=s) for w, s in configs], key=keys)
 
     @tuned(["D", "DV", "F", "W"], [(4, 1), (4, 2), (4, 3), (8, 1), (8, 2)])
     @triton.jit

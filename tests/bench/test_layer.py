@@ -63,6 +63,21 @@ def test_bench_layer_runs_and_reports(tmp_path):
     assert "| hybrid window 8 torch | 2 | 16 |" in (tmp_path / "layer.md").read_text()
     assert (tmp_path / "layer.png").stat().st_size > 0
     assert layer_markdown(results) == (tmp_path / "layer.md").read_text()
+    assert all(r["autotuned"] == fused_decode.autotuned_choices() for r in results)
+
+
+def test_the_report_lists_the_autotuners_choices():
+    """A layer report lists what the autotuner chose per kernel and key, once across results of one
+    process (each result holds every choice made so far), and nothing where there were none."""
+    base = {"shape_name": "tiny", "shape": {}, "device": "gpu", "dtype": "bfloat16", "rows": [], "spec": {"attention": "dsla"}}
+    first = {"kernel": "dsla_states", "key": {"T": 32768, "F": 256}, "dtypes": ["torch.bfloat16"],
+             "config": {"BK": 32, "BV": 128, "num_warps": 8, "num_stages": 2, "maxnreg": 128}}  # fmt: skip
+    second = {**first, "key": {"T": 131072, "F": 256}, "config": {**first["config"], "BK": 64, "maxnreg": None}}
+    md = layer_markdown([{**base, "autotuned": [first]}, {**base, "autotuned": [first, second]}])
+    assert "### autotuner's choices" in md
+    assert md.count("| dsla_states | T=32768, F=256 | torch.bfloat16 | BK 32, BV 128, num_warps 8, num_stages 2, maxnreg 128 |") == 1
+    assert "| dsla_states | T=131072, F=256 | torch.bfloat16 | BK 64, BV 128, num_warps 8, num_stages 2 |" in md
+    assert "autotuner" not in layer_markdown([{**base, "autotuned": []}])
 
 
 def test_compiled_decode_steps_run_with_and_without_the_fused_kernels(tmp_path):

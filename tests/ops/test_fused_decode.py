@@ -300,3 +300,43 @@ def test_dsla_decode_inputs_equal_the_torch_maps_and_gates(batch, rank, dtype):
         fused_decode.dsla_decode_inputs(q, k, xr[:, :1], weight, bias, u, c)
     with pytest.raises(ValueError, match=r"up must be torch.float32"):
         fused_decode.dsla_decode_inputs(q, k, xr, weight, bias, u.double(), c)
+
+
+def test_autotuned_choices_report_what_the_autotuner_chose(monkeypatch):
+    """A kernel tuned through ``fused_decode.autotune`` is recorded, and ``autotuned_choices`` gives
+    its key, the key's dtypes and the chosen config (meta-parameters, warps, stages, register cap),
+    one entry per key; before a launch it has none. Timed by the wall clock here (in Triton's
+    interpreter there is no GPU benchmarker), the fastest of two real runs."""
+    import time
+
+    import triton
+    import triton.language as tl
+
+    if not (fused_decode.interpreting() or torch.cuda.is_available()):
+        pytest.skip("runs Triton kernels on CUDA or in Triton's interpreter")
+    monkeypatch.setattr(fused_decode, "_AUTOTUNERS", [])
+
+    def wall(fn, quantiles=None, **_):
+        t = time.perf_counter()
+        fn()
+        t = (time.perf_counter() - t) * 1e3
+        return [t, t, t] if quantiles else t
+
+    configs = [triton.Config({"B": 16}, num_warps=4, num_stages=1), triton.Config({"B": 32}, num_warps=8, num_stages=2, maxnreg=128)]
+
+    @fused_decode.autotune(configs, key=["N"], restore_value=["x"], do_bench=wall)
+    @triton.jit
+    def add_one(x, N, B: tl.constexpr):
+        i = tl.program_id(0) * B + tl.arange(0, B)
+        tl.store(x + i, tl.load(x + i, mask=i < N) + 1, mask=i < N)
+
+    assert fused_decode.autotuned_choices() == []
+    for n in (64, 40, 64):
+        x = torch.zeros(n, device=DEVICE)
+        add_one[lambda m, n=n: (triton.cdiv(n, m["B"]),)](x, n)
+        assert torch.equal(x, torch.ones_like(x))  # the trials' writes restored, then one real run
+    choices = fused_decode.autotuned_choices()
+    assert [(c["kernel"], c["key"], c["dtypes"]) for c in choices] == [("add_one", {"N": 64}, ["torch.float32"]),
+                                                                        ("add_one", {"N": 40}, ["torch.float32"])]  # fmt: skip
+    allowed = [{**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages, "maxnreg": c.maxnreg} for c in configs]
+    assert all(c["config"] in allowed for c in choices)
