@@ -182,15 +182,15 @@ def capacity_markdown(result: dict[str, Any]) -> str:
         f"{', compiled' if s['compile'] else ''}; median of {s['steps']} steps)"
         + (f"; position limit lifted from {s['position_limit_lifted_from']}" if s["position_limit_lifted_from"] else ""),
         "",
-        "| model | MiB per request | batch | ms per step | tokens/s |",
-        "|---|---:|---:|---:|---:|",
+        "| model | MiB per request | batch | ms per step | us per row | tokens/s |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for row in (result["teacher"], result["converted"]):
         if "error" in row:
-            lines.append(f"| {row['side']} | {row['bytes_per_request'] / 2**20:.2f} | {row['error']} | | |")
-        else:
+            lines.append(f"| {row['side']} | {row['bytes_per_request'] / 2**20:.2f} | {row['error']} | | | |")
+        else:  # us per row: the step's time over its rows, what tokens/s at this batch follows from
             lines.append(f"| {row['side']} | {row['bytes_per_request'] / 2**20:.2f} | {row['batch_size']} | {row['step_s'] * 1e3:.2f} "
-                         f"| {row['tokens_per_s']:.0f} |")  # fmt: skip
+                         f"| {row['step_s'] * 1e6 / row['batch_size']:.1f} | {row['tokens_per_s']:.0f} |")  # fmt: skip
     if "throughput_ratio" in result:
         lines += ["", f"Converted / teacher tokens/s: **{result['throughput_ratio']:.2f}x**"]
     return "\n".join(lines) + "\n"

@@ -27,7 +27,10 @@ def test_each_side_runs_the_largest_batch_its_requests_fit(tmp_path):
     assert out["throughput_ratio"] == converted["tokens_per_s"] / teacher["tokens_per_s"] > 0
     assert out["settings"]["position_limit_lifted_from"] == 64 and model.config.max_position_embeddings == max_length
     saved = json.loads((tmp_path / "capacity.json").read_text())
-    assert saved["converted"]["batch_size"] == 20 and "position limit lifted from 64" in (tmp_path / "capacity.md").read_text()
+    md = (tmp_path / "capacity.md").read_text()
+    assert saved["converted"]["batch_size"] == 20 and "position limit lifted from 64" in md
+    per_row = f"| {converted['step_s'] * 1e3:.2f} | {converted['step_s'] * 1e6 / 20:.1f} | {converted['tokens_per_s']:.0f} |"
+    assert "| us per row |" in md and per_row in md  # the step's time over its 20 rows
     assert linearize.layer_modes(model) == {0: "hybrid", 1: "hybrid"}  # the teacher's measurement left the modes
 
 
