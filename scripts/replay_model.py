@@ -19,6 +19,7 @@ TTFT, throughput and mean running requests, and each policy's mean against softm
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 from pathlib import Path
@@ -98,24 +99,25 @@ def main(argv: list[str] | None = None) -> dict:
     rates = [float(r) for r in args.rates.split(",")]
     if not policies or any(r <= 0 for r in rates):
         parser.error(f"needs policies and positive rates, got {args.policies!r} and {args.rates!r}")
-    costs, sources = {}, {}
-    for policy in policies + ([args.costs_as] if args.costs_as and args.costs_as not in policies else []):
+    @functools.cache
+    def fitted(policy: str) -> tuple[StepCosts, str] | None:
+        """The policy's step costs from the first report holding its timeline, and that report."""
         for report in args.costs:
             try:
-                costs[policy], sources[policy] = StepCosts.from_report(report, policy), str(report)
-                break
+                return StepCosts.from_report(report, policy), str(report)
             except ValueError:
                 continue
+        return None
+
+    costs, sources = {}, {}
     for policy in policies:
-        if policy in costs:
-            continue
-        if args.costs_as in costs:
-            costs[policy], sources[policy] = costs[args.costs_as], f"{sources[args.costs_as]}, as {args.costs_as}"
-        else:
+        found = fitted(policy)
+        if found is None and args.costs_as and fitted(args.costs_as) is not None:
+            found = fitted(args.costs_as)[0], f"{fitted(args.costs_as)[1]}, as {args.costs_as}"
+        if found is None:
             parser.error(f"no report among {[str(r) for r in args.costs]} holds a timeline of policy {policy!r}"
                          + (f" or of --costs-as {args.costs_as!r}" if args.costs_as else "; --costs-as POLICY costs it as a policy one does"))
-    costs = {p: costs[p] for p in policies}
-    sources = {p: sources[p] for p in policies}
+        costs[policy], sources[policy] = found
 
     replay = ReplaySettings(trace=args.trace, start=args.start, requests=args.requests, max_prompt=args.max_prompt)
     trace = load_trace(replay.trace_path())[args.start : args.start + args.requests]
