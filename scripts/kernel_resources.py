@@ -19,9 +19,7 @@ writes OUT/kernel_resources.json and OUT/kernel_resources.md (a row per kernel a
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
-import importlib
 import json
 import logging
 import os
@@ -132,6 +130,7 @@ class CompileOnly:
         if self.sass_dir is not None:
             self.sass_dir.mkdir(parents=True, exist_ok=True)
             (self.sass_dir / f"{len(self.rows):03d}-{jit.fn.__name__}.sass").write_text(sass)
+            (self.sass_dir / f"{len(self.rows):03d}-{jit.fn.__name__}.ttgir").write_text(compiled.asm["ttgir"])
         logger.info("%s %s: %d registers, %d spilled", jit.fn.__name__, self._config or "", usage["REG"], spills)
 
     @contextlib.contextmanager
@@ -216,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--kinds", default="hybrid,dsla,lola", help=f"comma-separated, of {', '.join(KINDS)}")
     parser.add_argument("--prefill", type=int, default=1024, help="prompt tokens")
     parser.add_argument("--batches", default="1,64", help="decode batch sizes")
-    parser.add_argument("--sass", type=Path, default=None, help="a folder to write each kernel's SASS into")
+    parser.add_argument("--sass", type=Path, default=None, help="a folder to write each kernel's SASS and Triton GPU IR (.ttgir) into")
     parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                         help="set a constant of a linearize.ops module first, e.g. fused_lola.PREFILL_READ_QUERIES=32 (repeatable)")
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100 / H200)")
@@ -234,18 +233,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     shape = layer_shape(args.shape)
     batches = [int(b) for b in args.batches.split(",") if b.strip()]  # none: the prefill alone
-    settings = {}
-    for item in args.set:
-        name, _, value = item.partition("=")
-        module_name, _, attr = name.rpartition(".")
-        try:
-            module = importlib.import_module(f"linearize.ops.{module_name}")
-            if not module_name or not hasattr(module, attr):
-                raise AttributeError(name)
-            settings[name] = ast.literal_eval(value)
-        except (ImportError, AttributeError, ValueError, SyntaxError):
-            parser.error(f"--set {item!r}: expected MODULE.NAME=VALUE with NAME a constant of linearize.ops.MODULE and VALUE a literal")
-        setattr(module, attr, settings[name])
+    from linearize.ops import kernel_options
+
+    try:
+        settings = kernel_options.apply(args.set)
+    except ValueError as e:
+        parser.error(str(e).replace("kernel option", "--set"))
     recorder = CompileOnly(args.arch, args.sass)
     fused_decode.kernels_run_on = lambda x: True  # the layers take their Triton paths on the CPU
     with recorder.active():

@@ -1,18 +1,21 @@
-"""Time LoLA's fused decode step (``ops.fused_lola``: an errors kernel and a commit kernel) with each
-tile, against the torch step it replaces, at one layer's decode shape (CUDA, bfloat16 model, eager:
-the step's few torch kernels around the two fused ones included).
+"""Time LoLA's fused decode step (``ops.fused_lola``: an errors kernel and a commit kernel, or the
+two as one kernel) with each tile, against the torch step it replaces, at one layer's decode shape
+(CUDA, bfloat16 model, eager: the step's few torch kernels around the fused ones included).
 
     python scripts/lola_step_tiles.py OUT_DIR [--batch 64] [--heads 32] [--kv-heads 8] [--head-dim 128] [--sparse 256]
+        [--variants state,kept]
 
 The defaults are a Llama-3-8B-shaped layer read as LoLA with 256 sparse slots and a square Hedgehog
-map (256 features). OUT_DIR/lola_step_tiles.json holds the megabytes one step must move (the
-cache's bfloat16 keys and values once, [S | z] read and written once; with kept recalls, those read
-and written too, and [S | z] read once and written every ``DEFERRED_WRITES`` tokens), the microseconds per call of the torch step (``torch_step_us``; its state pass in
-the hybrid's state kernel) and of each tile of the fused step, scoring the cache from the state
-(``state``) and from kept recalls (``kept``, LoLA's ``keep_recalls``) (``BLxBVwWcC``: candidates
-per program x value columns of a state tile, warps of the errors kernel, warps of the commit kernel;
-a failed compile gives its error), and each one's best tile's kernels by device time over 10 steps
-(``state_profile_us``, ``kept_profile_us``).
+map (256 features); SmolLM2's is ``--heads 9 --kv-heads 3 --head-dim 64``. OUT_DIR/lola_step_tiles.json
+holds the megabytes one step must move (the cache's bfloat16 keys and values once, [S | z] read and
+written once; with kept recalls, those read and written too, and [S | z] read once and written every
+``DEFERRED_WRITES`` tokens), the microseconds per call of the torch step (``torch_step_us``; its
+state pass in the hybrid's state kernel) and of each tile of the fused step, scoring the cache from
+the state (``state``) and from kept recalls (``kept``, LoLA's ``keep_recalls``), and each one's best
+tile's kernels by device time over 10 steps (``state_profile_us``, ``kept_profile_us``). A tile is
+named ``KERNELS-BLxBVwWcCsS``: two kernels or one (``ONE_KERNEL_ROWS``), candidates per program x
+value columns of a state tile, warps of the errors kernel (of the one kernel), warps of the commit
+kernel (two kernels only), pipelining stages (``STAGES``); a failed compile gives its error.
 """
 
 from __future__ import annotations
@@ -29,7 +32,27 @@ from linearize.ops import fused_decode, fused_lola
 from linearize.ops.feature_maps import hedgehog
 from linearize.ops.lola import LolaDecodeState, lola_decode_step, lola_state_empty
 
-TILES = ((64, 64, 8, 4), (64, 64, 4, 4), (32, 64, 4, 4), (32, 128, 8, 4), (64, 128, 8, 4), (128, 64, 8, 4), (64, 64, 8, 8))
+TILES = (
+    ("two", 128, 64, 8, 4, 3), ("two", 128, 64, 8, 8, 3), ("two", 128, 64, 8, 8, 2), ("two", 128, 64, 8, 8, 1),
+    ("two", 64, 128, 8, 8, 1), ("two", 64, 64, 8, 4, 3),
+    ("one", 128, 64, 8, 0, 3), ("one", 128, 64, 8, 0, 2), ("one", 128, 64, 8, 0, 1), ("one", 64, 64, 8, 0, 1), ("one", 128, 64, 4, 0, 3),
+)
+"""(kernels, BLOCK_ROWS, BLOCK_VALUES, warps, COMMIT_WARPS, STAGES); the first is the default."""
+
+
+def tile_name(tile) -> str:
+    kernels, bl, bv, warps, commit_warps, stages = tile
+    return f"{kernels}-{bl}x{bv}w{warps}" + (f"c{commit_warps}" if kernels == "two" else "") + f"s{stages}"
+
+
+def use_tile(tile) -> None:
+    """Set the step's module constants to ``tile``."""
+    kernels, bl, bv, warps, commit_warps, stages = tile
+    fused_lola.BLOCK_ROWS, fused_lola.BLOCK_VALUES, fused_lola.STAGES = bl, bv, stages
+    if kernels == "one":
+        fused_lola.ONE_KERNEL_ROWS, fused_lola.ONE_KERNEL_WARPS = 0, warps
+    else:
+        fused_lola.ONE_KERNEL_ROWS, fused_lola.WARPS, fused_lola.COMMIT_WARPS = None, warps, commit_warps
 
 
 def main() -> None:
@@ -40,7 +63,11 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--sparse", type=int, default=256)
+    ap.add_argument("--variants", default="state,kept", help="comma-separated, of state, kept")
     args = ap.parse_args()
+    variants = args.variants.split(",")
+    if not variants or any(v not in ("state", "kept") for v in variants):
+        ap.error(f"--variants {args.variants!r}: choose from state, kept")
     b, hq, hkv, d, lam, w = args.batch, args.heads, args.kv_heads, args.head_dim, args.sparse, 64
     dev, dt = "cuda", torch.bfloat16
     torch.manual_seed(0)
@@ -63,7 +90,7 @@ def main() -> None:
     recalls = 2 * b * hq * lam * fused_lola.recall_width(d) * 4  # the kept recalls read + written
     bytes_moved = {"state": cache + 2 * lin,  # [S | z] read + written
                    "kept": cache + recalls + lin + 2 * lin / fused_lola.DEFERRED_WRITES}  # read, written every DEFERRED_WRITES tokens
-    for variant in ("torch", "state", "kept"):  # the torch step; the fused step scoring the cache from the state; from kept recalls
+    for variant in ("torch", *variants):  # the torch step; the fused step scoring the cache from the state; from kept recalls
         ds = LolaDecodeState.from_state(state, phi_q=phi_q, phi_k=phi_k, window_factor=torch.ones(hq, device=dev), scale=d**-0.5,
                                         dtype=dt, sinks=4, linear_weight=0.1, key_map=(wk, bk), keep_recalls=variant == "kept")  # fmt: skip
         step = functools.partial(lola_decode_step, ds, q, k, v)
@@ -72,9 +99,9 @@ def main() -> None:
                 rows["torch_step_us"] = cuda_mean_us(step, repeats=50, warmup=3)
                 continue
             tiles = {}
-            for bl, bv, warps, commit_warps in TILES:
-                name = f"{bl}x{bv}w{warps}c{commit_warps}"
-                fused_lola.BLOCK_ROWS, fused_lola.BLOCK_VALUES, fused_lola.WARPS, fused_lola.COMMIT_WARPS = bl, bv, warps, commit_warps
+            for tile in TILES:
+                name = tile_name(tile)
+                use_tile(tile)
                 try:
                     tiles[name] = cuda_mean_us(step, repeats=50, warmup=3)
                 except Exception as e:  # noqa: BLE001 (a tile that does not compile is reported, not fatal)
@@ -83,8 +110,7 @@ def main() -> None:
             rows[variant] = tiles
             best = min((k for k in tiles if isinstance(tiles[k], float)), key=tiles.get, default=None)
             if best:  # the kernels of the best tile's step, from the profiler
-                bl, bv, warps, commit_warps = next(t for t in TILES if f"{t[0]}x{t[1]}w{t[2]}c{t[3]}" == best)
-                fused_lola.BLOCK_ROWS, fused_lola.BLOCK_VALUES, fused_lola.WARPS, fused_lola.COMMIT_WARPS = bl, bv, warps, commit_warps
+                use_tile(next(t for t in TILES if tile_name(t) == best))
                 step()
                 torch.cuda.synchronize()
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

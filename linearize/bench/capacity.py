@@ -35,6 +35,7 @@ from ..checks import check_int
 from ..convert import convert, converted_layers
 from ..decoding import StaticDecoder
 from ..io import write_results
+from ..ops import kernel_options
 from ..runtime import max_positions
 from ..spec import ConversionSpec
 from ..teacher import teacher_modes
@@ -161,7 +162,7 @@ def bench_capacity(
         "model": str(getattr(model.config, "linearize_base_model", None) or getattr(model, "name_or_path", "") or model.config.model_type),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(model.dtype).removeprefix("torch."),
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__}, "kernel_options": kernel_options.applied(),
         "spec": getattr(model.config, "linearize", None),
         "settings": dict(context=context, steps=steps, memory_bytes=memory_bytes, memory_fraction=memory_fraction, budget_bytes=budget,
                          max_batch=max_batch, compile=compile, position_limit_lifted_from=lifted),  # fmt: skip

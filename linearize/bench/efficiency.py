@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 
 from ..cache import cache_kwargs, cache_nbytes, output_cache
 from ..checks import check_int, is_int
+from ..ops import kernel_options
 from ..convert import convert, converted_layers
 from ..io import save_png, write_results
 from ..memory import running_request_memory
@@ -278,7 +279,7 @@ def benchmark(
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(model.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__}, "kernel_options": kernel_options.applied(),
         "spec": getattr(model.config, "linearize", None),
         "settings": settings,
         "teacher": teacher,
@@ -529,7 +530,7 @@ def decode_speed(
         "flush_denormal": True,
         "cpu_kernels": dev.type == "cpu" and cpu_kernels.enabled(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__}, "kernel_options": kernel_options.applied(),
         "settings": {"contexts": list(contexts), "steps": steps, "warmup": warmup, "batch_size": 1, "seed": seed,
                      "floor_context": floor_context},
         "rows": rows,

@@ -46,6 +46,7 @@ from ..checks import check_choice
 from ..convert import convert
 from ..decoding import StaticSlot, cuda_graph
 from ..hub import build_tiny_llama
+from ..ops import kernel_options
 from ..io import save_png, write_results
 from ..layers.base import project_qkv
 from ..layers.registry import KINDS
@@ -278,7 +279,7 @@ def bench_layer(
         "spec": spec.to_dict(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(dtype).removeprefix("torch."),
-        "versions": {"torch": torch.__version__},
+        "versions": {"torch": torch.__version__}, "kernel_options": kernel_options.applied(),
         "kernel": _kernel(attn),
         "settings": dict(decode_steps=decode_steps, state_prefill=state_prefill, max_prefill_tokens=max_prefill_tokens, warmup=warmup,
                          repeats=repeats, bandwidth=bandwidth, flops=flops, graphs=graphs, compile=compile, profile=profile),  # fmt: skip

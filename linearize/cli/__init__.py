@@ -233,6 +233,9 @@ def _add_eval_commands(sub) -> None:
     p.add_argument("--max-batch", type=POSITIVE, default=65536, help="with --capacity: the largest batch tried")
     p.add_argument("--device", help="cpu | cuda (default: cpu)")
     p.add_argument("--out", help="directory for efficiency.{json,md,png} (--layer: layer.{json,md,png})")
+    p.add_argument("--kernel-option", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                   help="set a kernel constant of linearize.ops for this run, e.g. fused_lola.ONE_KERNEL_ROWS=0 or "
+                        "fused_lola.STAGES=1 (repeatable; recorded in the results as kernel_options)")
     add_spec_flags(p)
     p.set_defaults(func=cmd_bench)
 

@@ -331,6 +331,9 @@ LAYER_KINDS = ({"attention": "hybrid", "window": 64}, {"attention": "dsla"},
 
 
 def cmd_bench(args) -> int:
+    from ..ops import kernel_options
+
+    kernel_options.apply(args.kernel_option)  # a bad one fails before anything loads
     if args.compile and not (args.graphs or args.capacity or args.profile or args.layer):
         raise ValueError("--compile applies to static decoding: give --graphs, --capacity, --profile or --layer")
     if args.profile and args.capacity:

@@ -193,14 +193,14 @@ def _head(r, linear, wk, bk, n_rep, H: tl.constexpr, D: tl.constexpr, FH: tl.con
 
 
 @triton.jit
-def lola_errors_kernel(
-    linear, errs, cmap, cvals, cvalid, cpos, lmap, lvals, lpos, wk, bk, recall, pending, rok, lrec, ring, ring_n, qphi, rbuf,
+def _errors_program(
+    r, c, linear, errs, cmap, cvals, cvalid, cpos, lmap, lvals, lpos, wk, bk, recall, pending, rok, lrec, ring, ring_n, qphi, rbuf,
     sinks, n_rep,
     H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, DV: tl.constexpr,
     BL: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr,
     KEEP: tl.constexpr, RW: tl.constexpr, K: tl.constexpr,
 ):  # fmt: skip
-    """Self-recall errors of one block of candidates of one (row, query head): program (r, c) scores
+    """Self-recall errors of one block of candidates of one (row, query head) ``r`` (int64): block ``c`` scores
     cache entries c * BL .. c * BL + BL - 1 into errs[r, :L] (sinks +inf, empty slots -inf); the
     last block index scores the leaving token into errs[r, L] (sinks +inf). KEEP: the cache
     entries' recalls are kept in ``recall`` (B Hq, L, RW), [phi S, phi z] in the first DV + 1
@@ -210,8 +210,6 @@ def lola_errors_kernel(
     leaving token's program reads the state once for the token's recall (to ``lrec`` (B Hq, RW)) and
     for the query's read (to ``rbuf`` (B Hq, DV + 1), features ``qphi``), each with the deferred
     writes added."""
-    r = tl.program_id(0).to(tl.int64)  # one (batch row, query head)
-    c = tl.program_id(1)
     b, h, kr, base, od, md, of, mf, w, bias = _head(r, linear, wk, bk, n_rep, H, D, FH, DV, BD, BF)
     if c * BL >= L:  # the leaving token, as the first of 16 rows (a product's least height)
         o16 = tl.arange(0, 16)
@@ -248,23 +246,43 @@ def lola_errors_kernel(
 
 
 @triton.jit
-def lola_commit_kernel(
-    linear, errs, qphi, q, out, rbuf, held,
+def lola_errors_kernel(
+    linear, errs, cmap, cvals, cvalid, cpos, lmap, lvals, lpos, wk, bk, recall, pending, rok, lrec, ring, ring_n, qphi, rbuf,
+    sinks, n_rep,
+    H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, DV: tl.constexpr,
+    BL: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr,
+    KEEP: tl.constexpr, RW: tl.constexpr, K: tl.constexpr,
+    NB: tl.constexpr,
+):  # fmt: skip
+    """``_errors_program`` for block pid % (NB + 1) of (row, query head) pid // (NB + 1): the NB cache
+    blocks and the leaving token of one (row, head) are neighbours in the launch order, so the state
+    they all read comes from memory about once and from L2 after (in a grid with the blocks as its
+    slower axis each block read every row's state from memory again)."""
+    pid = tl.program_id(0)
+    r = (pid // (NB + 1)).to(tl.int64)
+    _errors_program(r, pid % (NB + 1), linear, errs, cmap, cvals, cvalid, cpos, lmap, lvals, lpos, wk, bk, recall, pending, rok, lrec,
+                    ring, ring_n, qphi, rbuf, sinks, n_rep, H, L, D, FH, DV, BL, BD, BF, BV, LOWP, EPS, KEEP, RW, K)  # fmt: skip
+
+
+@triton.jit
+def _commit_program(
+    r, linear, errs, qphi, q, out, rbuf, held,
     ckeys, cmap, cvals, cvalid, cpos, lkeys, lmap, lvals, lvalid, lpos, wkeys, wvals, wvalid,
     wk, bk, factor, recall, pending, rok, lrec, ring, ring_n,
     sinks, n_rep, scale, weight_tokens,
     H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, DV: tl.constexpr, ETA: tl.constexpr,
     BL: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr,
     BDV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr, SEPARATE: tl.constexpr, READ_STATE: tl.constexpr,
-    READ_SPARSE: tl.constexpr, KEEP: tl.constexpr, RW: tl.constexpr, K: tl.constexpr,
+    READ_SPARSE: tl.constexpr, KEEP: tl.constexpr, RW: tl.constexpr, K: tl.constexpr, MARK: tl.constexpr,
 ):  # fmt: skip
-    """The rest of the step for one (row, query head), from the candidates' errors: the choice, the
+    """The rest of the step for one (row, query head) ``r`` (int64), from the candidates' errors: the choice, the
     state's update and read, the cache slot taken, ``held``, and the exact read. KEEP: the write is
     left in ``pending`` for the next step's errors kernel to add to the kept recalls, the slot taken
     gets the leaving token's recall (``lrec``), and the row's recalls are current (``rok``); the
     write joins the deferred ones (``ring``) instead of [S | z], which takes them all once K are
-    waiting, and the query's read (``rbuf``, from the errors kernel) gets its term."""
-    r = tl.program_id(0).to(tl.int64)  # one (batch row, query head)
+    waiting, and the query's read (``rbuf``, from the errors kernel) gets its term. MARK: the row's
+    recalls are marked current here (else by the caller, once every program is done: a program of
+    another head of the row may not have scored its cache yet)."""
     b, h, kr, base, od, md, of, mf, w, bias = _head(r, linear, wk, bk, n_rep, H, D, FH, DV, BD, BF)
     W: tl.constexpr = DV + 1
     o16 = tl.arange(0, 16)
@@ -368,7 +386,8 @@ def lola_commit_kernel(
             ov = v0 + tl.arange(0, BV)
             mv = ov < W
             tl.store(recall + slot * RW + ov, tl.load(lrec + r * RW + ov, mask=mv, other=0.0), mask=mv & take)
-        tl.store(rok + b, 1)
+        if MARK:
+            tl.store(rok + b, 1)
     tl.debug_barrier()  # the slot and the state's read are stored before the read below loads them
 
     # 4. The read: the window (with the new token) and the cache exactly, one max, the state linearly.
@@ -406,6 +425,52 @@ def lola_commit_kernel(
         den += lf * tl.load(rbuf + r * W + DV)
     o = tl.where(den > EPS, num / tl.where(den > EPS, den, 1.0), 0.0)
     tl.store(out + r * DV + odv, o.to(out.dtype.element_ty), mask=mdv)
+
+
+@triton.jit
+def lola_commit_kernel(
+    linear, errs, qphi, q, out, rbuf, held,
+    ckeys, cmap, cvals, cvalid, cpos, lkeys, lmap, lvals, lvalid, lpos, wkeys, wvals, wvalid,
+    wk, bk, factor, recall, pending, rok, lrec, ring, ring_n,
+    sinks, n_rep, scale, weight_tokens,
+    H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, DV: tl.constexpr, ETA: tl.constexpr,
+    BL: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr,
+    BDV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr, SEPARATE: tl.constexpr, READ_STATE: tl.constexpr,
+    READ_SPARSE: tl.constexpr, KEEP: tl.constexpr, RW: tl.constexpr, K: tl.constexpr,
+):  # fmt: skip
+    """``_commit_program`` for (row, query head) pid, after ``lola_errors_kernel``."""
+    _commit_program(tl.program_id(0).to(tl.int64), linear, errs, qphi, q, out, rbuf, held, ckeys, cmap, cvals, cvalid, cpos, lkeys, lmap, lvals, lvalid,
+                    lpos, wkeys, wvals, wvalid, wk, bk, factor, recall, pending, rok, lrec, ring, ring_n, sinks, n_rep, scale,
+                    weight_tokens, H, L, D, FH, DV, ETA, BL, BS, BD, BF, BV, BW, BDV, LOWP, EPS, SEPARATE, READ_STATE, READ_SPARSE,
+                    KEEP, RW, K, True)  # fmt: skip
+
+
+@triton.jit
+def lola_step_kernel(
+    linear, errs, qphi, q, out, rbuf, held,
+    ckeys, cmap, cvals, cvalid, cpos, lkeys, lmap, lvals, lvalid, lpos, wkeys, wvals, wvalid,
+    wk, bk, factor, recall, pending, rok, lrec, ring, ring_n,
+    sinks, n_rep, scale, weight_tokens,
+    H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, DV: tl.constexpr, ETA: tl.constexpr,
+    BL: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr,
+    BDV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr, SEPARATE: tl.constexpr, READ_STATE: tl.constexpr,
+    READ_SPARSE: tl.constexpr, KEEP: tl.constexpr, RW: tl.constexpr, K: tl.constexpr,
+    NB: tl.constexpr,
+):  # fmt: skip
+    """The whole step of one (row, query head) pid in one program: its NB cache blocks' and the
+    leaving token's errors (``_errors_program``, one after another), then ``_commit_program``. The
+    state is read from memory once (the later passes find it in cache) and written once, and the
+    slots' keys and values are read once for the errors and the read; but a row's blocks no
+    longer run in parallel. The caller marks the rows' recalls current (``rok``) after the launch."""
+    r = tl.program_id(0).to(tl.int64)
+    for c in range(NB + 1):
+        _errors_program(r, c, linear, errs, cmap, cvals, cvalid, cpos, lmap, lvals, lpos, wk, bk, recall, pending, rok, lrec,
+                        ring, ring_n, qphi, rbuf, sinks, n_rep, H, L, D, FH, DV, BL, BD, BF, BV, LOWP, EPS, KEEP, RW, K)  # fmt: skip
+    tl.debug_barrier()  # the errors, the leaving token's recall and the query's read are stored before the commit loads them
+    _commit_program(r, linear, errs, qphi, q, out, rbuf, held, ckeys, cmap, cvals, cvalid, cpos, lkeys, lmap, lvals, lvalid,
+                    lpos, wkeys, wvals, wvalid, wk, bk, factor, recall, pending, rok, lrec, ring, ring_n, sinks, n_rep, scale,
+                    weight_tokens, H, L, D, FH, DV, ETA, BL, BS, BD, BF, BV, BW, BDV, LOWP, EPS, SEPARATE, READ_STATE, READ_SPARSE,
+                    KEEP, RW, K, False)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- chunked prefill
@@ -676,7 +741,7 @@ def lola_select_kernel(
 @triton.jit
 def lola_read_kernel(
     q, k, v, qphi, kphi, n_real, factor, lw, out, hist, lkept, nread, snap, snapz,
-    t_len, n_chunks, c_first, n_seg, sinks, n_rep, scale, weight_tokens,
+    t_len, n_chunks, c_first, n_seg, n_here, sinks, n_rep, scale, weight_tokens,
     H: tl.constexpr, D: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, ETA: tl.constexpr, C: tl.constexpr,
     LAM: tl.constexpr, BC: tl.constexpr, BL: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
     BF: tl.constexpr, BQ: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr, READ_STATE: tl.constexpr,
@@ -685,10 +750,15 @@ def lola_read_kernel(
     """The parallel half: the output of BQ of a chunk's queries for one (row, query head), from what
     ``lola_select_kernel`` left: each query's true window and the chunk's new cache entries older
     than it exactly (one running max, the window factor), the saved state and the leavers written
-    that have left its window linearly (the length weight counting what it reads)."""
-    r = tl.program_id(0).to(tl.int64)  # one (batch row, query head)
-    chunk = c_first + tl.program_id(1)
-    q0 = tl.program_id(2) * BQ  # the first of this program's queries in the chunk
+    that have left its window linearly (the length weight counting what it reads). Program pid reads
+    queries (pid % (BC / BQ)) * BQ.. of chunk c_first + pid / (BC / BQ) % n_here of (row, query
+    head) pid / (BC / BQ) / n_here: the programs of one chunk are neighbours in the launch order, so
+    its saved state comes from memory once and from L2 after."""
+    NQ: tl.constexpr = BC // BQ
+    pid = tl.program_id(0)
+    q0 = (pid % NQ) * BQ  # the first of this program's queries in the chunk
+    chunk = c_first + (pid // NQ) % n_here
+    r = (pid // NQ // n_here).to(tl.int64)  # one (batch row, query head)
     b = r // H
     h = r % H
     kr = b * (H // n_rep) + h // n_rep

@@ -10,7 +10,7 @@ for the read. ``lola_step`` does it in two kernels, after the new token has take
 in torch:
 
 1. errors, one program per (row, query head, block of candidates; one more for the leaving
-   token): the candidates' features in registers from their keys (the Hedgehog map
+   token; a row's blocks neighbours in the launch order): the candidates' features in registers from their keys (the Hedgehog map
    [softmax(x W + b), softmax(-(x W + b))], rounded to bfloat16 where the model runs in it, as the
    torch map's output is), phi [S | z] tile by tile of the state, and each candidate's error
    || phi S / (phi z) - v || (the readout 0 where phi z is empty; sinks +inf, empty slots -inf);
@@ -34,9 +34,12 @@ the state once for the token's recall and for the query's read (``qphi``, into t
 each plus the deferred writes' terms; the commit adds its write to them and the query's read, and
 writes [S | z] only when they are full, all at once.
 
-The state is read from memory about once (the other candidate blocks and the update pass mostly
-find it in cache) and written once; the cache's keys and values, kept in the model's dtype, are read for the
-errors and again (mostly from cache) for the read. With a bfloat16 model, phi [S | z] runs on
+The errors kernel reads the state from memory about once per (row, query head) (its other blocks
+find it in L2), the commit kernel reads it again and writes it once; the cache's keys and values,
+kept in the model's dtype, are read for the errors and again for the read. From ``ONE_KERNEL_ROWS``
+rows on, the two kernels run as one (``lola_step_kernel``: one program per (row, query head), its
+blocks of errors one after another, then the commit), which reads the state and the cache from
+memory once, with fewer programs in flight. With a bfloat16 model, phi [S | z] runs on
 tensor cores as two bfloat16 products (phi is exact in bfloat16; S is split into its bfloat16 part
 and the rest): about 16 bits of S's mantissa instead of float32's 24, so a near-tie between two
 candidates may go the other way than in the torch step; a float32 model runs the products in
@@ -85,17 +88,33 @@ WARPS = 8
 """Warps per program of the errors kernel where the map is 128 wide or more (4 below)."""
 COMMIT_WARPS = 4
 """Warps per program of the commit kernel (the choice, the state pass, the read)."""
+STAGES = 3
+"""Software-pipelining stages of the errors kernel and of the one-kernel step (Triton's
+``num_stages``): beyond 1, each stage buffers a float32 tile of [S | z] in shared memory (the
+Llama-3-8B shape's errors kernel holds 172 KiB at 3, one program per SM)."""
 SELECT_BLOCK = 1024
 """Errors the commit kernel scans at a time for the least."""
+ONE_KERNEL_ROWS: int | None = None
+"""Rows (batch rows x query heads) from which the step runs as one kernel, one program per (row,
+query head) doing its errors and then its commit (``lola_step_kernel``): the state read from memory
+once instead of twice and the slots' keys and values once, against fewer programs in flight (a
+row's blocks of candidates one after another). None: always two kernels."""
+ONE_KERNEL_WARPS = 8
+"""Warps per program of the one-kernel step."""
 
 
 @functools.cache
 def _kernels():
-    """The decode step's Triton kernels (errors, commit), compiled on first use (Triton is imported
-    only then)."""
-    from linearize.ops._lola_kernel import lola_commit_kernel, lola_errors_kernel
+    """The decode step's Triton kernels (errors, commit, the two as one), compiled on first use
+    (Triton is imported only then)."""
+    from linearize.ops._lola_kernel import lola_commit_kernel, lola_errors_kernel, lola_step_kernel
 
-    return lola_errors_kernel, lola_commit_kernel
+    return lola_errors_kernel, lola_commit_kernel, lola_step_kernel
+
+
+def one_kernel(rows: int) -> bool:
+    """Whether a step of ``rows`` (batch rows x query heads) runs as one kernel (``ONE_KERNEL_ROWS``)."""
+    return ONE_KERNEL_ROWS is not None and rows >= ONE_KERNEL_ROWS
 
 
 def _pow2(n: int) -> int:
@@ -234,25 +253,33 @@ def lola_step(
         recall = pending = lrec = deferred = errs
         recall_ok = deferred_count = held
         k_deferred = 2
-    errors, commit = _kernels()
+    errors, commit, whole = _kernels()
     map_keys = cache_map_keys if separate else cache_keys
     block = min(BLOCK_ROWS, _pow2(lam))
+    blocks = -(-lam // block)
     shape = dict(H=hq, L=lam, D=d, FH=fh, DV=dv, BL=block, BD=_pow2(d), BF=_pow2(fh),
                  BV=min(BLOCK_VALUES, _pow2(dv + 1)), LOWP=weight.dtype == torch.bfloat16, EPS=EMPTY_DENOMINATOR, KEEP=keep,
                  RW=recall_width(dv), K=k_deferred)  # fmt: skip
-    errors[(rows, -(-lam // block) + 1)](
-        linear, errs, map_keys, cache_values, cache_valid, cache_positions, leave_map_keys, leave_values, leave_positions, weight, bias,
-        recall, pending, recall_ok, lrec, deferred, deferred_count, qphi, rbuf, sinks, hq // hkv, **shape,
-        num_warps=WARPS if fh >= 128 else 4,
-    )  # fmt: skip
-    commit[(rows,)](
+    commit_args = (
         linear, errs, qphi, q, out, rbuf, held,
         cache_keys, map_keys, cache_values, cache_valid, cache_positions,
         leave_keys, leave_map_keys, leave_values, leave_valid, leave_positions, window_keys, window_values, window_valid,
         weight, bias, factor, recall, pending, recall_ok, lrec, deferred, deferred_count,
-        sinks, hq // hkv, scale, weight_tokens, ETA=eta, BS=min(SELECT_BLOCK, _pow2(lam)), BW=_pow2(eta), BDV=_pow2(dv),
-        SEPARATE=separate, READ_STATE=read_state, READ_SPARSE=read_sparse, num_warps=COMMIT_WARPS, **shape,
+        sinks, hq // hkv, scale, weight_tokens,
     )  # fmt: skip
+    commit_shape = dict(ETA=eta, BS=min(SELECT_BLOCK, _pow2(lam)), BW=_pow2(eta), BDV=_pow2(dv), SEPARATE=separate,
+                        READ_STATE=read_state, READ_SPARSE=read_sparse, **shape)  # fmt: skip
+    if one_kernel(rows):
+        whole[(rows,)](*commit_args, NB=blocks, num_warps=ONE_KERNEL_WARPS, num_stages=STAGES, **commit_shape)
+        if keep:
+            recall_ok.fill_(1)  # every row's recalls are current (the kernel leaves this to its caller)
+        return out
+    errors[(rows * (blocks + 1),)](
+        linear, errs, map_keys, cache_values, cache_valid, cache_positions, leave_map_keys, leave_values, leave_positions, weight, bias,
+        recall, pending, recall_ok, lrec, deferred, deferred_count, qphi, rbuf, sinks, hq // hkv, NB=blocks, **shape,
+        num_warps=WARPS if fh >= 128 else 4, num_stages=STAGES,
+    )  # fmt: skip
+    commit[(rows,)](*commit_args, num_warps=COMMIT_WARPS, **commit_shape)
     return out
 
 
@@ -403,9 +430,9 @@ def lola_prefill(
         with torch.cuda.stream(side) if overlap else contextlib.nullcontext():
             if overlap:
                 side.wait_stream(main)
-            read[(rows, c1 - c0, bc // bq)](
+            read[(rows * (c1 - c0) * (bc // bq),)](
                 q, k, v, qphi, kphi, n_real, factor, weights, out, hist, lkept, nread, snap[buf], snapz[buf],
-                t, n_chunks, c0, n_seg, sinks, hq // hkv, scale, weight_tokens, **common,
+                t, n_chunks, c0, n_seg, c1 - c0, sinks, hq // hkv, scale, weight_tokens, **common,
                 D=d, BW=_pow2(window + bq), BD=_pow2(d), BDV=_pow2(dv), BF=min(PREFILL_READ_BLOCK_FEATURES, _pow2(feats)), BQ=bq,
                 READ_STATE=read_state, READ_SPARSE=read_sparse, num_warps=PREFILL_READ_WARPS,
             )  # fmt: skip

@@ -86,3 +86,40 @@ def test_bad_kinds_and_an_interpreting_triton_are_refused(tmp_path):
     done = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
     assert done.returncode == 2 and "TRITON_INTERPRET" in done.stderr
     assert not (tmp_path / "kernel_resources.json").exists()
+
+
+@needs_ptxas
+def test_the_one_kernel_step_compiles_for_sm90_and_replaces_the_two(tmp_path):
+    """With ``ONE_KERNEL_ROWS`` 0 a LoLA decode step launches ``lola_step_kernel`` alone (errors and
+    commit in one program per (row, query head)), and it compiles for sm_90 at SmolLM2's shape with
+    the stages asked for; ``--sass`` writes each kernel's SASS and its Triton GPU IR."""
+    done = _run(str(tmp_path), "--shape", "smollm2-135m", "--kinds", "lola-state", "--prefill", "128", "--batches", "2",
+                "--set", "fused_lola.ONE_KERNEL_ROWS=0", "--set", "fused_lola.STAGES=1", "--sass", str(tmp_path / "sass"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    decode = [r for r in json.loads((tmp_path / "kernel_resources.json").read_text())["kernels"] if r["phase"] == "decode"]
+    lola = [r for r in decode if r["kernel"].startswith("lola_")]
+    assert [r["kernel"] for r in lola] == ["lola_step_kernel"] and lola[0]["num_stages"] == 1
+    assert 0 < lola[0]["registers"] <= 255 and lola[0]["sass"]["mma"] > 0
+    assert len(list((tmp_path / "sass").glob("*-lola_step_kernel.ttgir"))) == 1
+
+
+def test_each_lola_step_tile_sets_the_step_and_the_first_is_the_default(monkeypatch):
+    """scripts/lola_step_tiles.py: every tile has its own name and sets the step's constants (two
+    kernels or one, blocks, warps, stages); its first tile is the module's defaults."""
+    spec = importlib.util.spec_from_file_location("lola_step_tiles", SCRIPT.parent / "lola_step_tiles.py")
+    tiles = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tiles)
+    from linearize.ops import fused_lola
+
+    names = ("ONE_KERNEL_ROWS", "ONE_KERNEL_WARPS", "BLOCK_ROWS", "BLOCK_VALUES", "WARPS", "COMMIT_WARPS", "STAGES")
+    for name in names:
+        monkeypatch.setattr(fused_lola, name, getattr(fused_lola, name))  # restored after the test
+    defaults = {name: getattr(fused_lola, name) for name in names}
+    assert len({tiles.tile_name(t) for t in tiles.TILES}) == len(tiles.TILES)
+    tiles.use_tile(tiles.TILES[0])
+    assert {name: getattr(fused_lola, name) for name in names} == defaults
+    one = next(t for t in tiles.TILES if t[0] == "one" and t[-1] == 1)
+    tiles.use_tile(one)
+    assert fused_lola.one_kernel(1) and fused_lola.STAGES == 1 and tiles.tile_name(one).startswith("one-")
+    tiles.use_tile(tiles.TILES[0])
+    assert not fused_lola.one_kernel(10**6)

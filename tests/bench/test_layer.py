@@ -107,13 +107,18 @@ def test_bad_layer_inputs_name_the_value():
         bench_layer(TINY, {"attention": "hybrid"}, device="cpu", graphs=True)
 
 
-def test_cli_layer_bench_runs_every_kind(tmp_path, capsys):
+def test_cli_layer_bench_runs_every_kind(tmp_path, capsys, monkeypatch):
+    """Every kind at its defaults, with a kernel option set for the run and recorded in each result."""
     from linearize.cli import main
+    from linearize.ops import fused_lola, kernel_options
 
+    monkeypatch.setattr(fused_lola, "STAGES", fused_lola.STAGES)  # restored after the test
+    monkeypatch.setattr(kernel_options, "_APPLIED", {})
     assert main(["bench", "--layer", "smollm2-135m", "--prefill-lengths", "64", "--decode-contexts", "none", "--repeats", "1",
-                 "--out", str(tmp_path)]) == 0  # fmt: skip
-    kinds = [r["spec"]["attention"] for r in json.loads((tmp_path / "layer.json").read_text())]
-    assert kinds == ["hybrid", "dsla", "lola"]
+                 "--kernel-option", "fused_lola.STAGES=2", "--out", str(tmp_path)]) == 0  # fmt: skip
+    results = json.loads((tmp_path / "layer.json").read_text())
+    assert [r["spec"]["attention"] for r in results] == ["hybrid", "dsla", "lola"]
+    assert fused_lola.STAGES == 2 and all(r["kernel_options"] == {"fused_lola.STAGES": 2} for r in results)
     assert "| lola window 64 sparse_cache 256 | 1 | 64 |" in capsys.readouterr().out
 
 
@@ -154,3 +159,11 @@ def test_prefill_profile_lists_each_sides_kernels(tmp_path):
     assert "### prefill kernels: dsla torch, batch 1, length 16" in table and "| kernel | calls / call |" in table
     assert "### prefill kernels" not in layer_markdown([bench_layer(TINY, {"attention": "dsla"}, prefill_lengths=[16], decode_contexts=[],
                                                                     warmup=0, repeats=1, device="cpu")])  # fmt: skip
+
+
+def test_cli_bench_rejects_a_bad_kernel_option_before_loading(capsys):
+    from linearize.cli import main
+
+    code = main(["bench", "--layer", "smollm2-135m", "--kernel-option", "fused_lola.STAGES=three"])
+    assert code == 2
+    assert "fused_lola.STAGES=three" in capsys.readouterr().err

@@ -19,6 +19,14 @@ pytestmark = pytest.mark.skipif(not fused_decode.triton_available(), reason="nee
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@pytest.fixture(params=["two-kernels", "one-kernel"])
+def step_kernels(request, monkeypatch):
+    """Run a decode-step test with the step as two kernels (errors, then commit) and as one
+    (``ONE_KERNEL_ROWS`` 0: one program per (row, query head) does both)."""
+    monkeypatch.setattr(fused_lola, "ONE_KERNEL_ROWS", None if request.param == "two-kernels" else 0)
+    return request.param
+
+
 def _maps(hq: int, d: int, f: int, dtype=torch.float32):
     """Random Hedgehog maps for queries and keys: (phi_q, phi_k, (weight, bias) of phi_k)."""
     g = torch.Generator().manual_seed(7)
@@ -69,6 +77,7 @@ def _run(*, d, f, dv, separate, reads, sinks=1, weight_tokens=0, lam=4, steps=9,
     assert torch.equal(runs[1].held, runs[0].held)
 
 
+@pytest.mark.usefixtures("step_kernels")
 @pytest.mark.parametrize(
     "dims,reads",
     [((16, 16, 16), (True, True)), ((12, 6, 10), (True, True)), ((16, 8, 70), (True, False)), ((12, 6, 10), (False, True))],
@@ -83,6 +92,7 @@ def test_fused_step_equals_the_torch_step(dims, reads):
     _run(d=d, f=f, dv=dv, separate=False, reads=reads)
 
 
+@pytest.mark.usefixtures("step_kernels")
 @torch.no_grad()
 def test_fused_step_with_separate_feature_map_inputs_and_length_weight(monkeypatch):
     """Keys before RoPE for the feature map (the cache keeps both), the weight falling with length,
@@ -93,6 +103,7 @@ def test_fused_step_with_separate_feature_map_inputs_and_length_weight(monkeypat
     _run(d=16, f=16, dv=16, separate=True, reads=(True, True), weight_tokens=3, sinks=0, lam=70, steps=5)
 
 
+@pytest.mark.usefixtures("step_kernels")
 @torch.no_grad()
 def test_fused_step_breaks_ties_as_the_torch_step():
     """Every token alike, so every candidate's error is equal: the newest position among the
@@ -162,6 +173,7 @@ def _recall_drift(ds: LolaDecodeState, phi_k) -> float:
     return float((got - want)[ds.cache_valid].abs().max())
 
 
+@pytest.mark.usefixtures("step_kernels")
 @pytest.mark.parametrize("deferred", [2, 4, 8])
 @torch.no_grad()
 def test_kept_recalls_stay_the_state_products_and_survive_torch_steps(monkeypatch, deferred):
@@ -200,6 +212,7 @@ def test_kept_recalls_stay_the_state_products_and_survive_torch_steps(monkeypatc
     assert ds.deferred.shape[1] == deferred
 
 
+@pytest.mark.usefixtures("step_kernels")
 @torch.no_grad()
 def test_fused_step_without_kept_recalls():
     """With ``keep_recalls`` off the state keeps no recalls and every step scores the cache from
@@ -220,6 +233,7 @@ def _bfloat16_runs(b, hq, hkv, d, *, f, lam, w, tokens, chunk, keep_recalls=True
     return kw, state, runs
 
 
+@pytest.mark.usefixtures("step_kernels")
 @pytest.mark.parametrize("keep_recalls", [True, False], ids=["kept-recalls", "state"])
 @torch.no_grad()
 def test_fused_step_in_bfloat16(keep_recalls):
