@@ -37,8 +37,11 @@ def _split(x):
 @triton.jit
 def _product(p, s, LOWP: tl.constexpr):
     """p (R, BF) @ s (BF, BV) in float32: on tensor cores as p x (s's bfloat16 part + the rest)
-    where p is exact in bfloat16 (LOWP), else in float32."""
-    if LOWP:
+    where p is exact in bfloat16 (LOWP 1), as p x s's bfloat16 part alone (LOWP 2: one product, s
+    to 8 bits), else in float32."""
+    if LOWP == 2:
+        return tl.dot(p.to(tl.bfloat16), s.to(tl.bfloat16))
+    elif LOWP:
         pb = p.to(tl.bfloat16)
         hi, lo = _split(s)
         return tl.dot(pb, hi) + tl.dot(pb, lo)

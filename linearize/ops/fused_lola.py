@@ -88,6 +88,11 @@ WARPS = 8
 """Warps per program of the errors kernel where the map is 128 wide or more (4 below)."""
 COMMIT_WARPS = 4
 """Warps per program of the commit kernel (the choice, the state pass, the read)."""
+SPLIT_STATE = True
+"""A bfloat16 model's decode step: the errors' products phi [S | z] take the float32 state as its
+bfloat16 part plus the rest, two products on tensor cores (about 16 bits of S's mantissa). False:
+its bfloat16 part alone, one product (8 bits): about 40% fewer FLOPs in the errors kernel at the
+Llama-3-8B shape, and more near-ties between candidates decided otherwise than in the torch step."""
 STAGES = 3
 """Software-pipelining stages of the errors kernel and of the one-kernel step (Triton's
 ``num_stages``): beyond 1, each stage buffers a float32 tile of [S | z] in shared memory (the
@@ -258,7 +263,8 @@ def lola_step(
     block = min(BLOCK_ROWS, _pow2(lam))
     blocks = -(-lam // block)
     shape = dict(H=hq, L=lam, D=d, FH=fh, DV=dv, BL=block, BD=_pow2(d), BF=_pow2(fh),
-                 BV=min(BLOCK_VALUES, _pow2(dv + 1)), LOWP=weight.dtype == torch.bfloat16, EPS=EMPTY_DENOMINATOR, KEEP=keep,
+                 BV=min(BLOCK_VALUES, _pow2(dv + 1)), LOWP=0 if weight.dtype != torch.bfloat16 else 1 if SPLIT_STATE else 2,
+                 EPS=EMPTY_DENOMINATOR, KEEP=keep,
                  RW=recall_width(dv), K=k_deferred)  # fmt: skip
     commit_args = (
         linear, errs, qphi, q, out, rbuf, held,

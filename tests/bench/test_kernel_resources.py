@@ -111,15 +111,16 @@ def test_each_lola_step_tile_sets_the_step_and_the_first_is_the_default(monkeypa
     spec.loader.exec_module(tiles)
     from linearize.ops import fused_lola
 
-    names = ("ONE_KERNEL_ROWS", "ONE_KERNEL_WARPS", "BLOCK_ROWS", "BLOCK_VALUES", "WARPS", "COMMIT_WARPS", "STAGES")
+    names = ("ONE_KERNEL_ROWS", "ONE_KERNEL_WARPS", "BLOCK_ROWS", "BLOCK_VALUES", "WARPS", "COMMIT_WARPS", "STAGES", "SPLIT_STATE")
     for name in names:
         monkeypatch.setattr(fused_lola, name, getattr(fused_lola, name))  # restored after the test
     defaults = {name: getattr(fused_lola, name) for name in names}
     assert len({tiles.tile_name(t) for t in tiles.TILES}) == len(tiles.TILES)
     tiles.use_tile(tiles.TILES[0])
     assert {name: getattr(fused_lola, name) for name in names} == defaults
-    one = next(t for t in tiles.TILES if t[0] == "one" and t[-1] == 1)
+    one = next(t for t in tiles.TILES if t[0] == "one" and t[5] == 1 and not t[6])
     tiles.use_tile(one)
-    assert fused_lola.one_kernel(1) and fused_lola.STAGES == 1 and tiles.tile_name(one).startswith("one-")
+    assert fused_lola.one_kernel(1) and fused_lola.STAGES == 1 and not fused_lola.SPLIT_STATE
+    assert tiles.tile_name(one).startswith("one-") and tiles.tile_name(one).endswith("-p1")
     tiles.use_tile(tiles.TILES[0])
     assert not fused_lola.one_kernel(10**6)
