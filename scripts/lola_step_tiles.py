@@ -16,7 +16,8 @@ tile's kernels by device time over 10 steps (``state_profile_us``, ``kept_profil
 named ``KERNELS-BLxBVwWcCsS``: two kernels or one (``ONE_KERNEL_ROWS``), candidates per program x
 value columns of a state tile, warps of the errors kernel (of the one kernel), warps of the commit
 kernel (two kernels only), pipelining stages (``STAGES``), and ``-p1`` where the errors' products
-take the state's bfloat16 part alone (``SPLIT_STATE`` off); a failed compile gives its error.
+take the state's bfloat16 part alone (``SPLIT_STATE`` off), ``-rN`` with the registers capped at N
+(``MAX_REGISTERS``); a failed compile gives its error.
 """
 
 from __future__ import annotations
@@ -34,24 +35,28 @@ from linearize.ops.feature_maps import hedgehog
 from linearize.ops.lola import LolaDecodeState, lola_decode_step, lola_state_empty
 
 TILES = (
-    ("two", 128, 64, 8, 4, 3, True), ("two", 128, 64, 8, 8, 3, True), ("two", 128, 64, 8, 8, 2, True), ("two", 128, 64, 8, 8, 1, True),
-    ("two", 64, 128, 8, 8, 1, True), ("two", 64, 64, 8, 4, 3, True),
-    ("one", 128, 64, 8, 0, 3, True), ("one", 128, 64, 8, 0, 2, True), ("one", 128, 64, 8, 0, 1, True), ("one", 64, 64, 8, 0, 1, True),
-    ("one", 128, 64, 4, 0, 3, True),
-    ("two", 128, 64, 8, 8, 1, False), ("one", 128, 64, 8, 0, 1, False),
+    ("two", 128, 64, 8, 4, 3, True, None), ("two", 128, 64, 8, 8, 3, True, None), ("two", 128, 64, 8, 8, 2, True, None),
+    ("two", 128, 64, 8, 8, 1, True, None), ("two", 64, 128, 8, 8, 1, True, None), ("two", 64, 64, 8, 4, 3, True, None),
+    ("two", 128, 64, 8, 8, 1, True, 128),
+    ("one", 128, 64, 8, 0, 3, True, None), ("one", 128, 64, 8, 0, 2, True, None), ("one", 128, 64, 8, 0, 1, True, None),
+    ("one", 64, 64, 8, 0, 1, True, None), ("one", 128, 64, 4, 0, 3, True, None),
+    ("two", 128, 64, 8, 8, 1, False, None), ("one", 128, 64, 8, 0, 1, False, None),
 )
-"""(kernels, BLOCK_ROWS, BLOCK_VALUES, warps, COMMIT_WARPS, STAGES, SPLIT_STATE); the first is the default."""
+"""(kernels, BLOCK_ROWS, BLOCK_VALUES, warps, COMMIT_WARPS, STAGES, SPLIT_STATE, MAX_REGISTERS); the first is
+the default."""
 
 
 def tile_name(tile) -> str:
-    kernels, bl, bv, warps, commit_warps, stages, split = tile
-    return f"{kernels}-{bl}x{bv}w{warps}" + (f"c{commit_warps}" if kernels == "two" else "") + f"s{stages}" + ("" if split else "-p1")
+    kernels, bl, bv, warps, commit_warps, stages, split, regs = tile
+    name = f"{kernels}-{bl}x{bv}w{warps}" + (f"c{commit_warps}" if kernels == "two" else "") + f"s{stages}"
+    return name + ("" if split else "-p1") + ("" if regs is None else f"-r{regs}")
 
 
 def use_tile(tile) -> None:
     """Set the step's module constants to ``tile``."""
-    kernels, bl, bv, warps, commit_warps, stages, split = tile
+    kernels, bl, bv, warps, commit_warps, stages, split, regs = tile
     fused_lola.BLOCK_ROWS, fused_lola.BLOCK_VALUES, fused_lola.STAGES, fused_lola.SPLIT_STATE = bl, bv, stages, split
+    fused_lola.MAX_REGISTERS = regs
     if kernels == "one":
         fused_lola.ONE_KERNEL_ROWS, fused_lola.ONE_KERNEL_WARPS = 0, warps
     else:

@@ -88,6 +88,10 @@ WARPS = 8
 """Warps per program of the errors kernel where the map is 128 wide or more (4 below)."""
 COMMIT_WARPS = 4
 """Warps per program of the commit kernel (the choice, the state pass, the read)."""
+MAX_REGISTERS: int | None = None
+"""A cap on the registers per thread of the errors kernel and of the one-kernel step (Triton's
+``maxnreg``; None: the compiler's choice). At 128 and 8 warps two programs fit an SM's registers
+(the 8B shape's errors kernel takes 198-201 uncapped: one program per SM), at the cost of spills."""
 SPLIT_STATE = True
 """A bfloat16 model's decode step: the errors' products phi [S | z] take the float32 state as its
 bfloat16 part plus the rest, two products on tensor cores (about 16 bits of S's mantissa). False:
@@ -276,14 +280,14 @@ def lola_step(
     commit_shape = dict(ETA=eta, BS=min(SELECT_BLOCK, _pow2(lam)), BW=_pow2(eta), BDV=_pow2(dv), SEPARATE=separate,
                         READ_STATE=read_state, READ_SPARSE=read_sparse, **shape)  # fmt: skip
     if one_kernel(rows):
-        whole[(rows,)](*commit_args, NB=blocks, num_warps=ONE_KERNEL_WARPS, num_stages=STAGES, **commit_shape)
+        whole[(rows,)](*commit_args, NB=blocks, num_warps=ONE_KERNEL_WARPS, num_stages=STAGES, maxnreg=MAX_REGISTERS, **commit_shape)
         if keep:
             recall_ok.fill_(1)  # every row's recalls are current (the kernel leaves this to its caller)
         return out
     errors[(rows * (blocks + 1),)](
         linear, errs, map_keys, cache_values, cache_valid, cache_positions, leave_map_keys, leave_values, leave_positions, weight, bias,
         recall, pending, recall_ok, lrec, deferred, deferred_count, qphi, rbuf, sinks, hq // hkv, NB=blocks, **shape,
-        num_warps=WARPS if fh >= 128 else 4, num_stages=STAGES,
+        num_warps=WARPS if fh >= 128 else 4, num_stages=STAGES, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     commit[(rows,)](*commit_args, num_warps=COMMIT_WARPS, **commit_shape)
     return out

@@ -92,14 +92,16 @@ def test_bad_kinds_and_an_interpreting_triton_are_refused(tmp_path):
 def test_the_one_kernel_step_compiles_for_sm90_and_replaces_the_two(tmp_path):
     """With ``ONE_KERNEL_ROWS`` 0 a LoLA decode step launches ``lola_step_kernel`` alone (errors and
     commit in one program per (row, query head)), and it compiles for sm_90 at SmolLM2's shape with
-    the stages asked for; ``--sass`` writes each kernel's SASS and its Triton GPU IR."""
+    the stages and the register cap asked for (254 registers uncapped); ``--sass`` writes each
+    kernel's SASS and its Triton GPU IR."""
     done = _run(str(tmp_path), "--shape", "smollm2-135m", "--kinds", "lola-state", "--prefill", "128", "--batches", "2",
-                "--set", "fused_lola.ONE_KERNEL_ROWS=0", "--set", "fused_lola.STAGES=1", "--sass", str(tmp_path / "sass"))
+                "--set", "fused_lola.ONE_KERNEL_ROWS=0", "--set", "fused_lola.STAGES=1", "--set", "fused_lola.MAX_REGISTERS=128",
+                "--sass", str(tmp_path / "sass"))
     assert done.returncode == 0, done.stderr[-3000:]
     decode = [r for r in json.loads((tmp_path / "kernel_resources.json").read_text())["kernels"] if r["phase"] == "decode"]
     lola = [r for r in decode if r["kernel"].startswith("lola_")]
     assert [r["kernel"] for r in lola] == ["lola_step_kernel"] and lola[0]["num_stages"] == 1
-    assert 0 < lola[0]["registers"] <= 255 and lola[0]["sass"]["mma"] > 0
+    assert 0 < lola[0]["registers"] <= 128 and lola[0]["sass"]["mma"] > 0
     assert len(list((tmp_path / "sass").glob("*-lola_step_kernel.ttgir"))) == 1
 
 
@@ -111,7 +113,8 @@ def test_each_lola_step_tile_sets_the_step_and_the_first_is_the_default(monkeypa
     spec.loader.exec_module(tiles)
     from linearize.ops import fused_lola
 
-    names = ("ONE_KERNEL_ROWS", "ONE_KERNEL_WARPS", "BLOCK_ROWS", "BLOCK_VALUES", "WARPS", "COMMIT_WARPS", "STAGES", "SPLIT_STATE")
+    names = ("ONE_KERNEL_ROWS", "ONE_KERNEL_WARPS", "BLOCK_ROWS", "BLOCK_VALUES", "WARPS", "COMMIT_WARPS", "STAGES", "SPLIT_STATE",
+             "MAX_REGISTERS")
     for name in names:
         monkeypatch.setattr(fused_lola, name, getattr(fused_lola, name))  # restored after the test
     defaults = {name: getattr(fused_lola, name) for name in names}
@@ -122,5 +125,8 @@ def test_each_lola_step_tile_sets_the_step_and_the_first_is_the_default(monkeypa
     tiles.use_tile(one)
     assert fused_lola.one_kernel(1) and fused_lola.STAGES == 1 and not fused_lola.SPLIT_STATE
     assert tiles.tile_name(one).startswith("one-") and tiles.tile_name(one).endswith("-p1")
+    capped = next(t for t in tiles.TILES if t[7] is not None)
+    tiles.use_tile(capped)
+    assert fused_lola.MAX_REGISTERS == capped[7] and tiles.tile_name(capped).endswith(f"-r{capped[7]}")
     tiles.use_tile(tiles.TILES[0])
-    assert not fused_lola.one_kernel(10**6)
+    assert not fused_lola.one_kernel(10**6) and fused_lola.MAX_REGISTERS is None
