@@ -182,17 +182,22 @@ def test_lola_decoder_with_the_fused_step_follows_the_torch_decoder(monkeypatch)
 
 
 @pytest.mark.parametrize("name,fused", [("hybrid-nope", False), ("dsla-partial", False), ("hybrid-joint", True), ("lola-nope-sinks-weight", False),
-                                        ("lola-nope-sinks-weight", True), ("lola-nope-sinks-weight", "kept-recalls")],
-                         ids=["hybrid-nope", "dsla-partial", "hybrid-joint-fused", "lola", "lola-fused", "lola-fused-kept-recalls"])
+                                        ("lola-nope-sinks-weight", True), ("lola-nope-sinks-weight", "kept-recalls"),
+                                        ("lola-nope-sinks-weight", "kept-recalls-one-kernel")],
+                         ids=["hybrid-nope", "dsla-partial", "hybrid-joint-fused", "lola", "lola-fused", "lola-fused-kept-recalls",
+                              "lola-fused-kept-recalls-one-kernel"])
 @torch.no_grad()
-def test_compiled_step_equals_the_eager_step(name, fused):
+def test_compiled_step_equals_the_eager_step(name, fused, monkeypatch):
     """torch.compile'd steps (one compilation: nothing in the step changes a Python value) give the
     eager steps' tokens and logits; with the fused kernels (custom ops inside the compiled step) too,
-    LoLA's scoring its slots from the state (the default) and from kept recalls."""
+    LoLA's scoring its slots from the state (the default) and from kept recalls, its step as two
+    kernels or as one (which marks the rows' recalls current after its launch)."""
     if fused and not fused_decode.triton_available():
         pytest.skip("needs Triton (the test extra installs it)")
     model = _model(name)
-    keep = fused == "kept-recalls"
+    keep = isinstance(fused, str) and fused.startswith("kept-recalls")
+    if fused == "kept-recalls-one-kernel":
+        monkeypatch.setattr(fused_lola, "ONE_KERNEL_ROWS", 0)
     if name.startswith("lola"):
         from dataclasses import replace
 
