@@ -3,7 +3,7 @@ two as one kernel) with each tile, against the torch step it replaces, at one la
 (CUDA, bfloat16 model, eager: the step's few torch kernels around the fused ones included).
 
     python scripts/lola_step_tiles.py OUT_DIR [--batch 64] [--heads 32] [--kv-heads 8] [--head-dim 128] [--sparse 256]
-        [--variants state,kept]
+        [--variants state,kept] [--tiles K] [--kernel-option MODULE.NAME=VALUE ...]
 
 The defaults are a Llama-3-8B-shaped layer read as LoLA with 256 sparse slots and a square Hedgehog
 map (256 features); SmolLM2's is ``--heads 9 --kv-heads 3 --head-dim 64``. OUT_DIR/lola_step_tiles.json
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from linearize.bench.efficiency import cuda_mean_us
-from linearize.ops import fused_decode, fused_lola
+from linearize.ops import fused_decode, fused_lola, kernel_options
 from linearize.ops.feature_maps import hedgehog
 from linearize.ops.lola import LolaDecodeState, lola_decode_step, lola_state_empty
 
@@ -72,10 +72,20 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--sparse", type=int, default=256)
     ap.add_argument("--variants", default="state,kept", help="comma-separated, of state, kept")
+    ap.add_argument("--tiles", type=int, default=len(TILES), help=f"time the first this many tiles (of {len(TILES)}; 1: the default)")
+    ap.add_argument("--kernel-option", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                    help="a kernel constant set before the decode states are made, e.g. fused_lola.STATE_ALIGN=1 (repeatable)")
     args = ap.parse_args()
     variants = args.variants.split(",")
     if not variants or any(v not in ("state", "kept") for v in variants):
         ap.error(f"--variants {args.variants!r}: choose from state, kept")
+    if not 1 <= args.tiles <= len(TILES):
+        ap.error(f"--tiles {args.tiles}: choose 1 to {len(TILES)}")
+    try:
+        options = kernel_options.apply(args.kernel_option)
+    except ValueError as e:
+        ap.error(str(e))
+    tiles_run = TILES[: args.tiles]
     b, hq, hkv, d, lam, w = args.batch, args.heads, args.kv_heads, args.head_dim, args.sparse, 64
     dev, dt = "cuda", torch.bfloat16
     torch.manual_seed(0)
@@ -93,7 +103,7 @@ def main() -> None:
     state.linear.k_sum.uniform_(1, 2)
     q, k, v = (torch.randn(b, h, 1, d, device=dev, dtype=dt) for h in (hq, hkv, hkv))
     rows = {}
-    lin = b * hq * 2 * d * (d + 1) * 4  # [S | z]
+    lin = b * hq * 2 * d * fused_lola.state_width(d) * 4  # [S | z], its rows padded
     cache = 2 * b * hq * lam * d * 2  # bfloat16 cache k, v once
     recalls = 2 * b * hq * lam * fused_lola.recall_width(d) * 4  # the kept recalls read + written
     bytes_moved = {"state": cache + 2 * lin,  # [S | z] read + written
@@ -107,7 +117,7 @@ def main() -> None:
                 rows["torch_step_us"] = cuda_mean_us(step, repeats=50, warmup=3)
                 continue
             tiles = {}
-            for tile in TILES:
+            for tile in tiles_run:
                 name = tile_name(tile)
                 use_tile(tile)
                 try:
@@ -118,7 +128,7 @@ def main() -> None:
             rows[variant] = tiles
             best = min((k for k in tiles if isinstance(tiles[k], float)), key=tiles.get, default=None)
             if best:  # the kernels of the best tile's step, from the profiler
-                use_tile(next(t for t in TILES if tile_name(t) == best))
+                use_tile(next(t for t in tiles_run if tile_name(t) == best))
                 step()
                 torch.cuda.synchronize()
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -129,7 +139,7 @@ def main() -> None:
                 rows[f"{variant}_profile_us"] = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:12])
     report = {"batch": b, "heads": hq, "kv_heads": hkv, "head_dim": d, "sparse": lam,
               "bytes_moved_MB": {k: v / 1e6 for k, v in bytes_moved.items()},
-              "device": torch.cuda.get_device_name(), "us_per_step": rows}  # fmt: skip
+              "kernel_options": options, "device": torch.cuda.get_device_name(), "us_per_step": rows}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "lola_step_tiles.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))

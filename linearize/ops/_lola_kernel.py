@@ -77,15 +77,15 @@ def _store_state_tile(base, of, ov, m2, sp, sn, FH: tl.constexpr, W: tl.constexp
 
 @triton.jit
 def _errors(pp, pn, vals, rows, mrows, s_v, base, rec, FH: tl.constexpr, DV: tl.constexpr, R: tl.constexpr,
-            BF: tl.constexpr, BV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr, STORE: tl.constexpr, RW: tl.constexpr):  # fmt: skip
+            BF: tl.constexpr, BV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr, STORE: tl.constexpr, RW: tl.constexpr,
+            WS: tl.constexpr):  # fmt: skip
     """Self-recall error of R candidates (features pp, pn; values at vals + rows * s_v) against
-    the state at ``base`` ((2 FH) x (DV + 1) float32, row-major): (R,) float32. STORE: each
+    the state at ``base`` ((2 FH) x (DV + 1) float32, row-major, rows WS floats apart): (R,) float32. STORE: each
     candidate's recall [phi S, phi z] also written to its row of ``rec`` (rows of RW >= DV + 1 float32)."""
-    W: tl.constexpr = DV + 1
     of = tl.arange(0, BF)
     mf = of < FH
-    zp = tl.load(base + of * W + DV, mask=mf, other=0.0)
-    zn = tl.load(base + (FH + of) * W + DV, mask=mf, other=0.0)
+    zp = tl.load(base + of * WS + DV, mask=mf, other=0.0)
+    zn = tl.load(base + (FH + of) * WS + DV, mask=mf, other=0.0)
     den = tl.sum(pp * zp[None, :], axis=1) + tl.sum(pn * zn[None, :], axis=1)
     if STORE:
         tl.store(rec + rows * RW + DV, den, mask=mrows)
@@ -96,7 +96,7 @@ def _errors(pp, pn, vals, rows, mrows, s_v, base, rec, FH: tl.constexpr, DV: tl.
         ov = v0 + tl.arange(0, BV)
         mv = ov < DV
         m2 = mf[:, None] & mv[None, :]
-        sp, sn = _state_tile(base, of, ov, m2, FH, W)
+        sp, sn = _state_tile(base, of, ov, m2, FH, WS)
         num = _product(pp, sp, LOWP) + _product(pn, sn, LOWP)
         if STORE:
             tl.store(rec + rows[:, None] * RW + ov[None, :], num, mask=mrows[:, None] & mv[None, :])
@@ -134,7 +134,7 @@ def _errors_kept(pp, pn, vals, rows, mrows, s_v, rec, pend, FH: tl.constexpr, DV
 
 @triton.jit
 def _leaving_kept(pp16, pn16, first, qp, qn, vals, base, lrec, qrec, ring, n_ring, FH: tl.constexpr, DV: tl.constexpr,
-                  BF: tl.constexpr, BV: tl.constexpr, K: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr):  # fmt: skip
+                  BF: tl.constexpr, BV: tl.constexpr, K: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr, WS: tl.constexpr):  # fmt: skip
     """The leaving token's recall and the query's read against the true [S | z]: the state at
     ``base`` as stored plus the ``n_ring`` writes deferred in ``ring`` (K rows of (phi (2 FH),
     [v, 1] (DV + 1))), in one pass over the state. The token's features are row 0 of (pp16, pn16),
@@ -152,8 +152,8 @@ def _leaving_kept(pp16, pn16, first, qp, qn, vals, base, lrec, qrec, ring, n_rin
     rn = tl.load(ring + ok_[:, None] * RING + FH + of[None, :], mask=mk[:, None] & mf[None, :], other=0.0)
     a_l = tl.sum(rp * lp[None, :], axis=1) + tl.sum(rn * ln[None, :], axis=1)  # (K,) phi_l . phi_j
     a_q = tl.sum(rp * qp[None, :], axis=1) + tl.sum(rn * qn[None, :], axis=1)
-    zp = tl.load(base + of * W + DV, mask=mf, other=0.0)
-    zn = tl.load(base + (FH + of) * W + DV, mask=mf, other=0.0)
+    zp = tl.load(base + of * WS + DV, mask=mf, other=0.0)
+    zn = tl.load(base + (FH + of) * WS + DV, mask=mf, other=0.0)
     den = tl.sum(lp * zp, axis=0) + tl.sum(ln * zn, axis=0)
     den += tl.sum(a_l * tl.load(ring + ok_ * RING + 2 * FH + DV, mask=mk, other=0.0), axis=0)
     ok = den > EPS
@@ -162,8 +162,8 @@ def _leaving_kept(pp16, pn16, first, qp, qn, vals, base, lrec, qrec, ring, n_rin
     for v0 in range(0, W, BV):
         ov = v0 + tl.arange(0, BV)
         mv = ov < W
-        m2 = mf[:, None] & mv[None, :]
-        sp, sn = _state_tile(base, of, ov, m2, FH, W)
+        m2 = mf[:, None] & (ov < WS)[None, :]  # the state's padding too (zero): whole 16-byte groups
+        sp, sn = _state_tile(base, of, ov, m2, FH, WS)
         rows = tl.load(ring + ok_[:, None] * RING + 2 * FH + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)  # (K, BV)
         num16 = _product(pp16, sp, LOWP) + _product(pn16, sn, LOWP)
         num = tl.sum(tl.where(first[:, None], num16, 0.0), axis=0) + tl.sum(a_l[:, None] * rows, axis=0)  # (BV,)
@@ -178,14 +178,14 @@ def _leaving_kept(pp16, pn16, first, qp, qn, vals, base, lrec, qrec, ring, n_rin
 
 @triton.jit
 def _head(r, linear, wk, bk, n_rep, H: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
-          BF: tl.constexpr):  # fmt: skip
+          BF: tl.constexpr, WS: tl.constexpr):  # fmt: skip
     """What a program of (batch row, query head) ``r`` starts from: its row b, head h, (batch row, KV
     head) kr (the window is kept per KV head), its [S | z] at ``base``, the key and feature offsets
     and masks, and the head's Hedgehog weight (BD, BF) as stored and bias (BF,) float32."""
     b = r // H
     h = r % H
     kr = b * (H // n_rep) + h // n_rep
-    base = linear + r * (2 * FH) * (DV + 1)
+    base = linear + r * (2 * FH) * WS
     od = tl.arange(0, BD)
     md = od < D
     of = tl.arange(0, BF)
@@ -201,7 +201,7 @@ def _errors_program(
     sinks, n_rep,
     H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, DV: tl.constexpr,
     BL: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr,
-    KEEP: tl.constexpr, RW: tl.constexpr, K: tl.constexpr,
+    KEEP: tl.constexpr, RW: tl.constexpr, K: tl.constexpr, WS: tl.constexpr,
 ):  # fmt: skip
     """Self-recall errors of one block of candidates of one (row, query head) ``r`` (int64): block ``c`` scores
     cache entries c * BL .. c * BL + BL - 1 into errs[r, :L] (sinks +inf, empty slots -inf); the
@@ -213,7 +213,7 @@ def _errors_program(
     leaving token's program reads the state once for the token's recall (to ``lrec`` (B Hq, RW)) and
     for the query's read (to ``rbuf`` (B Hq, DV + 1), features ``qphi``), each with the deferred
     writes added."""
-    b, h, kr, base, od, md, of, mf, w, bias = _head(r, linear, wk, bk, n_rep, H, D, FH, DV, BD, BF)
+    b, h, kr, base, od, md, of, mf, w, bias = _head(r, linear, wk, bk, n_rep, H, D, FH, DV, BD, BF, WS)
     if c * BL >= L:  # the leaving token, as the first of 16 rows (a product's least height)
         o16 = tl.arange(0, 16)
         first = o16 == 0
@@ -223,9 +223,9 @@ def _errors_program(
             qp = tl.load(qphi + r * 2 * FH + of, mask=mf, other=0.0)
             qn = tl.load(qphi + r * 2 * FH + FH + of, mask=mf, other=0.0)
             e16 = _leaving_kept(pp16, pn16, first, qp, qn, lvals + kr * DV, base, lrec + r * RW, rbuf + r * (DV + 1),
-                                ring + r * K * (2 * FH + DV + 1), tl.load(ring_n + r), FH, DV, BF, BV, K, LOWP, EPS)  # fmt: skip
+                                ring + r * K * (2 * FH + DV + 1), tl.load(ring_n + r), FH, DV, BF, BV, K, LOWP, EPS, WS)  # fmt: skip
         else:
-            e16 = _errors(pp16, pn16, lvals + kr * DV, o16, first, 0, base, lrec + r * RW, FH, DV, 16, BF, BV, LOWP, EPS, False, RW)
+            e16 = _errors(pp16, pn16, lvals + kr * DV, o16, first, 0, base, lrec + r * RW, FH, DV, 16, BF, BV, LOWP, EPS, False, RW, WS)
         e16 = tl.where(tl.load(lpos + b) < sinks, float("inf"), e16)
         tl.store(errs + r * (L + 1) + L + o16, e16, mask=first)
     else:
@@ -238,9 +238,9 @@ def _errors_program(
             if tl.load(rok + b) != 0:
                 e = _errors_kept(ppb, pnb, cvals + r * L * DV, oc, mc, DV, rec, pending + r * (2 * FH + DV + 1), FH, DV, BL, BF, BV, EPS, RW)
             else:
-                e = _errors(ppb, pnb, cvals + r * L * DV, oc, mc, DV, base, rec, FH, DV, BL, BF, BV, LOWP, EPS, True, RW)
+                e = _errors(ppb, pnb, cvals + r * L * DV, oc, mc, DV, base, rec, FH, DV, BL, BF, BV, LOWP, EPS, True, RW, WS)
         else:
-            e = _errors(ppb, pnb, cvals + r * L * DV, oc, mc, DV, base, rec, FH, DV, BL, BF, BV, LOWP, EPS, False, RW)
+            e = _errors(ppb, pnb, cvals + r * L * DV, oc, mc, DV, base, rec, FH, DV, BL, BF, BV, LOWP, EPS, False, RW, WS)
         pos = tl.load(cpos + r * L + oc, mask=mc, other=-3)
         val = tl.load(cvalid + r * L + oc, mask=mc, other=0) != 0
         e = tl.where(pos < sinks, float("inf"), e)
@@ -254,7 +254,7 @@ def lola_errors_kernel(
     sinks, n_rep,
     H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, DV: tl.constexpr,
     BL: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr,
-    KEEP: tl.constexpr, RW: tl.constexpr, K: tl.constexpr,
+    KEEP: tl.constexpr, RW: tl.constexpr, K: tl.constexpr, WS: tl.constexpr,
     NB: tl.constexpr,
 ):  # fmt: skip
     """``_errors_program`` for block pid % (NB + 1) of (row, query head) pid // (NB + 1): the NB cache
@@ -264,7 +264,7 @@ def lola_errors_kernel(
     pid = tl.program_id(0)
     r = (pid // (NB + 1)).to(tl.int64)
     _errors_program(r, pid % (NB + 1), linear, errs, cmap, cvals, cvalid, cpos, lmap, lvals, lpos, wk, bk, recall, pending, rok, lrec,
-                    ring, ring_n, qphi, rbuf, sinks, n_rep, H, L, D, FH, DV, BL, BD, BF, BV, LOWP, EPS, KEEP, RW, K)  # fmt: skip
+                    ring, ring_n, qphi, rbuf, sinks, n_rep, H, L, D, FH, DV, BL, BD, BF, BV, LOWP, EPS, KEEP, RW, K, WS)  # fmt: skip
 
 
 @triton.jit
@@ -276,7 +276,7 @@ def _commit_program(
     H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, DV: tl.constexpr, ETA: tl.constexpr,
     BL: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr,
     BDV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr, SEPARATE: tl.constexpr, READ_STATE: tl.constexpr,
-    READ_SPARSE: tl.constexpr, KEEP: tl.constexpr, RW: tl.constexpr, K: tl.constexpr, MARK: tl.constexpr,
+    READ_SPARSE: tl.constexpr, KEEP: tl.constexpr, RW: tl.constexpr, K: tl.constexpr, WS: tl.constexpr, MARK: tl.constexpr,
 ):  # fmt: skip
     """The rest of the step for one (row, query head) ``r`` (int64), from the candidates' errors: the choice, the
     state's update and read, the cache slot taken, ``held``, and the exact read. KEEP: the write is
@@ -286,7 +286,7 @@ def _commit_program(
     waiting, and the query's read (``rbuf``, from the errors kernel) gets its term. MARK: the row's
     recalls are marked current here (else by the caller, once every program is done: a program of
     another head of the row may not have scored its cache yet)."""
-    b, h, kr, base, od, md, of, mf, w, bias = _head(r, linear, wk, bk, n_rep, H, D, FH, DV, BD, BF)
+    b, h, kr, base, od, md, of, mf, w, bias = _head(r, linear, wk, bk, n_rep, H, D, FH, DV, BD, BF, WS)
     W: tl.constexpr = DV + 1
     o16 = tl.arange(0, 16)
     first = o16 == 0
@@ -347,7 +347,7 @@ def _commit_program(
     for v0 in range(0, W, BV):
         ov = v0 + tl.arange(0, BV)
         mv = ov < W
-        m2 = mf[:, None] & mv[None, :]
+        m2 = mf[:, None] & (ov < WS)[None, :]  # the state's padding too (its rows stay zero): whole 16-byte groups
         v_leave = tl.load(lvals + kr * DV + ov, mask=ov < DV, other=0.0).to(tl.float32)
         v_slot = tl.load(cvals + slot * DV + ov, mask=ov < DV, other=0.0).to(tl.float32)
         row = tl.where(ov == DV, 1.0, tl.where(drop, v_leave, v_slot)) * scale_w
@@ -362,13 +362,13 @@ def _commit_program(
                     rj = tl.load(own + j * RING + 2 * FH + ov, mask=mv, other=0.0)
                     addp += tl.load(own + j * RING + of, mask=mf, other=0.0)[:, None] * rj[None, :]
                     addn += tl.load(own + j * RING + FH + of, mask=mf, other=0.0)[:, None] * rj[None, :]
-                sp, sn = _state_tile(base, of, ov, m2, FH, W)
-                _store_state_tile(base, of, ov, m2, sp + addp, sn + addn, FH, W)
+                sp, sn = _state_tile(base, of, ov, m2, FH, WS)
+                _store_state_tile(base, of, ov, m2, sp + addp, sn + addn, FH, WS)
         else:
-            sp, sn = _state_tile(base, of, ov, m2, FH, W)
+            sp, sn = _state_tile(base, of, ov, m2, FH, WS)
             sp += fp[:, None] * row[None, :]
             sn += fn[:, None] * row[None, :]
-            _store_state_tile(base, of, ov, m2, sp, sn, FH, W)
+            _store_state_tile(base, of, ov, m2, sp, sn, FH, WS)
             read = tl.sum(qp[:, None] * sp, axis=0) + tl.sum(qn[:, None] * sn, axis=0)
             tl.store(rbuf + r * W + ov, read, mask=mv)
     if KEEP:
@@ -439,13 +439,13 @@ def lola_commit_kernel(
     H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, DV: tl.constexpr, ETA: tl.constexpr,
     BL: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr,
     BDV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr, SEPARATE: tl.constexpr, READ_STATE: tl.constexpr,
-    READ_SPARSE: tl.constexpr, KEEP: tl.constexpr, RW: tl.constexpr, K: tl.constexpr,
+    READ_SPARSE: tl.constexpr, KEEP: tl.constexpr, RW: tl.constexpr, K: tl.constexpr, WS: tl.constexpr,
 ):  # fmt: skip
     """``_commit_program`` for (row, query head) pid, after ``lola_errors_kernel``."""
     _commit_program(tl.program_id(0).to(tl.int64), linear, errs, qphi, q, out, rbuf, held, ckeys, cmap, cvals, cvalid, cpos, lkeys, lmap, lvals, lvalid,
                     lpos, wkeys, wvals, wvalid, wk, bk, factor, recall, pending, rok, lrec, ring, ring_n, sinks, n_rep, scale,
                     weight_tokens, H, L, D, FH, DV, ETA, BL, BS, BD, BF, BV, BW, BDV, LOWP, EPS, SEPARATE, READ_STATE, READ_SPARSE,
-                    KEEP, RW, K, True)  # fmt: skip
+                    KEEP, RW, K, WS, True)  # fmt: skip
 
 
 @triton.jit
@@ -457,7 +457,7 @@ def lola_step_kernel(
     H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, DV: tl.constexpr, ETA: tl.constexpr,
     BL: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr,
     BDV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr, SEPARATE: tl.constexpr, READ_STATE: tl.constexpr,
-    READ_SPARSE: tl.constexpr, KEEP: tl.constexpr, RW: tl.constexpr, K: tl.constexpr,
+    READ_SPARSE: tl.constexpr, KEEP: tl.constexpr, RW: tl.constexpr, K: tl.constexpr, WS: tl.constexpr,
     NB: tl.constexpr,
 ):  # fmt: skip
     """The whole step of one (row, query head) pid in one program: its NB cache blocks' and the
@@ -468,12 +468,12 @@ def lola_step_kernel(
     r = tl.program_id(0).to(tl.int64)
     for c in range(NB + 1):
         _errors_program(r, c, linear, errs, cmap, cvals, cvalid, cpos, lmap, lvals, lpos, wk, bk, recall, pending, rok, lrec,
-                        ring, ring_n, qphi, rbuf, sinks, n_rep, H, L, D, FH, DV, BL, BD, BF, BV, LOWP, EPS, KEEP, RW, K)  # fmt: skip
+                        ring, ring_n, qphi, rbuf, sinks, n_rep, H, L, D, FH, DV, BL, BD, BF, BV, LOWP, EPS, KEEP, RW, K, WS)  # fmt: skip
     tl.debug_barrier()  # the errors, the leaving token's recall and the query's read are stored before the commit loads them
     _commit_program(r, linear, errs, qphi, q, out, rbuf, held, ckeys, cmap, cvals, cvalid, cpos, lkeys, lmap, lvals, lvalid,
                     lpos, wkeys, wvals, wvalid, wk, bk, factor, recall, pending, rok, lrec, ring, ring_n, sinks, n_rep, scale,
                     weight_tokens, H, L, D, FH, DV, ETA, BL, BS, BD, BF, BV, BW, BDV, LOWP, EPS, SEPARATE, READ_STATE, READ_SPARSE,
-                    KEEP, RW, K, False)  # fmt: skip
+                    KEEP, RW, K, WS, False)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- chunked prefill

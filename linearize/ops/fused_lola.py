@@ -85,7 +85,9 @@ BLOCK_ROWS = 128
 BLOCK_VALUES = 64
 """Value columns per tile of [S | z]."""
 WARPS = 8
-"""Warps per program of the errors kernel where the map is 128 wide or more (4 below)."""
+"""Warps per program of the errors kernel where the map is 128 wide or more."""
+SMALL_MAP_WARPS = 4
+"""Warps per program of the errors kernel where the map is narrower (SmolLM2's 64)."""
 COMMIT_WARPS = 4
 """Warps per program of the commit kernel (the choice, the state pass, the read)."""
 MAX_REGISTERS: int | None = None
@@ -138,6 +140,17 @@ DEFERRED_WRITES = 8
 state is written once every this many tokens."""
 
 
+STATE_ALIGN = 4
+"""Floats a row of the decode state's [S | z] is padded to a multiple of (``state_width``): at 4,
+every row starts on 16 bytes and the kernels move the state in 16-byte accesses (rows of Dv + 1
+floats, as at 1, take 4-byte ones). Read where a decode state is made."""
+
+
+def state_width(dv: int) -> int:
+    """Floats per row of a decode state's [S | z]: Dv + 1, padded to a multiple of ``STATE_ALIGN``."""
+    return -(-(dv + 1) // STATE_ALIGN) * STATE_ALIGN
+
+
 def recall_width(dv: int) -> int:
     """Floats per kept recall: [phi S, phi z] (Dv + 1) padded to a multiple of 4, so that every
     row starts 16-byte aligned and is read in vector loads."""
@@ -164,7 +177,8 @@ def lola_step(
     recall: Tensor | None, pending: Tensor | None, recall_ok: Tensor | None, deferred: Tensor | None, deferred_count: Tensor | None,
 ) -> Tensor:  # fmt: skip
     """One LoLA decode step after the new token took its window slot, in place on the memory:
-    selection, the write into ``linear`` (B Hq, 2f, Dv + 1) float32 [S | z] and ``held`` (B, Hq),
+    selection, the write into ``linear`` (B Hq, 2f, W) float32 [S | z] (W >= Dv + 1 floats per row,
+    the columns past Dv + 1 left as they are) and ``held`` (B, Hq),
     the leaving token into the cache slot it takes, and the read. Returns the output (B Hq, Dv) in
     ``q``'s dtype.
 
@@ -200,7 +214,9 @@ def lola_step(
     hkv, eta = window_keys.shape[1], window_keys.shape[2]
     fh = weight.shape[-1]
     fused_decode._check_buffer("linear", linear)
-    fused_decode._check("linear", linear, (b * hq, 2 * fh, dv + 1))
+    if linear.dim() != 3 or linear.shape[:2] != (b * hq, 2 * fh) or linear.shape[2] < dv + 1 or linear.dtype != torch.float32:
+        raise ValueError(f"linear must have shape ({b * hq}, {2 * fh}, W >= {dv + 1}) and dtype torch.float32, "
+                         f"got {tuple(linear.shape)} {linear.dtype}")  # fmt: skip
     fused_decode._check("held", held, (b, hq), torch.long)
     fused_decode._check("qphi", qphi, (b * hq, 2 * fh), torch.float32)
     fused_decode._check("q", q, (b, hq, d))
@@ -269,7 +285,7 @@ def lola_step(
     shape = dict(H=hq, L=lam, D=d, FH=fh, DV=dv, BL=block, BD=_pow2(d), BF=_pow2(fh),
                  BV=min(BLOCK_VALUES, _pow2(dv + 1)), LOWP=0 if weight.dtype != torch.bfloat16 else 1 if SPLIT_STATE else 2,
                  EPS=EMPTY_DENOMINATOR, KEEP=keep,
-                 RW=recall_width(dv), K=k_deferred)  # fmt: skip
+                 RW=recall_width(dv), K=k_deferred, WS=linear.shape[2])  # fmt: skip
     commit_args = (
         linear, errs, qphi, q, out, rbuf, held,
         cache_keys, map_keys, cache_values, cache_valid, cache_positions,
@@ -287,7 +303,7 @@ def lola_step(
     errors[(rows * (blocks + 1),)](
         linear, errs, map_keys, cache_values, cache_valid, cache_positions, leave_map_keys, leave_values, leave_positions, weight, bias,
         recall, pending, recall_ok, lrec, deferred, deferred_count, qphi, rbuf, sinks, hq // hkv, NB=blocks, **shape,
-        num_warps=WARPS if fh >= 128 else 4, num_stages=STAGES, maxnreg=MAX_REGISTERS,
+        num_warps=WARPS if fh >= 128 else SMALL_MAP_WARPS, num_stages=STAGES, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     commit[(rows,)](*commit_args, num_warps=COMMIT_WARPS, **commit_shape)
     return out

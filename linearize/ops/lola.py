@@ -645,6 +645,9 @@ class LolaDecodeState:
       it displaces; ``cache_positions`` says where each entry came from (``canonical`` sorts).
     - The linear state is kept as [S | z] (``linear``), so one matmul reads a numerator and its
       denominator together; ``held`` counts the tokens written into it (for ``weight_tokens``).
+      Its rows are padded with zeros to ``fused_lola.state_width(Dv)`` floats (a multiple of
+      ``fused_lola.STATE_ALIGN``), so that each starts on 16 bytes and the kernels read and write
+      them in 16-byte accesses; ``sz()`` is the view without the padding.
 
     ``context`` holds the per-call constants (window factor, linear weights) already on the
     device. ``canonical()`` gives the equivalent ``LolaState`` (the chunked op's layout).
@@ -674,7 +677,7 @@ class LolaDecodeState:
     cache_linear_keys: Tensor | None  # (B, Hq, lambda, D) or None
     cache_valid: Tensor  # (B, Hq, lambda)
     cache_positions: Tensor  # (B, Hq, lambda), -1 at empty slots
-    linear: Tensor  # (B Hq, F, Dv + 1): [S | z]
+    linear: Tensor  # (B Hq, F, state_width(Dv)): [S | z | 0]
     held: Tensor  # (B, Hq) tokens written into the linear state
     context: _ChunkContext
     key_map: tuple[Tensor, Tensor] | None = None  # phi_k as Hedgehog (weight (Hq, D, f), bias (Hq, f)), for the fused step
@@ -727,7 +730,7 @@ class LolaDecodeState:
             next_position=win.positions[:, -1] + 1,  # the newest token sits in the last slot (-1 + 1 = 0 when empty)
             cache_keys=kept(cache.keys), cache_values=kept(cache.values), cache_linear_keys=kept(cache.linear_keys), cache_valid=cache.valid,
             cache_positions=cache.positions,
-            linear=torch.cat([state.linear.kv, state.linear.k_sum[..., None]], dim=-1).flatten(0, 1), held=state_tokens(state),
+            linear=_padded_state(state.linear, dv), held=state_tokens(state),
             context=context, key_map=None if key_map is None else _key_map(key_map, hq, state.sparse.keys.shape[-1], dtype),
             **recalls,
         )  # fmt: skip
@@ -748,8 +751,8 @@ class LolaDecodeState:
         def sort(x: Tensor | None) -> Tensor | None:  # (B, Hq, L, X) in position order
             return None if x is None else x.gather(2, order.unsqueeze(-1).expand(-1, -1, -1, x.shape[-1])).float()
 
-        dv = self.linear.shape[-1] - 1
-        linear = self.linear_state().view(*self.cache_valid.shape[:2], -1, dv + 1)  # (B, Hq, F, Dv + 1)
+        dv = self.values.shape[-1]
+        linear = self.linear_state()[..., : dv + 1].view(*self.cache_valid.shape[:2], -1, dv + 1)  # (B, Hq, F, Dv + 1)
         return LolaState(
             window=WindowState(keys=ring(self.keys, 2), values=ring(self.values, 2), valid=ring(self.valid, 1),
                                positions=ring(self.positions, 1), linear_keys=ring(self.linear_keys, 2)),
@@ -766,15 +769,34 @@ class LolaDecodeState:
         ring = self.deferred * use[..., None]
         return ring[..., :f].transpose(1, 2) @ ring[..., f:]
 
+    def sz(self) -> Tensor:
+        """``linear`` without its padding: [S | z] (B Hq, F, Dv + 1), a view."""
+        return self.linear[..., : self.values.shape[-1] + 1]
+
     def linear_state(self) -> Tensor:
-        """[S | z] (B Hq, F, Dv + 1) with every write in it: ``linear`` plus the deferred writes."""
-        return self.linear if self.deferred is None else self.linear + self._deferred_sum()
+        """[S | z | 0] (B Hq, F, state_width(Dv)) with every write in it: ``linear`` plus the deferred
+        writes."""
+        if self.deferred is None:
+            return self.linear
+        out = self.linear.clone()
+        out[..., : self.values.shape[-1] + 1] += self._deferred_sum()
+        return out
 
     def fold_deferred(self) -> None:
         """Add the deferred writes to ``linear`` in place (none left deferred)."""
         if self.deferred is not None:
-            self.linear.add_(self._deferred_sum())
+            self.sz().add_(self._deferred_sum())
             self.deferred_count.zero_()
+
+
+def _padded_state(linear: LinearState, dv: int) -> Tensor:
+    """[S | z] of ``linear`` as the decode state keeps it: (B Hq, F, state_width(Dv)) float32, the
+    padding's columns zero."""
+    b, hq, f, _ = linear.kv.shape
+    out = linear.kv.new_zeros(b * hq, f, fused_lola.state_width(dv))
+    out[..., :dv] = linear.kv.flatten(0, 1)
+    out[..., dv] = linear.k_sum.flatten(0, 1)
+    return out
 
 
 def _fused_step_fits(sparse: int, key_map, recall: str, dtype: torch.dtype, linear: Tensor) -> bool:
@@ -916,7 +938,7 @@ def _select(ds: LolaDecodeState, leave: dict[str, Tensor], leave_valid: Tensor, 
     b, hq = leave_valid.shape
     dv = ds.values.shape[-1]
     lam = ds.cache_keys.shape[2]
-    state = ds.linear.view(b, hq, -1, dv + 1)
+    state = ds.sz().view(b, hq, -1, dv + 1)
     phi_leave = ctx.phi(ctx.phi_k, leave["linear_keys" if separate else "keys"])  # (B, Hq, 1, F)
     err_leave = _recall_error(phi_leave, leave["values"], state)[..., 0]  # (B, Hq)
     if lam:
@@ -959,8 +981,11 @@ def _update_and_read(ds: LolaDecodeState, q: Tensor, q_lin: Tensor | None, out_p
     b, hq, _, f = out_phi.shape
     dv = row.shape[-1] - 1
     fused = ctx.read_state and fused_decode.enabled(ds.linear) and ds.linear.dtype == torch.float32
+    width = ds.linear.shape[-1]
+    if width > dv + 1:  # the padding's columns, written zero
+        row = torch.nn.functional.pad(row, (0, width - dv - 1))
     if not fused:
-        ds.linear.baddbmm_(out_phi.reshape(b * hq, 1, f).transpose(1, 2), row.view(b * hq, 1, dv + 1))
+        ds.linear.baddbmm_(out_phi.reshape(b * hq, 1, f).transpose(1, 2), row.view(b * hq, 1, width))
     if not ctx.read_state:
         return None
     weight = ctx.linear_weight  # (1, Hq, 1, 1)
@@ -968,9 +993,9 @@ def _update_and_read(ds: LolaDecodeState, q: Tensor, q_lin: Tensor | None, out_p
         weight = weight * length_factor(ds.held, ctx.weight_tokens)[..., None, None]
     q_phi = ctx.phi(ctx.phi_q, q.float() if q_lin is None else q_lin.float()) * weight  # (B, Hq, 1, F)
     if fused:  # [S | z] += phi_w [v_w, 1]^T, then phi(q) [S | z]
-        return fused_decode.hybrid_linear_step(ds.linear, out_phi.reshape(b * hq, 1, f), row.view(b * hq, 1, dv + 1),
-                                               q_phi.reshape(b * hq, f), None, 0).view(b, hq, 1, dv + 1)  # fmt: skip
-    return q_phi @ ds.linear.view(b, hq, -1, dv + 1)
+        return fused_decode.hybrid_linear_step(ds.linear, out_phi.reshape(b * hq, 1, f), row.view(b * hq, 1, width),
+                                               q_phi.reshape(b * hq, f), None, 0)[:, : dv + 1].reshape(b, hq, 1, dv + 1)  # fmt: skip
+    return q_phi @ ds.sz().view(b, hq, -1, dv + 1)
 
 
 def lola_state_empty(batch, hq, hkv, window, sparse, d, dv, feats, device, linear_keys: bool = False) -> LolaState:

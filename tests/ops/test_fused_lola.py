@@ -69,6 +69,8 @@ def _run(*, d, f, dv, separate, reads, sinks=1, weight_tokens=0, lam=4, steps=9,
         torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(outs[1], want, atol=1e-5, rtol=1e-5)
     assert len(calls) == steps  # the fused run took the kernel every step, the torch run never
+    for ds in runs:  # [S | z] rows padded to the alignment, the padding still zero after both kinds of step
+        assert ds.linear.shape[-1] == fused_lola.state_width(dv) and not ds.linear[..., dv + 1 :].any()
     got, ref = runs[1].canonical(), runs[0].canonical()
     assert torch.equal(got.sparse.positions, ref.sparse.positions) and torch.equal(got.sparse.valid, ref.sparse.valid)
     for a, r, c in zip(got.tensors(), ref.tensors(), state.tensors()):
@@ -90,6 +92,17 @@ def test_fused_step_equals_the_torch_step(dims, reads):
     blocks of every axis (D 12, f 6, Dv 10 and 70)."""
     d, f, dv = dims
     _run(d=d, f=f, dv=dv, separate=False, reads=reads)
+
+
+@pytest.mark.usefixtures("step_kernels")
+@pytest.mark.parametrize("align", [1, 8])
+@torch.no_grad()
+def test_fused_step_with_other_state_row_alignments(monkeypatch, align):
+    """[S | z] rows of exactly Dv + 1 floats (``STATE_ALIGN`` 1: Dv 10 gives 11) or padded to 8
+    (16): the same outputs and memory as the torch step and the chunked op."""
+    monkeypatch.setattr(fused_lola, "STATE_ALIGN", align)
+    assert fused_lola.state_width(10) == (11 if align == 1 else 16)
+    _run(d=12, f=6, dv=10, separate=False, reads=(True, True), steps=4)
 
 
 @pytest.mark.usefixtures("step_kernels")
@@ -166,7 +179,8 @@ def _recall_drift(ds: LolaDecodeState, phi_k) -> float:
     b, hq, lam, _ = ds.cache_keys.shape
     phi = phi_k(ds.cache_keys.float())  # (B, Hq, L, F)
     f = phi.shape[-1]
-    want = phi @ ds.linear_state().view(b, hq, f, -1)  # (B, Hq, L, Dv + 1)
+    dv = ds.values.shape[-1]
+    want = phi @ ds.linear_state().view(b, hq, f, -1)[..., : dv + 1]  # (B, Hq, L, Dv + 1)
     pend = ds.pending.view(b, hq, -1)
     a = phi @ pend[..., :f, None]  # (B, Hq, L, 1)
     got = ds.recall.view(b, hq, lam, -1)[..., : want.shape[-1]] + a * pend[..., None, f:]
@@ -207,8 +221,10 @@ def test_kept_recalls_stay_the_state_products_and_survive_torch_steps(monkeypatc
             assert _recall_drift(ds, phi_k) < 1e-4
         else:
             assert not ds.recall_ok.any() and not ds.deferred_count.any()
-        torch.testing.assert_close(ds.linear_state().view(b, hq, -1, dv + 1)[..., :dv], state.linear.kv, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(ds.linear_state().view(b, hq, -1, dv + 1)[..., dv], state.linear.k_sum, atol=1e-5, rtol=1e-5)
+        sz = ds.linear_state().view(b, hq, 2 * f, -1)
+        assert sz.shape[-1] == fused_lola.state_width(dv) == 16 and not sz[..., dv + 1 :].any()  # Dv + 1 = 13, padded with zeros
+        torch.testing.assert_close(sz[..., :dv], state.linear.kv, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(sz[..., dv], state.linear.k_sum, atol=1e-5, rtol=1e-5)
     assert ds.deferred.shape[1] == deferred
 
 
