@@ -34,11 +34,10 @@ from tqdm.auto import tqdm
 
 from ..cache import cache_kwargs, cache_nbytes, output_cache
 from ..checks import check_int, is_int
-from ..ops import kernel_options
 from ..convert import convert, converted_layers
 from ..io import save_png, write_results
 from ..memory import running_request_memory
-from ..ops import cpu_kernels
+from ..ops import cpu_kernels, kernel_options
 from ..runtime import check_length, configure_cpu, eval_mode
 from ..spec import ConversionSpec
 from ..teacher import teacher_modes

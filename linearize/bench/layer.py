@@ -46,11 +46,10 @@ from ..checks import check_choice
 from ..convert import convert
 from ..decoding import StaticSlot, cuda_graph
 from ..hub import build_tiny_llama
-from ..ops import kernel_options
 from ..io import save_png, write_results
 from ..layers.base import project_qkv
 from ..layers.registry import KINDS
-from ..ops import fused_decode
+from ..ops import fused_decode, kernel_options
 from ..spec import ConversionSpec
 from .efficiency import time_calls
 from .shapes import SHAPES, LayerShape

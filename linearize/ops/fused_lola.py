@@ -214,9 +214,8 @@ def lola_step(
     hkv, eta = window_keys.shape[1], window_keys.shape[2]
     fh = weight.shape[-1]
     fused_decode._check_buffer("linear", linear)
-    if linear.dim() != 3 or linear.shape[:2] != (b * hq, 2 * fh) or linear.shape[2] < dv + 1 or linear.dtype != torch.float32:
-        raise ValueError(f"linear must have shape ({b * hq}, {2 * fh}, W >= {dv + 1}) and dtype torch.float32, "
-                         f"got {tuple(linear.shape)} {linear.dtype}")  # fmt: skip
+    if linear.dim() != 3 or linear.shape[:2] != (b * hq, 2 * fh) or linear.shape[2] < dv + 1:  # float32: _check_buffer
+        raise ValueError(f"linear must have shape ({b * hq}, {2 * fh}, W >= {dv + 1}), got {tuple(linear.shape)}")
     fused_decode._check("held", held, (b, hq), torch.long)
     fused_decode._check("qphi", qphi, (b * hq, 2 * fh), torch.float32)
     fused_decode._check("q", q, (b, hq, d))

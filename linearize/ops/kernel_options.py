@@ -28,7 +28,7 @@ def _constants(module) -> list[str]:
 
 def apply(items: Iterable[str]) -> dict[str, object]:
     """Set each ``MODULE.NAME=VALUE`` (a constant of ``linearize.ops.MODULE``, a Python literal of the
-    constant's type; None where the constant may be None) and return what was set. Raises ValueError
+    constant's type; None where the constant is declared ``int | None``) and return what was set. Raises ValueError
     naming the bad item and the valid choices; nothing is set unless every item is valid."""
     staged = []
     for item in items:
@@ -49,7 +49,8 @@ def apply(items: Iterable[str]) -> dict[str, object]:
         except (ValueError, SyntaxError):
             raise ValueError(f"{usage}; {text!r} is not a literal") from None
         old = getattr(module, attr)
-        fits = type(value) is type(old) or value is None or old is None and isinstance(value, int) and not isinstance(value, bool)
+        optional = old is None or "None" in str(getattr(module, "__annotations__", {}).get(attr, ""))  # declared `X: int | None`
+        fits = type(value) is type(old) or (value is None and optional) or (old is None and type(value) is int)
         if not fits:
             raise ValueError(f"{usage}; {name} is {type(old).__name__} ({old!r}), got {type(value).__name__}")
         staged.append((module, attr, name, value))

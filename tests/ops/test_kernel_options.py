@@ -28,8 +28,8 @@ def test_options_are_set_by_name_and_recorded():
     [("fused_lola.NOPE=1", "fused_lola's constants: BLOCK_ROWS"), ("nomodule.X=1", "no module linearize.ops.nomodule"),
      ("fused_lola.STAGES=three", "'three' is not a literal"), ("fused_lola.STAGES=1.5", "fused_lola.STAGES is int (3), got float"),
      ("fused_lola.STAGES", "expected MODULE.NAME=VALUE"), ("STAGES=1", "expected MODULE.NAME=VALUE"),
-     ("fused_lola.EMPTY_DENOMINATOR=1.0", "fused_lola's constants")],
-    ids=["unknown-name", "unknown-module", "not-a-literal", "wrong-type", "no-value", "no-module", "imported-not-own"],
+     ("fused_lola.EMPTY_DENOMINATOR=1.0", "fused_lola's constants"), ("fused_lola.STAGES=None", "fused_lola.STAGES is int (3), got NoneType")],
+    ids=["unknown-name", "unknown-module", "not-a-literal", "wrong-type", "no-value", "no-module", "imported-not-own", "none-not-declared"],
 )
 def test_a_bad_option_names_itself_and_sets_nothing(item, says):
     before = fused_lola.STAGES
