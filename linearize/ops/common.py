@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -22,6 +23,24 @@ def head_weights(weight, heads: int, device=None, *, name: str = "linear_weight"
     if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
         raise ValueError(f"{name} must be finite and >= 0, got {w.tolist()}")
     return w
+
+
+def on_device(weights: Tensor, device) -> Tensor:
+    """``weights`` (a small float32 CPU tensor of option values, e.g. ``head_weights``'s) on
+    ``device``, copied there once per distinct value and device and kept: a forward that reads them
+    every call makes no host-to-device copy, which PyTorch makes blocking (a wait for the stream)
+    when the source is ordinary host memory. The tensor returned is contiguous and may be shared: read
+    it, never write it."""
+    device = torch.device(device)
+    if weights.device == device:
+        return weights.contiguous()  # (one number's weights are an expanded view)
+    return _kept_on_device(tuple(weights.tolist()), str(weights.dtype), device)
+
+
+@functools.lru_cache(maxsize=256)
+def _kept_on_device(values: tuple, dtype: str, device: torch.device) -> Tensor:
+    with torch.inference_mode(False):  # a normal tensor, usable outside inference mode too
+        return torch.tensor(values, dtype=getattr(torch, dtype.removeprefix("torch.")), device=device)
 
 
 def repeat_kv(x: Tensor, n_rep: int) -> Tensor:

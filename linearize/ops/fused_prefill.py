@@ -267,7 +267,9 @@ def _kernels() -> _Kernels:
         xb = tl.load(x + b * s_xb + (h // n_rep) * s_xh + t[:, None] * s_xt + od[None, :], mask=mt[:, None], other=0.0)
         w = tl.load(weight + h * D * FH + od[:, None] * FH + of[None, :])
         p = tl.dot(xb, w.to(xb.dtype), input_precision="ieee" if IEEE else "tf32")
-        p += tl.load(bias + h * FH + of).to(tl.float32)[None, :]  # (BT, FH) float32
+        p += tl.load(bias + h * FH + of).to(xb.dtype).to(tl.float32)[None, :]  # (BT, FH) float32
+        if not IEEE:  # the module's map in bfloat16 / float16: its projection is a tensor of x's dtype
+            p = p.to(xb.dtype).to(tl.float32)
         e = tl.exp(p - tl.max(p, axis=1)[:, None])
         pos = e / tl.sum(e, axis=1)[:, None]
         e = tl.exp(tl.min(p, axis=1)[:, None] - p)
@@ -284,9 +286,10 @@ def hedgehog_token_major(x: Tensor, weight: Tensor, bias: Tensor, n_rep: int = 1
     ``n_rep`` query heads of each of its heads (``weight`` (Hq, d, f), ``bias`` (Hq, f), Hq = Hkv
     n_rep), written token-major (B, T, Hq, 2f) in x's dtype, as fla reads them (into ``out`` when
     given, e.g. a slice of a larger buffer): one kernel, each head's keys read once (no repeated
-    heads), the projection and both softmaxes in registers (float32). Equals
-    ``feature_maps.hedgehog`` on the repeated heads, transposed (which it runs where d or f is not
-    a power of two from 16)."""
+    heads), the projection and both softmaxes in registers (float32; in bfloat16 or float16 the
+    projection is rounded to x's dtype first, as the module's map makes it a tensor of that dtype).
+    Equals ``feature_maps.hedgehog`` on the repeated heads, transposed (which it runs where d or f is
+    not a power of two from 16)."""
     b, hkv, t, d = x.shape
     hq, _, fh = weight.shape
     if weight.shape != (hkv * n_rep, d, fh) or bias.shape != (hq, fh):

@@ -91,7 +91,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from linearize.ops import fused_decode, fused_lola
-from linearize.ops.common import FeatureFn, default_valid, gather_tokens, gqa_groups, head_weights, repeat_kv, safe_divide
+from linearize.ops.common import FeatureFn, default_valid, gather_tokens, gqa_groups, head_weights, on_device, repeat_kv, safe_divide
 from linearize.ops.naive import lola_attention_reference  # noqa: F401 (the specification)
 from linearize.ops.states import LinearState, LolaState, SparseCacheState, WindowState
 
@@ -287,13 +287,28 @@ def _run_prefill_kernels(q: Tensor, k: Tensor, v: Tensor, n_real: Tensor, *, phi
     chunk's queries read (B, Hq, chunks, lambda) int32); ``output`` False: the selection alone (the
     output is empty). ``recall`` "memory": the selection reads the feature maps' keys as well."""
     n_rep = q.shape[1] // k.shape[1]
-    kphi = phi_k(repeat_kv(k if k_lin is None else k_lin, n_rep)).to(q.dtype)  # (B, Hq, T, F)
-    qphi = phi_q(q if q_lin is None else q_lin).to(q.dtype) if read_state else kphi  # (B, Hq, T, F) (unread without the state)
+    kphi = _head_major_features(phi_k, k if k_lin is None else k_lin, n_rep, q.dtype)  # (B, Hq, T, F)
+    qphi = _head_major_features(phi_q, q if q_lin is None else q_lin, 1, q.dtype) if read_state else kphi  # (unread without the state)
     factor = window_factor.to(q.device, torch.float32).contiguous()
     return fused_lola.lola_prefill(
-        q, k, v, qphi, kphi, n_real, factor, weights.to(q.device).contiguous(), window, sparse, chunk, sinks, scale, weight_tokens,
+        q, k, v, qphi, kphi, n_real, factor, on_device(weights, q.device), window, sparse, chunk, sinks, scale, weight_tokens,
         read_state, read_sparse, output, (k if k_lin is None else k_lin) if recall == "memory" else None,
     )  # fmt: skip
+
+
+def _head_major_features(phi: FeatureFn, x: Tensor, n_rep: int, dtype: torch.dtype) -> Tensor:
+    """phi of ``x`` (B, H, T, d) for ``n_rep`` query heads per head, (B, H n_rep, T, F) in ``dtype``:
+    where the map has a kernel (``token_major``, Hedgehog's) one launch into a head-major buffer (no
+    repeated heads, the projection and softmaxes in float32, as the fused decode step makes them),
+    else phi on the repeated heads."""
+    token_major = getattr(phi, "token_major", None)
+    if token_major is None or x.dtype != dtype or not fused_decode.kernels_run_on(x) or torch.is_grad_enabled():
+        return phi(repeat_kv(x, n_rep)).to(dtype)
+    b, h, t, _ = x.shape
+    feats = phi.num_features(x.shape[-1])
+    out = x.new_empty(b, h * n_rep, t, feats)
+    token_major(x, n_rep, out=out.transpose(1, 2))  # the kernel writes (B, T, H, F) through this view's strides
+    return out
 
 
 def _memory(k: Tensor, v: Tensor, k_lin: Tensor | None, n_real: Tensor, positions: Tensor, linear: LinearState, window: int,
@@ -454,7 +469,7 @@ def lola_given_caches(q: Tensor, k: Tensor, v: Tensor, caches: Tensor, *, phi_q:
         a_c = (q_phi @ gather(k_phi).transpose(-1, -2)) * older  # (B, Hq, n, C, L) read exactly, not linearly
         lin_num = lin_num - a_c @ vc
         lin_den = lin_den - a_c.sum(-1)
-        weight = weights.to(dev, torch.float32).view(1, hq, 1, 1)
+        weight = on_device(weights, dev).view(1, hq, 1, 1)
         if weight_tokens:
             n_read = first.clamp(min=0)[None, None] - older.sum(-1)  # (B, Hq, n, C)
             weight = weight * length_factor(n_read, weight_tokens)
@@ -488,7 +503,7 @@ class _ChunkContext:
         float32 tensors on ``device``."""
         hq = window_factor.shape[0]
         factor = window_factor.to(device, torch.float32).view(1, hq, 1, 1)
-        return cls(phi_q, phi_k, factor, scale, n_rep, dtype, read_state, read_sparse, sinks, weights.to(device).view(1, hq, 1, 1),
+        return cls(phi_q, phi_k, factor, scale, n_rep, dtype, read_state, read_sparse, sinks, on_device(weights, device).view(1, hq, 1, 1),
                    weight_tokens, recall)  # fmt: skip
 
     def phi(self, fn: FeatureFn, x: Tensor) -> Tensor:

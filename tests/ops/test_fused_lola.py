@@ -395,6 +395,36 @@ def test_fused_prefill_equals_the_chunked_op(case):
     _assert_same_prefill(ref, got)
 
 
+@pytest.mark.parametrize("separate", [False, True], ids=["rotated", "separate"])
+@torch.no_grad()
+def test_fused_prefill_with_hedgehog_modules_makes_their_features_in_one_kernel(separate):
+    """With Hedgehog map modules (a converted layer's), the fused prefill makes the features with
+    the maps' kernel into head-major buffers (keys not repeated), one launch per map: the output
+    and memory of the torch loop over the same modules."""
+    from linearize.layers.feature_map import HedgehogFeatureMap
+
+    torch.manual_seed(5)
+    b, hq, hkv, t, d = 2, 4, 2, 37, 16
+    maps = [HedgehogFeatureMap(hq, d, 2 * d, seed=s).to(DEVICE) for s in (1, 2)]
+    for m in maps:
+        m.weight.mul_(0.5).add_(0.3 * torch.randn_like(m.weight))
+        m.bias.normal_(0, 0.1)
+    q, k, v = (torch.randn(b, h, t, d, device=DEVICE) for h in (hq, hkv, hkv))
+    lin = dict(q_lin=torch.randn_like(q), k_lin=k + 0.5) if separate else {}
+    kw = dict(phi_q=maps[0], phi_k=maps[1], window=8, sparse=6, chunk=4, window_factor=torch.rand(hq, device=DEVICE), sinks=1,
+              linear_weight=[0.2, 0.5, 1.0, 0.0], **lin)  # fmt: skip
+    with fused_decode.use_fused(False):
+        ref = lola_attention(q, k, v, **kw)
+    calls = []
+    with fused_decode.use_fused(True), pytest.MonkeyPatch.context() as mp:
+        for m in maps:
+            kernel = m.token_major
+            mp.setattr(m, "token_major", lambda x, n_rep, out=None, kernel=kernel: calls.append((x.shape[1], n_rep)) or kernel(x, n_rep, out=out))
+        got = lola_attention(q, k, v, **kw)
+    assert sorted(calls) == [(hkv, hq // hkv), (hq, 1)]  # the keys' heads once each, for their query heads
+    _assert_same_prefill(ref, got, atol=1e-4)
+
+
 @pytest.mark.parametrize(
     "case",
     [dict(sinks=1, linear_weight=[0.2, 0.5, 1.0, 0.0]), dict(separate=True, padded=True, sinks=2, weight_tokens=10, d=12, dv=20, f=12),

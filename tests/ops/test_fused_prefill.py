@@ -162,3 +162,21 @@ def test_hedgehog_token_major_equals_the_map_on_repeated_heads(n_rep, width):
     want = m(x.repeat_interleave(n_rep, dim=1)).transpose(1, 2)
     assert got.shape == (2, 70, HQ, 2 * width) and got.is_contiguous()
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n_rep", [1, 2])
+@torch.no_grad()
+def test_hedgehog_token_major_in_bfloat16_rounds_as_the_map(n_rep):
+    """In bfloat16 the kernel rounds the projection to bfloat16 before its softmaxes, as the
+    module's map does (its projection is a bfloat16 tensor): within a bfloat16 step of the map on
+    the repeated heads, and closer to it than the unrounded float32 projection would be."""
+    gen = torch.Generator().manual_seed(8)
+    m = HedgehogFeatureMap(HQ, D, 32, seed=8).to(DEVICE)
+    m.weight.add_(2.0 * torch.randn(m.weight.shape, generator=gen).to(DEVICE))
+    x = (3 * torch.randn(2, HQ // n_rep, 70, D, generator=gen)).to(DEVICE, torch.bfloat16)
+    with fused_decode.use_fused(True):
+        got = m.token_major(x, n_rep).float()
+    want = m(x.repeat_interleave(n_rep, dim=1)).transpose(1, 2).float()
+    unrounded = m.float()(x.float().repeat_interleave(n_rep, dim=1)).transpose(1, 2)  # what the float32 projection gives
+    torch.testing.assert_close(got, want, atol=8e-3, rtol=2e-2)
+    assert (got - want).abs().mean() < 0.5 * (unrounded - want).abs().mean()

@@ -776,3 +776,22 @@ def test_recall_invalid_raises(fn):
     q, k, v, kw = make(b=1, hq=2, hkv=1, t=6)
     with pytest.raises(ValueError, match=r"recall must be one of \('state', 'memory'\), got 'cache'"):
         fn(q, k, v, window=2, sparse=3, recall="cache", **kw)
+
+
+def test_per_head_weights_are_kept_on_the_device_once():
+    """``on_device`` copies option values to a device once per value (no copy, hence no wait for the
+    stream, in later forwards), as a normal tensor even under inference mode; on their own device
+    they come back as they are (contiguous: the kernels read them so)."""
+    from linearize.ops.common import head_weights, on_device
+
+    w = head_weights([0.5, 1.0, 0.0], 3)
+    assert on_device(w, "cpu") is w
+    one = on_device(head_weights(0.5, 3), "cpu")  # one number for every head: an expanded view, made contiguous
+    assert one.is_contiguous() and one.tolist() == [0.5] * 3
+    meta = torch.device("meta")  # another device than the weights'; a meta tensor holds no values
+    with torch.inference_mode():
+        first = on_device(w, meta)
+    again = on_device(head_weights([0.5, 1.0, 0.0], 3), meta)
+    assert again is first and first.device == meta and first.shape == (3,) and first.dtype == torch.float32
+    assert not first.is_inference()
+    assert on_device(head_weights(0.5, 3), meta) is not first  # other values: another tensor
