@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from linearize.api import load_model
+from linearize.bench.capacity import _lift_position_limit
 from linearize.bench.efficiency import _prefill
 from linearize.convert import convert
 
@@ -34,9 +35,10 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
+    spec = json.loads(args.spec)
     model, _ = load_model(args.model, dtype=torch.bfloat16, device="cuda")
-    model.config.max_position_embeddings = max(model.config.max_position_embeddings, args.length)
-    convert(model, json.loads(args.spec))
+    _lift_position_limit(model, args.length)
+    convert(model, spec)
     ids = torch.randint(0, 1000, (1, args.length), device="cuda")
     with torch.inference_mode():
         for _ in range(2):
@@ -56,7 +58,7 @@ def main() -> None:
             torch.cuda.set_sync_debug_mode(0)
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     rows = sorted(((e.key[:120], e.self_device_time_total / 1e3, e.count) for e in events), key=lambda r: -r[1])[:30]
-    report = {"model": args.model, "spec": json.loads(args.spec), "length": args.length, "device": torch.cuda.get_device_name(),
+    report = {"model": args.model, "spec": spec, "length": args.length, "device": torch.cuda.get_device_name(),
               "wall_ms": wall * 1e3, "device_ms_total": sum(e.self_device_time_total for e in events) / 1e3, "top_ms_count": rows,
               "syncs": [f"{w.filename}:{w.lineno} {str(w.message)[:150]}" for w in caught]}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ def head_weights(weight, heads: int, device=None, *, name: str = "linear_weight"
     (a sequence or tensor of ``heads`` numbers >= 0). ValueError naming the bad value otherwise."""
     w = torch.as_tensor(weight, dtype=torch.float32, device=device)
     if w.dim() == 0:
-        w = w.expand(heads)
+        w = w.expand(heads).contiguous()  # the kernels read it as a plain (heads,) tensor
     if w.shape != (heads,):
         raise ValueError(f"{name} must be one number or {heads} (one per query head), got {tuple(w.shape)[0] if w.dim() == 1 else tuple(w.shape)}")
     if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
@@ -29,18 +29,18 @@ def on_device(weights: Tensor, device) -> Tensor:
     """``weights`` (a small float32 CPU tensor of option values, e.g. ``head_weights``'s) on
     ``device``, copied there once per distinct value and device and kept: a forward that reads them
     every call makes no host-to-device copy, which PyTorch makes blocking (a wait for the stream)
-    when the source is ordinary host memory. The tensor returned is contiguous and may be shared: read
-    it, never write it."""
+    when the source is ordinary host memory. The tensor returned may be shared: read it, never
+    write it."""
     device = torch.device(device)
     if weights.device == device:
-        return weights.contiguous()  # (one number's weights are an expanded view)
-    return _kept_on_device(tuple(weights.tolist()), str(weights.dtype), device)
+        return weights
+    return _kept_on_device(tuple(weights.tolist()), weights.dtype, device)
 
 
 @functools.lru_cache(maxsize=256)
-def _kept_on_device(values: tuple, dtype: str, device: torch.device) -> Tensor:
+def _kept_on_device(values: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
     with torch.inference_mode(False):  # a normal tensor, usable outside inference mode too
-        return torch.tensor(values, dtype=getattr(torch, dtype.removeprefix("torch.")), device=device)
+        return torch.tensor(values, dtype=dtype, device=device)
 
 
 def repeat_kv(x: Tensor, n_rep: int) -> Tensor:

@@ -786,7 +786,7 @@ def test_per_head_weights_are_kept_on_the_device_once():
 
     w = head_weights([0.5, 1.0, 0.0], 3)
     assert on_device(w, "cpu") is w
-    one = on_device(head_weights(0.5, 3), "cpu")  # one number for every head: an expanded view, made contiguous
+    one = on_device(head_weights(0.5, 3), "cpu")  # one number for every head, made a contiguous tensor by head_weights
     assert one.is_contiguous() and one.tolist() == [0.5] * 3
     meta = torch.device("meta")  # another device than the weights'; a meta tensor holds no values
     with torch.inference_mode():
