@@ -24,6 +24,7 @@ from linearize.api import load_model
 from linearize.bench.capacity import _lift_position_limit
 from linearize.bench.efficiency import _prefill
 from linearize.convert import convert
+from linearize.ops import kernel_options
 
 
 def main() -> None:
@@ -32,9 +33,15 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=8192)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--spec", default='{"attention": "lola", "window": 64, "sparse_cache": 256, "chunk": 64}', help="conversion spec (JSON)")
+    ap.add_argument("--kernel-option", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                    help="a constant of linearize.ops.MODULE for this run (repeatable), as `linearize bench --kernel-option`")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
+    try:
+        kernel_options.apply(args.kernel_option)
+    except ValueError as e:
+        ap.error(str(e))
     spec = json.loads(args.spec)
     model, _ = load_model(args.model, dtype=torch.bfloat16, device="cuda")
     _lift_position_limit(model, args.length)
@@ -58,7 +65,7 @@ def main() -> None:
             torch.cuda.set_sync_debug_mode(0)
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     rows = sorted(((e.key[:120], e.self_device_time_total / 1e3, e.count) for e in events), key=lambda r: -r[1])[:30]
-    report = {"model": args.model, "spec": spec, "length": args.length, "device": torch.cuda.get_device_name(),
+    report = {"model": args.model, "spec": spec, "length": args.length, "device": torch.cuda.get_device_name(), "kernel_options": kernel_options.applied(),
               "wall_ms": wall * 1e3, "device_ms_total": sum(e.self_device_time_total for e in events) / 1e3, "top_ms_count": rows,
               "syncs": [f"{w.filename}:{w.lineno} {str(w.message)[:150]}" for w in caught]}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)

@@ -742,6 +742,160 @@ def lola_select_kernel(
 
 
 @triton.jit
+def _state_errors(kphi, v, frow, vrow, tok, val, sh, sl, zh, zl, sinks, R: tl.constexpr, F: tl.constexpr, DV: tl.constexpr,
+                  BF: tl.constexpr, BV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr):  # fmt: skip
+    """``_recall_errors`` against [S | z] held in registers, every product on the tensor cores: S as
+    ``sh`` (+ ``sl``, LOWP: its bfloat16 part and the rest), z as the first column of ``zh`` (+
+    ``zl``) (BF, 16); the features and values kept in the model's dtype."""
+    of = tl.arange(0, BF)
+    ov = tl.arange(0, BV)
+    mv = ov < DV
+    kf = tl.load(kphi + (frow + tok)[:, None] * F + of[None, :], mask=val[:, None] & (of < F)[None, :], other=0.0)
+    if LOWP:
+        acc = tl.dot(kf, sh) + tl.dot(kf, sl)
+        nrm = tl.sum(tl.dot(kf, zh) + tl.dot(kf, zl), axis=1)
+    else:
+        acc = tl.dot(kf, sh, input_precision="ieee")
+        nrm = tl.sum(tl.dot(kf, zh, input_precision="ieee"), axis=1)
+    ok = nrm > EPS
+    vv = tl.load(v + (vrow + tok)[:, None] * DV + ov[None, :], mask=val[:, None] & mv[None, :], other=0.0)
+    diff = tl.where(ok[:, None], acc / tl.where(ok, nrm, 1.0)[:, None], 0.0) - vv.to(tl.float32)
+    diff = tl.where(mv[None, :], diff, 0.0)
+    e = tl.where(tok < sinks, float("inf"), tl.sqrt(tl.sum(diff * diff, axis=1)))
+    return tl.where(val, e, float("-inf"))
+
+
+@triton.jit
+def lola_select_slots_kernel(
+    v, kphi, n_real, lin, zs, held_buf, hist, lkept, nread, snap, snapz,
+    t_len, n_chunks, c_first, c_last, n_seg, sinks, n_rep,
+    H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, ETA: tl.constexpr, C: tl.constexpr, LAM: tl.constexpr,
+    BC: tl.constexpr, BS: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr,
+    SNAP: tl.constexpr, CH0: tl.constexpr, CH1: tl.constexpr, COMPACT: tl.constexpr,
+):  # fmt: skip
+    """``lola_select_kernel``'s selection (recall "state", [S | z] in registers: BF >= F, BV >= DV)
+    with the cache held in registers through the chunks as slots (BS >= LAM positions, -1 empty, in
+    no order) instead of a list in memory: per chunk no value makes a round trip through memory.
+    The candidates' errors (the slots' and the leavers'), the lambda largest kept (the same bits
+    found 4 at a time; ties to the earlier position: where more candidates tie at the threshold than
+    there is room, ranked by position), the kept leavers moved into the free slots in order (a
+    match of the free slots' and the kept leavers' ranks), the slots not kept and then the leavers
+    not kept written into [S | z] (the state between saved; COMPACT: the slots not kept gathered
+    as a list of BC first, else every slot's row read, zero where kept). Each chunk's cache is stored in
+    ``hist`` in slot order (a set: callers that need position order sort it); a segment after the
+    first starts from the slots its predecessor stored."""
+    r = tl.program_id(0).to(tl.int64)  # one (batch row, query head)
+    b = r // H
+    h = r % H
+    kr = b * (H // n_rep) + h // n_rep
+    base = lin + r * F * DV
+    zbase = zs + r * F
+    frow = r * t_len
+    vrow = kr * t_len
+    nr = tl.load(n_real + b).to(tl.int64)
+    held = tl.load(held_buf + r)
+    ob = tl.arange(0, BC)
+    os = tl.arange(0, BS)
+    o16 = tl.arange(0, 16)
+    ofr = tl.arange(0, BF)
+    ovr = tl.arange(0, BV)
+    mfr = ofr < F
+    mvr = ovr < DV
+    mr2 = mfr[:, None] & mvr[None, :]
+    st_r = tl.load(base + ofr[:, None] * DV + ovr[None, :], mask=mr2, other=0.0)
+    z_r = tl.load(zbase + ofr, mask=mfr, other=0.0)
+    slot = tl.load(hist + (r * (n_chunks + 1) + c_first) * LAM + os, mask=os < LAM, other=-1)  # int32 positions
+    for chunk in range(CH0 if CH1 > 0 else c_first, CH1 if CH1 > 0 else c_last):
+        p0 = chunk * C
+        n = tl.maximum(tl.minimum(nr - p0, C), 0)
+        sval = slot >= 0
+        stok = tl.where(sval, slot, 0)
+        ltok = p0 - ETA + ob  # the leavers: the window's n oldest slots
+        lval = (ob < n) & (ltok >= 0)
+        ltk = tl.where(lval, ltok, 0)
+
+        # 1. Every candidate's error against the state before the chunk.
+        zc = tl.where(o16[None, :] == 0, z_r[:, None], 0.0)  # z as a product's first column
+        if LOWP:
+            sh, sl = _split(st_r)
+            zh, zl = _split(zc)
+        else:
+            sh, sl, zh, zl = st_r, st_r, zc, zc
+        es = _state_errors(kphi, v, frow, vrow, stok, sval, sh, sl, zh, zl, sinks, BS, F, DV, BF, BV, LOWP, EPS)
+        el = _state_errors(kphi, v, frow, vrow, ltk, lval, sh, sl, zh, zl, sinks, BC, F, DV, BF, BV, LOWP, EPS)
+
+        # 2. Keep the lambda largest: the lambda-th largest key (the float's bits + 1; 0 for -inf)
+        # 4 bits at a time over both sets, every key above it kept and, of those equal to it, all
+        # where there is room, else the earliest positions (the leavers are newer than every slot).
+        ks = tl.where(es > float("-inf"), es.to(tl.int32, bitcast=True) + 1, 0)  # below 2^31: errors are >= 0 or +inf
+        kl = tl.where(el > float("-inf"), el.to(tl.int32, bitcast=True) + 1, 0)
+        thr = tl.full([], 0, tl.int32)
+        for sh in tl.static_range(28, -4, -4):
+            probe = thr | (o16 << sh)  # int32: at the top digit (sh 28) those of 8 and more wrap negative, left out
+            cnt = tl.sum((ks[:, None] >= probe[None, :]).to(tl.int32), axis=0) + tl.sum((kl[:, None] >= probe[None, :]).to(tl.int32), axis=0)
+            thr = thr | (tl.max(tl.where((cnt >= LAM) & (probe >= 0), o16, 0), axis=0) << sh)
+        eq_s = (ks == thr) & (thr > 0)
+        eq_l = (kl == thr) & (thr > 0)
+        need = LAM - tl.sum((ks > thr).to(tl.int32), axis=0) - tl.sum((kl > thr).to(tl.int32), axis=0)
+        n_eq_s = tl.sum(eq_s.to(tl.int32), axis=0)
+        keep_s = (ks > thr) | eq_s
+        keep_l = (kl > thr) | eq_l
+        if n_eq_s + tl.sum(eq_l.to(tl.int32), axis=0) > need:  # more ties than room: the earliest positions
+            rank_s = tl.sum((eq_s[None, :] & (slot[None, :] < slot[:, None])).to(tl.int32), axis=1)
+            el_i = eq_l.to(tl.int32)
+            keep_s = (ks > thr) | (eq_s & (rank_s < need))
+            keep_l = (kl > thr) | (eq_l & (n_eq_s + tl.cumsum(el_i, axis=0) - el_i < need))
+        keep_s = keep_s & (ks > 0)
+        keep_l = keep_l & (kl > 0)
+
+        # 3. The kept leavers into the free slots (empty or not kept), the i-th into the i-th.
+        free = (os < LAM) & ~keep_s
+        evict = sval & ~keep_s  # the cache entries written into the state
+        fi = free.to(tl.int32)
+        li = keep_l.to(tl.int32)
+        rank_l = tl.where(keep_l, tl.cumsum(li, axis=0) - li, -1)  # -1 matches no free slot
+        match = free[:, None] & ((tl.cumsum(fi, axis=0) - fi)[:, None] == rank_l[None, :])
+        moved = tl.sum(tl.where(match, ob[None, :] + 1, 0), axis=1)  # the leaver + 1, 0 where none
+        slot_new = tl.where(keep_s, slot, tl.where(moved > 0, p0 - ETA + moved - 1, -1))
+        tl.store(hist + (r * (n_chunks + 1) + chunk + 1) * LAM + os, slot_new, mask=os < LAM)
+        tl.store(lkept + (r * n_chunks + chunk) * BC + ob, li.to(tl.int8))
+        nw = tl.sum(evict.to(tl.int32), axis=0)
+        tl.store(nread + r * n_chunks + chunk, (held + nw).to(tl.int32))
+
+        # 4. [S | z]: the slots not kept join it (the state the chunk's queries read, saved), then
+        # the leavers not kept.
+        if COMPACT:  # the evicted slots' positions first, in a (BC,) list (at most BC leave the cache)
+            ei = evict.to(tl.int32)
+            wm = evict[:, None] & ((tl.cumsum(ei, axis=0) - ei)[:, None] == ob[None, :])  # slot s is the j-th evicted
+            wtok = tl.sum(tl.where(wm, slot[:, None] + 1, 0), axis=0) - 1  # -1 where none
+            wv = wtok >= 0
+            wtok = tl.where(wv, wtok, 0)
+            vc = tl.load(v + (vrow + wtok)[:, None] * DV + ovr[None, :], mask=wv[:, None] & mvr[None, :], other=0.0)
+            kc = tl.load(kphi + (frow + wtok)[:, None] * F + ofr[None, :], mask=wv[:, None] & mfr[None, :], other=0.0)
+        else:  # each slot's row, zero where it stays
+            wtok = tl.where(evict, slot, 0)
+            vc = tl.load(v + (vrow + wtok)[:, None] * DV + ovr[None, :], mask=evict[:, None] & mvr[None, :], other=0.0)
+            kc = tl.load(kphi + (frow + wtok)[:, None] * F + ofr[None, :], mask=evict[:, None] & mfr[None, :], other=0.0)
+        st_r = st_r + _exact(tl.trans(kc), vc, LOWP)
+        z_r = z_r + tl.sum(kc.to(tl.float32), axis=0)
+        if SNAP:
+            sv = snap + ((r * n_seg + chunk - c_first) * F) * DV
+            tl.store(sv + ofr[:, None] * DV + ovr[None, :], st_r, mask=mr2)
+            tl.store(snapz + (r * n_seg + chunk - c_first) * F + ofr, z_r, mask=mfr)
+        lw = lval & ~keep_l
+        lwt = tl.where(lw, ltok, 0)
+        vl = tl.load(v + (vrow + lwt)[:, None] * DV + ovr[None, :], mask=lw[:, None] & mvr[None, :], other=0.0)
+        kl2 = tl.load(kphi + (frow + lwt)[:, None] * F + ofr[None, :], mask=lw[:, None] & mfr[None, :], other=0.0)
+        st_r = st_r + _exact(tl.trans(kl2), vl, LOWP)
+        z_r = z_r + tl.sum(kl2.to(tl.float32), axis=0)
+        held += nw + tl.sum(lw.to(tl.int32), axis=0)
+        slot = slot_new
+    tl.store(held_buf + r, held)
+    tl.store(base + ofr[:, None] * DV + ovr[None, :], st_r, mask=mr2)
+    tl.store(zbase + ofr, z_r, mask=mfr)
+
+
+@triton.jit
 def lola_read_kernel(
     q, k, v, qphi, kphi, n_real, factor, lw, out, hist, lkept, nread, snap, snapz,
     t_len, n_chunks, c_first, n_seg, n_here, sinks, n_rep, scale, weight_tokens,
