@@ -124,7 +124,7 @@ def main() -> None:
                     ms = cuda_mean_us(call, repeats=3, warmup=1) / 1e3
                 prof = _profile(call)
                 row = {"ms": ms, "kernels_ms": {k: prof[k] for k in prof if k.startswith("lola_")},
-                       "select": (launches[2] if launches[2].last else launches[0]).resources(), "read": launches[1].resources()}  # fmt: skip
+                       "select": launches[0].resources(), "read": launches[1].resources()}  # fmt: skip
             except Exception as e:  # noqa: BLE001 (a tiling that does not compile is reported, not fatal)
                 row = f"{type(e).__name__}: {str(e)[:200]}"
             rows["tilings"][_name(tile)] = row

@@ -6,8 +6,8 @@ variant's caches.
     python scripts/lola_selection.py OUT_DIR [--shape smollm2-135m] [--length 8192] [--sparse 256]
         [--variant NAME=MODULE.NAME=VALUE[,MODULE.NAME=VALUE...]] ...
 
-Default variants: the cache as a list in memory (``PREFILL_SLOTS=False``) and as slots in registers
-at 4, 8 and 16 warps, and at 8 and 16 with the writes gathered as a list. OUT_DIR/lola_selection.json holds, per variant, the selection's milliseconds
+Default variants: ``VARIANTS`` (the selection's warps and blocks of candidates). A variant with no
+options runs the module's defaults. OUT_DIR/lola_selection.json holds, per variant, the selection's milliseconds
 and microseconds per chunk, the whole op's milliseconds, the compiled selection kernel's registers,
 spills and shared memory, and its agreement with the first variant: the share of the last cache's
 slots and of every chunk's cache (as sets) that hold the same positions, and the largest
@@ -29,24 +29,25 @@ from linearize.io import atomic_write_text
 from linearize.ops import fused_lola, kernel_options
 
 VARIANTS = {
-    "list": ["fused_lola.PREFILL_SLOTS=False"],
-    "slots-w4": ["fused_lola.PREFILL_SLOTS=True", "fused_lola.PREFILL_SLOT_WARPS=4"],
-    "slots-w8": ["fused_lola.PREFILL_SLOTS=True", "fused_lola.PREFILL_SLOT_WARPS=8"],
-    "slots-w16": ["fused_lola.PREFILL_SLOTS=True", "fused_lola.PREFILL_SLOT_WARPS=16"],
-    "slots-w8-compact": ["fused_lola.PREFILL_SLOTS=True", "fused_lola.PREFILL_SLOT_WARPS=8", "fused_lola.PREFILL_SLOT_COMPACT=True"],
-    "slots-w16-compact": ["fused_lola.PREFILL_SLOTS=True", "fused_lola.PREFILL_SLOT_WARPS=16", "fused_lola.PREFILL_SLOT_COMPACT=True"],
+    "w8-c128": [],
+    "w4": ["fused_lola.PREFILL_WARPS=4"],
+    "w16": ["fused_lola.PREFILL_WARPS=16"],
+    "c64": ["fused_lola.PREFILL_BLOCK_CACHE=64"],
+    "c256": ["fused_lola.PREFILL_BLOCK_CACHE=256"],
+    "c64-w4": ["fused_lola.PREFILL_BLOCK_CACHE=64", "fused_lola.PREFILL_WARPS=4"],
 }
+"""The module's defaults (8 warps, blocks of 128 candidates), then other warps and blocks."""
 
 
 class _Last:
     """Wraps a Triton kernel to keep the compiled kernel its last launch returned."""
 
     def __init__(self, kernel):
-        self.kernel, self.last, self.launched = kernel, None, False
+        self.kernel, self.last = kernel, None
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.last, self.launched = self.kernel[grid](*args, **kwargs), True
+            self.last = self.kernel[grid](*args, **kwargs)
             return self.last
 
         return launch
@@ -79,7 +80,7 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=8192)
     ap.add_argument("--sparse", type=int, default=256)
     ap.add_argument("--device", default="cuda", help="cuda; cpu runs the kernels in Triton's interpreter (TRITON_INTERPRET=1), a check of the script")
-    ap.add_argument("--variant", action="append", default=[], help="NAME=MODULE.NAME=VALUE[,...] (repeatable; default: VARIANTS)")
+    ap.add_argument("--variant", action="append", default=[], help="NAME=MODULE.NAME=VALUE[,...] or NAME=defaults (repeatable; default: VARIANTS)")
     args = ap.parse_args()
     variants = dict(VARIANTS)
     if args.variant:
@@ -88,7 +89,7 @@ def main() -> None:
             name, _, options = item.partition("=")
             if not name or not options:
                 ap.error(f"--variant {item!r}: expected NAME=MODULE.NAME=VALUE[,...]")
-            variants[name] = options.split(",")
+            variants[name] = [o for o in options.split(",") if o != "defaults"]
     shape = SHAPES[args.shape]
     hq, hkv, d, t, lam, w = shape.heads, shape.kv_heads, shape.head_dim, args.length, args.sparse, 64
     dev, dt = args.device, torch.bfloat16
@@ -113,14 +114,14 @@ def main() -> None:
         kernel_options.apply(options)
         try:
             for x in kernels:
-                x.last, x.launched = None, False
+                x.last = None
             with torch.no_grad():
                 select = _ms(lambda: fused_lola.lola_prefill(*args_, **opts, output=False), dev)
-                launched = next(x.last for x in (kernels[2], kernels[0]) if x.launched)
+                launched = kernels[0].last
                 whole = _ms(lambda: fused_lola.lola_prefill(*args_, **opts), dev)
                 result = fused_lola.lola_prefill(*args_, **opts)
             row = {"options": options, "select_ms": select, "select_us_per_chunk": select * 1e3 / report["chunks"], "whole_ms": whole,
-                   "select_kernel": _resources(launched), "slots": kernels[2].launched}  # fmt: skip
+                   "select_kernel": _resources(launched)}  # fmt: skip
             if reference is None:
                 reference = result
             else:

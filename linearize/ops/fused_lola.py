@@ -63,12 +63,6 @@ Where [S | z] is small (``PREFILL_RESIDENT_FLOATS``: SmolLM2's 128 x 64), the se
 registers through the chunks (loaded once, stored after the last; each chunk's saved state still
 written) instead of reading it in tiles for every block of candidates and for the update.
 
-Where the state is held so and the recall rule is "state", the cache is held in registers too
-(``PREFILL_SLOTS``, ``lola_select_slots_kernel``): lambda slots of positions in no order, the kept
-leavers moved into the slots freed, so a chunk makes no round trip through memory (the list kernel
-stores each chunk's errors and writes and reads them back, and the cache before each chunk); ties
-at the threshold beyond the room are ranked by position, the list's order.
-
 A long prompt runs as segments of chunks (the saved states within ``PREFILL_SAVED_BYTES``); on CUDA
 each segment's read runs on a second stream beside the next one's selection, which leaves most SMs
 idle. The selection is latency-bound: one program per head, a few dependent phases per chunk
@@ -335,16 +329,6 @@ PREFILL_RESIDENT_FLOATS = 128 * 64
 """The selection kernel holds [S | z] in registers through the chunks where its padded size is at
 most this many floats (SmolLM2's 128 features x 64 values: 32 per thread at 8 warps), instead of
 reading it from memory in tiles for every block of candidates and for the update."""
-PREFILL_SLOTS = True
-"""Where [S | z] is held in registers and the recall rule is "state", the selection holds the cache
-in registers too, as slots in no order (``lola_select_slots_kernel``): no round trip through memory
-within a chunk. False: the cache as a position-ordered list in memory, the errors in a scratch row
-(``lola_select_kernel``, as for the larger states and the "memory" rule)."""
-PREFILL_SLOT_WARPS = 8
-"""Warps per program of the selection with the cache in registers."""
-PREFILL_SLOT_COMPACT = False
-"""The selection with the cache in registers writes the slots not kept into [S | z] from a list of
-them (at most a chunk's), made by a match of ranks, instead of from every slot's row masked."""
 PREFILL_READ_WARPS = 8
 """Warps per program of the read kernel."""
 PREFILL_READ_BLOCK_FEATURES = 64
@@ -367,9 +351,9 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 @functools.cache
 def _prefill_kernels():
-    from linearize.ops._lola_kernel import lola_read_kernel, lola_select_kernel, lola_select_slots_kernel
+    from linearize.ops._lola_kernel import lola_read_kernel, lola_select_kernel
 
-    return lola_select_kernel, lola_read_kernel, lola_select_slots_kernel
+    return lola_select_kernel, lola_read_kernel
 
 
 @torch.library.custom_op("linearize::lola_prefill", mutates_args=())
@@ -392,8 +376,7 @@ def lola_prefill(
     Returns the output (B, Hq, T, Dv) in ``q``'s dtype (zero past ``n_real``), the linear state
     S (B, Hq, F, Dv) and z (B, Hq, F) float32, the sparse cache as positions (B, Hq, lambda) long in
     position order (-1 in empty slots, last), and the cache after each chunk's choice (B, Hq, chunks,
-    lambda) int32 (what the chunk's queries read), each a set of positions (-1 empty): in position
-    order from the list kernel, in the slots kernel's order from it (``PREFILL_SLOTS``).
+    lambda) int32 the same way (what the chunk's queries read).
 
     ``output`` False: the selection alone (the read kernel does not run and the output is empty,
     (B, Hq, 0, Dv)), in one launch over every chunk: for callers that read the chunks themselves
@@ -432,10 +415,8 @@ def lola_prefill(
     hist = torch.full((rows, n_chunks + 1, sparse), -1, device=dev, dtype=torch.int32)  # the cache before and after each chunk
     lkept = torch.zeros(rows, n_chunks, bc, device=dev, dtype=torch.int8)
     nread = torch.empty(rows, n_chunks, device=dev, dtype=torch.int32)
-    resident = _pow2(feats) * _pow2(dv) <= PREFILL_RESIDENT_FLOATS  # [S | z] held in registers through the chunks
-    slots = resident and not memory and PREFILL_SLOTS  # and the cache, as slots in no order
-    errs = torch.empty(0 if slots else rows * (sparse + bc), device=dev, dtype=torch.float32)
-    wlist = torch.empty(0 if slots else rows * bc, device=dev, dtype=torch.int32)
+    errs = torch.empty(rows, sparse + bc, device=dev, dtype=torch.float32)
+    wlist = torch.empty(rows, bc, device=dev, dtype=torch.int32)
     # Segments of chunks: the saved states of one segment (two on CUDA, where the read of a segment
     # runs on a second stream beside the selection of the next: the selection's programs leave most
     # SMs idle) within PREFILL_SAVED_BYTES.
@@ -448,7 +429,8 @@ def lola_prefill(
     n_buf = (1 + overlap) if saved else 1
     snap = torch.empty(n_buf, rows, n_seg if saved else 1, feats * dv, device=dev, dtype=torch.float32)
     snapz = torch.empty(n_buf, rows, n_seg if saved else 1, feats, device=dev, dtype=torch.float32)
-    select, read, select_slots = _prefill_kernels()
+    select, read = _prefill_kernels()
+    resident = _pow2(feats) * _pow2(dv) <= PREFILL_RESIDENT_FLOATS  # [S | z] held in registers through the chunks
     block = min(PREFILL_BLOCK_CACHE, _pow2(sparse))
     bq = max(16, min(PREFILL_READ_QUERIES, bc))  # both powers of two
     common = dict(H=hq, F=feats, DV=dv, ETA=window, C=chunk, LAM=sparse, BC=bc, BL=block, LOWP=q.dtype == torch.bfloat16,
@@ -460,22 +442,14 @@ def lola_prefill(
         c1, buf = min(n_chunks, c0 + n_seg), i % n_buf
         if overlap and read_done[buf] is not None:
             main.wait_event(read_done[buf])  # the buffer's previous segment is read
-        if slots:
-            select_slots[(rows,)](
-                v, kphi, n_real, kv, k_sum, held, hist, lkept, nread, snap[buf], snapz[buf], t, n_chunks, c0, c1, n_seg, sinks,
-                hq // hkv, H=hq, F=feats, DV=dv, ETA=window, C=chunk, LAM=sparse, BC=bc, BS=_pow2(sparse), BF=_pow2(feats),
-                BV=_pow2(dv), LOWP=common["LOWP"], EPS=EMPTY_DENOMINATOR, SNAP=saved, CH0=c0 if interp else 0, CH1=c1 if interp else 0,
-                COMPACT=PREFILL_SLOT_COMPACT, num_warps=PREFILL_SLOT_WARPS, num_stages=1,
-            )  # fmt: skip
-        else:
-            select[(rows,)](
-                v, kphi, kx, n_real, kv, k_sum, held, hist, lkept, nread, errs, wlist, snap[buf], snapz[buf],
-                t, n_chunks, c0, c1, n_seg, sinks, hq // hkv, scale, **common, BN=_pow2(sparse + bc),
-                BF=_pow2(feats) if resident else min(PREFILL_BLOCK_FEATURES, _pow2(feats)),
-                BV=_pow2(dv) if resident else min(PREFILL_BLOCK_VALUES, _pow2(dv)), SNAP=saved, RESIDENT=resident,
-                CH0=c0 if interp else 0, CH1=c1 if interp else 0, MEMORY=memory, D=d, BD=_pow2(d), BDV=_pow2(dv),
-                BM=min(PREFILL_BLOCK_RECALL, _pow2(sparse + bc)), num_warps=PREFILL_WARPS,
-            )  # fmt: skip
+        select[(rows,)](
+            v, kphi, kx, n_real, kv, k_sum, held, hist, lkept, nread, errs, wlist, snap[buf], snapz[buf],
+            t, n_chunks, c0, c1, n_seg, sinks, hq // hkv, scale, **common, BN=_pow2(sparse + bc),
+            BF=_pow2(feats) if resident else min(PREFILL_BLOCK_FEATURES, _pow2(feats)),
+            BV=_pow2(dv) if resident else min(PREFILL_BLOCK_VALUES, _pow2(dv)), SNAP=saved, RESIDENT=resident,
+            CH0=c0 if interp else 0, CH1=c1 if interp else 0, MEMORY=memory, D=d, BD=_pow2(d), BDV=_pow2(dv),
+            BM=min(PREFILL_BLOCK_RECALL, _pow2(sparse + bc)), num_warps=PREFILL_WARPS,
+        )  # fmt: skip
         if not output:
             continue
         with torch.cuda.stream(side) if overlap else contextlib.nullcontext():
@@ -491,11 +465,8 @@ def lola_prefill(
                 read_done[buf] = side.record_event()
     if overlap:
         main.wait_stream(side)
-    last = hist[:, n_chunks].long().view(b, hq, sparse)  # the cache after the last chunk
-    if slots:  # slot order to position order, the empty slots (-1) last
-        ordered = last.masked_fill(last < 0, t).sort(dim=-1).values
-        last = ordered.masked_fill(ordered == t, -1)
-    return out, kv, k_sum, last, hist[:, 1:].reshape(b, hq, n_chunks, sparse)
+    positions = hist[:, n_chunks].long().view(b, hq, sparse)  # the cache after the last chunk
+    return out, kv, k_sum, positions, hist[:, 1:].reshape(b, hq, n_chunks, sparse)
 
 
 @lola_prefill.register_fake

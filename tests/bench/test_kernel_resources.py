@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from linearize.ops import fused_lola
-
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "kernel_resources.py"
 
 
@@ -44,20 +42,19 @@ def test_the_layers_kernels_compile_for_sm90_and_report_their_registers(tmp_path
     assert result["arch"] == 90 and result["shape"] == "smollm2-135m"
     rows = result["kernels"]
     lola = {(r["phase"], r["kernel"]) for r in rows if r["kind"] == "lola"}
-    selection = "lola_select_slots_kernel" if fused_lola.PREFILL_SLOTS else "lola_select_kernel"  # [S | z] fits registers here
-    assert {("prefill", selection), ("prefill", "lola_read_kernel"), ("decode", "lola_errors_kernel"),
+    assert {("prefill", "lola_select_kernel"), ("prefill", "lola_read_kernel"), ("decode", "lola_errors_kernel"),
             ("decode", "lola_commit_kernel")} <= lola  # fmt: skip
     for r in rows:
         assert 0 < r["registers"] <= 255 and r["spills"] >= 0 and r["sass"]["instructions"] > 0
     assert result["settings"] == {"fused_lola.PREFILL_READ_QUERIES": 32}
     assert next(r for r in rows if r["kernel"] == "lola_read_kernel")["constexprs"]["BQ"] == 32  # the constant set reached the launch
-    select = next(r for r in rows if r["kernel"] == selection)
-    assert select["num_warps"] == (fused_lola.PREFILL_SLOT_WARPS if fused_lola.PREFILL_SLOTS else fused_lola.PREFILL_WARPS) and select["constexprs"]["F"] == 128 and select["constexprs"]["DV"] == 64
+    select = next(r for r in rows if r["kernel"] == "lola_select_kernel")
+    assert select["num_warps"] == 8 and select["constexprs"]["F"] == 128 and select["constexprs"]["DV"] == 64
     assert select["sass"]["mma"] > 0  # the errors' products on the tensor cores
     states = [r for r in rows if r["kernel"] == "dsla_states" and r["phase"] == "prefill"]
     assert len(states) > 1 and len({r["tiles"] for r in states}) == len(states)  # every tile choice, once
     assert all(int(r["tiles"].split("BV=")[1].split(",")[0]) <= 64 for r in states)  # those wider than DV pruned
-    assert f"| lola | prefill | 1 | `{selection}` |" in (tmp_path / "kernel_resources.md").read_text()
+    assert "| lola | prefill | 1 | `lola_select_kernel` |" in (tmp_path / "kernel_resources.md").read_text()
 
 
 @needs_ptxas

@@ -395,43 +395,6 @@ def test_fused_prefill_equals_the_chunked_op(case):
     _assert_same_prefill(ref, got)
 
 
-@pytest.mark.parametrize(
-    "case",
-    [dict(sinks=1, linear_weight=[0.2, 0.5, 1.0, 0.0]), dict(separate=True, padded=True, sinks=2, weight_tokens=10, linear_weight=0.3),
-     dict(duplicate=True, sinks=0)],
-    ids=["gqa-sink-weights", "separate-padded-length-weight", "ties"],
-)
-@pytest.mark.parametrize("slots, compact", [(True, False), (True, True), (False, False)], ids=["slots", "slots-compact", "list"])
-@torch.no_grad()
-def test_fused_prefill_holds_the_cache_as_slots_where_the_state_fits_registers(monkeypatch, case, slots, compact):
-    """With [S | z] in registers and the recall rule "state", the selection holds the cache in
-    registers as slots in no order (``lola_select_slots_kernel``); ``PREFILL_SLOTS`` False takes the
-    list kernel instead (``PREFILL_SLOT_COMPACT``: the slots kernel writes the slots not kept from a
-    list of them). Each keeps the torch op's caches (the last one returned in position
-    order), state and output, ties included; the slots kernel is the one launched where it applies,
-    and not for the recall rule "memory"."""
-    monkeypatch.setattr(fused_lola, "PREFILL_SLOTS", slots)
-    monkeypatch.setattr(fused_lola, "PREFILL_SLOT_COMPACT", compact)
-    launched = []
-    kernels = fused_lola._prefill_kernels()
-
-    class Seen:
-        def __init__(self, name, kernel):
-            self.name, self.kernel = name, kernel
-
-        def __getitem__(self, grid):
-            launched.append(self.name)
-            return self.kernel[grid]
-
-    monkeypatch.setattr(fused_lola, "_prefill_kernels", lambda: (Seen("list", kernels[0]), kernels[1], Seen("slots", kernels[2])))
-    ref, got, calls = _prefill_pair(**case)
-    assert calls == [1] and set(launched) == {"slots" if slots else "list"}
-    _assert_same_prefill(ref, got)
-    launched.clear()
-    _prefill_pair(recall="memory", **case)
-    assert set(launched) == {"list"}
-
-
 @pytest.mark.parametrize("separate", [False, True], ids=["rotated", "separate"])
 @torch.no_grad()
 def test_fused_prefill_with_hedgehog_modules_makes_their_features_in_one_kernel(separate):
