@@ -3,11 +3,11 @@ window 64, 256 slots, chunk 64; bfloat16, batch 1): its wall time, the kernels b
 the operations that synchronised the host with the GPU (``torch.cuda.set_sync_debug_mode``).
 
     python scripts/profile_prefill.py OUT_DIR [--length 8192] [--model smollm2-135m]
-        [--spec '{"attention": "lola", "window": 64, "sparse_cache": 256, "chunk": 64}']
+        [--spec '{"attention": "lola", "window": 64, "sparse_cache": 256, "chunk": 64}'] [--kernel-option MODULE.NAME=VALUE ...]
 
 OUT_DIR/prefill_prof.json: ``wall_ms`` (one call, after two warm-up calls), ``device_ms_total`` (the
 profiler's self device time; a custom op's range counts beside its kernels), ``top_ms_count`` (the
-30 largest: name, ms, calls) and ``syncs`` (the warnings the sync debug mode raised in one call).
+30 largest: name, ms, calls) ``syncs`` (the warnings the sync debug mode raised in one call) and ``kernel_options`` (those set).
 """
 
 from __future__ import annotations
