@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from linearize.bench.efficiency import cuda_mean_us
+from linearize.bench.profile import LastLaunch
 from linearize.bench.shapes import SHAPES
 from linearize.io import atomic_write_text
 from linearize.ops import fused_lola
@@ -67,25 +68,6 @@ def _profile(call) -> dict[str, float]:
     return dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:10])
 
 
-class _Launches:
-    """Wraps a Triton kernel to keep the compiled kernel its last launch returned."""
-
-    def __init__(self, kernel):
-        self.kernel, self.last = kernel, None
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.last = self.kernel[grid](*args, **kwargs)
-            return self.last
-
-        return launch
-
-    def resources(self) -> dict:
-        compiled = self.last
-        return {"registers": getattr(compiled, "n_regs", None), "spills": getattr(compiled, "n_spills", None),
-                "shared_bytes": getattr(getattr(compiled, "metadata", None), "shared", None)}  # fmt: skip
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out", type=Path)
@@ -107,7 +89,7 @@ def main() -> None:
     torch.manual_seed(0)
     phi_q, phi_k = (functools.partial(hedgehog, weight=0.1 * torch.randn(hq, d, d, device=dev, dtype=dt),
                                       bias=torch.zeros(hq, d, device=dev, dtype=dt)) for _ in range(2))  # fmt: skip
-    launches = tuple(_Launches(k) for k in fused_lola._prefill_kernels())
+    launches = tuple(LastLaunch(k) for k in fused_lola._prefill_kernels())
     fused_lola._prefill_kernels = lambda: launches
     report = {"shape": args.shape, "batch": b, "heads": hq, "kv_heads": hkv, "head_dim": d, "sparse": lam, "window": w, "chunk": w,
               "settings": SETTINGS, "device": torch.cuda.get_device_name(), "lengths": {}}  # fmt: skip

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from linearize.bench.efficiency import cuda_mean_us
+from linearize.bench.profile import LastLaunch
 from linearize.bench.shapes import SHAPES
 from linearize.io import atomic_write_text
 from linearize.ops import fused_lola, kernel_options
@@ -37,25 +38,6 @@ VARIANTS = {
     "c64-w4": ["fused_lola.PREFILL_BLOCK_CACHE=64", "fused_lola.PREFILL_WARPS=4"],
 }
 """The module's defaults (8 warps, blocks of 128 candidates), then other warps and blocks."""
-
-
-class _Last:
-    """Wraps a Triton kernel to keep the compiled kernel its last launch returned."""
-
-    def __init__(self, kernel):
-        self.kernel, self.last = kernel, None
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.last = self.kernel[grid](*args, **kwargs)
-            return self.last
-
-        return launch
-
-
-def _resources(compiled) -> dict:
-    return {"registers": getattr(compiled, "n_regs", None), "spills": getattr(compiled, "n_spills", None),
-            "shared_bytes": getattr(getattr(compiled, "metadata", None), "shared", None)}  # fmt: skip
 
 
 def _ms(fn, device: str) -> float:
@@ -90,6 +72,12 @@ def main() -> None:
             if not name or not options:
                 ap.error(f"--variant {item!r}: expected NAME=MODULE.NAME=VALUE[,...]")
             variants[name] = [o for o in options.split(",") if o != "defaults"]
+    for options in variants.values():  # every option checked before anything runs
+        try:
+            with kernel_options.applied_for(options):
+                pass
+        except ValueError as e:
+            ap.error(str(e))
     shape = SHAPES[args.shape]
     hq, hkv, d, t, lam, w = shape.heads, shape.kv_heads, shape.head_dim, args.length, args.sparse, 64
     dev, dt = args.device, torch.bfloat16
@@ -104,24 +92,21 @@ def main() -> None:
     qphi, kphi = features(q), features(k.repeat_interleave(hq // hkv, dim=1))
     args_ = (q, k, v, qphi, kphi, torch.full((1,), t, device=dev), torch.ones(hq, device=dev), torch.full((hq,), 0.1, device=dev))
     opts = dict(window=w, sparse=lam, chunk=w, sinks=4, scale=d**-0.5, weight_tokens=0, read_state=True, read_sparse=True)
-    kernels = tuple(_Last(x) for x in fused_lola._prefill_kernels())
+    kernels = tuple(LastLaunch(x) for x in fused_lola._prefill_kernels())
     fused_lola._prefill_kernels = lambda: kernels
     report = {"shape": args.shape, "length": t, "heads": hq, "kv_heads": hkv, "head_dim": d, "features": 2 * d, "sparse": lam,
               "window": w, "chunk": w, "chunks": -(-t // w), "device": torch.cuda.get_device_name() if dev == "cuda" else dev, "variants": {}}  # fmt: skip
     reference = None
     for name, options in variants.items():
-        saved = {o.split("=")[0]: getattr(fused_lola, o.split("=")[0].split(".")[1]) for o in options}
-        kernel_options.apply(options)
         try:
-            for x in kernels:
-                x.last = None
-            with torch.no_grad():
+            with kernel_options.applied_for(options), torch.no_grad():
+                kernels[0].last = None
                 select = _ms(lambda: fused_lola.lola_prefill(*args_, **opts, output=False), dev)
-                launched = kernels[0].last
+                resources = kernels[0].resources()
                 whole = _ms(lambda: fused_lola.lola_prefill(*args_, **opts), dev)
                 result = fused_lola.lola_prefill(*args_, **opts)
             row = {"options": options, "select_ms": select, "select_us_per_chunk": select * 1e3 / report["chunks"], "whole_ms": whole,
-                   "select_kernel": _resources(launched)}  # fmt: skip
+                   "select_kernel": resources}  # fmt: skip
             if reference is None:
                 reference = result
             else:
@@ -132,8 +117,6 @@ def main() -> None:
                 row["max_output_diff"] = (out.float() - reference[0].float()).abs().max().item()
         except Exception as e:  # noqa: BLE001 (a variant that fails is reported, not fatal)
             row = {"options": options, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-        for full, value in saved.items():
-            setattr(fused_lola, full.split(".")[1], value)
         report["variants"][name] = row
         print(name, json.dumps(row), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ the operations that synchronised the host with the GPU (``torch.cuda.set_sync_de
 
 OUT_DIR/prefill_prof.json: ``wall_ms`` (one call, after two warm-up calls), ``device_ms_total`` (the
 profiler's self device time; a custom op's range counts beside its kernels), ``top_ms_count`` (the
-30 largest: name, ms, calls) ``syncs`` (the warnings the sync debug mode raised in one call) and ``kernel_options`` (those set).
+30 largest: name, ms, calls), ``syncs`` (the warnings the sync debug mode raised in one call) and ``kernel_options`` (those set).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from linearize.api import load_model
 from linearize.bench.capacity import _lift_position_limit
 from linearize.bench.efficiency import _prefill
 from linearize.convert import convert
+from linearize.io import atomic_write_text
 from linearize.ops import kernel_options
 
 
@@ -69,7 +70,7 @@ def main() -> None:
               "wall_ms": wall * 1e3, "device_ms_total": sum(e.self_device_time_total for e in events) / 1e3, "top_ms_count": rows,
               "syncs": [f"{w.filename}:{w.lineno} {str(w.message)[:150]}" for w in caught]}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "prefill_prof.json").write_text(json.dumps(report, indent=1))
+    atomic_write_text(args.out / "prefill_prof.json", json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))
 
 

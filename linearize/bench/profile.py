@@ -27,6 +27,28 @@ from .efficiency import _place, _random_ids
 logger = logging.getLogger(__name__)
 
 
+class LastLaunch:
+    """A Triton kernel wrapped to keep what its last launch returned (the compiled kernel on a GPU;
+    None in Triton's interpreter), for that kernel's registers, spills and shared memory."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.last = kernel, None
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.last = self.kernel[grid](*args, **kwargs)
+            return self.last
+
+        return launch
+
+    def resources(self) -> dict[str, int | None]:
+        """Registers per thread, spilled registers and shared memory bytes of the last launch's kernel
+        (None each where unknown)."""
+        compiled = self.last
+        return {"registers": getattr(compiled, "n_regs", None), "spills": getattr(compiled, "n_spills", None),
+                "shared_bytes": getattr(getattr(compiled, "metadata", None), "shared", None)}  # fmt: skip
+
+
 def profile_calls(fn: Callable[[], Any], *, calls: int, device: torch.device, top: int = 25) -> dict[str, Any]:
     """``fn()`` run ``calls`` times under ``torch.profiler`` (warm it up first): device time and
     kernel launches per call, and its ``top`` kernels by device time (name, calls and microseconds

@@ -9,11 +9,12 @@ settings produced it.
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 import inspect
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +31,33 @@ def apply(items: Iterable[str]) -> dict[str, object]:
     """Set each ``MODULE.NAME=VALUE`` (a constant of ``linearize.ops.MODULE``, a Python literal of the
     constant's type; None where the constant is declared ``int | None``) and return what was set. Raises ValueError
     naming the bad item and the valid choices; nothing is set unless every item is valid."""
+    staged = _staged(items)
+    for module, attr, name, value in staged:
+        setattr(module, attr, value)
+        _APPLIED[name] = value
+        logger.info("kernel option %s = %r", name, value)
+    return {name: value for _, _, name, value in staged}
+
+
+@contextlib.contextmanager
+def applied_for(items: Iterable[str]) -> Iterator[dict[str, object]]:
+    """``apply(items)`` for the ``with`` block (yielding what was set), then every constant set back to
+    its value before and ``applied()`` as it was: one run's variants one after another."""
+    items = list(items)
+    staged = _staged(items)
+    before = [(module, attr, getattr(module, attr)) for module, attr, _, _ in staged]
+    recorded = dict(_APPLIED)
+    try:
+        yield apply(items)
+    finally:
+        for module, attr, value in reversed(before):
+            setattr(module, attr, value)
+        _APPLIED.clear()
+        _APPLIED.update(recorded)
+
+
+def _staged(items: Iterable[str]) -> list[tuple[object, str, str, object]]:
+    """(module, constant, MODULE.NAME, value) of each item, checked as ``apply`` documents."""
     staged = []
     for item in items:
         name, eq, text = item.partition("=")
@@ -54,11 +82,7 @@ def apply(items: Iterable[str]) -> dict[str, object]:
         if not fits:
             raise ValueError(f"{usage}; {name} is {type(old).__name__} ({old!r}), got {type(value).__name__}")
         staged.append((module, attr, name, value))
-    for module, attr, name, value in staged:
-        setattr(module, attr, value)
-        _APPLIED[name] = value
-        logger.info("kernel option %s = %r", name, value)
-    return {name: value for _, _, name, value in staged}
+    return staged
 
 
 def applied() -> dict[str, object]:

@@ -390,9 +390,9 @@ def lola_given_caches(q: Tensor, k: Tensor, v: Tensor, caches: Tensor, *, phi_q:
                       window_factor: Tensor, chunk: int, scale: float, read_state: bool = True, read_sparse: bool = True,
                       q_lin: Tensor | None = None, k_lin: Tensor | None = None, weights: Tensor, weight_tokens: int = 0) -> Tensor:
     """LoLA's output from an empty memory (no padding, ``window`` a multiple of ``chunk``) given the
-    cache each chunk's queries read, ``caches`` (B, Hq, chunks, lambda) long positions (-1 empty; each chunk's a set, in any order):
-    every chunk at once, differentiable in q, k, v and the feature maps (the choice itself has no
-    gradient, as in the chunk loop).
+    cache each chunk's queries read, ``caches`` (B, Hq, chunks, lambda) long positions (-1 empty;
+    each chunk's a set, in any order): every chunk at once, differentiable in q, k, v and the feature
+    maps (the choice itself has no gradient, as in the chunk loop).
 
     What a query reads linearly is every token older than its window that is not in its chunk's
     cache, so LoLA's read is the hybrid's (the window exactly, everything older linearly) with each

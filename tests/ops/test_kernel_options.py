@@ -23,6 +23,23 @@ def test_options_are_set_by_name_and_recorded():
     assert kernel_options.apply([]) == {}
 
 
+def test_options_applied_for_a_block_are_set_back_after_it():
+    """``applied_for``: the options hold inside the block, and after it (also when it raises) every
+    constant and ``applied()`` are as before; a bad option sets nothing."""
+    kernel_options.apply(["fused_lola.STAGES=2"])
+    rows = fused_lola.ONE_KERNEL_ROWS
+    with kernel_options.applied_for(iter(["fused_lola.STAGES=1", "fused_lola.ONE_KERNEL_ROWS=0"])) as got:
+        assert got == {"fused_lola.STAGES": 1, "fused_lola.ONE_KERNEL_ROWS": 0}
+        assert fused_lola.STAGES == 1 and fused_lola.ONE_KERNEL_ROWS == 0 and kernel_options.applied()["fused_lola.STAGES"] == 1
+    assert fused_lola.STAGES == 2 and fused_lola.ONE_KERNEL_ROWS == rows and kernel_options.applied() == {"fused_lola.STAGES": 2}
+    with pytest.raises(RuntimeError), kernel_options.applied_for(["fused_lola.STAGES=1"]):
+        raise RuntimeError("inside")
+    assert fused_lola.STAGES == 2 and kernel_options.applied() == {"fused_lola.STAGES": 2}
+    with pytest.raises(ValueError, match="fused_lola.STAGES=x"), kernel_options.applied_for(["fused_lola.STAGES=x"]):
+        pass
+    assert fused_lola.STAGES == 2
+
+
 @pytest.mark.parametrize(
     "item,says",
     [("fused_lola.NOPE=1", "fused_lola's constants: BLOCK_ROWS"), ("nomodule.X=1", "no module linearize.ops.nomodule"),
