@@ -164,9 +164,15 @@ def _kernels() -> _Kernels:
 
         # The linear part: slot i reads phi(k) v^T of extended tokens 0 .. i, i.e. the state before
         # this block (with STATES: hs, else the numerator comes in ``num``; the denominator's zpre)
-        # and this block's own tokens up to i (the features a slice at a time).
+        # and this block's own tokens up to i (the features a slice at a time). The joint mix has
+        # one numerator: the linear part is added to the window's, scaled by the window factor,
+        # in one accumulator (the gate mix normalises each part on its own: two).
+        f = tl.load(factor + h).to(tl.float32)
+        if GATE:
+            num_l = tl.zeros([BM, DV], tl.float32)
+        else:
+            acc = acc * f
         den_l = tl.zeros([BM], tl.float32)
-        num_l = tl.zeros([BM, DV], tl.float32)
         a = tl.zeros([BM, BM], tl.float32)
         for f0 in range(0, F, BF):
             of = f0 + tl.arange(0, BF)
@@ -175,7 +181,10 @@ def _kernels() -> _Kernels:
             den_l += tl.sum(qfc.to(tl.float32) * z[None, :], axis=1)
             if STATES:
                 hc = tl.load(hs + b * s_hb + h * s_hh + blk * s_hn + of[:, None] * DV + ov[None, :])  # (BF, DV)
-                num_l += tl.dot(qfc, hc, input_precision=precision)
+                if GATE:
+                    num_l += tl.dot(qfc, hc, input_precision=precision)
+                else:
+                    acc += tl.dot(qfc, hc, input_precision=precision)
             kfc = tl.load(kf + b * s_gb + h * s_gh + i[:, None] * s_gt + of[None, :], mask=mi[:, None], other=0.0)
             a += tl.dot(qfc, tl.trans(kfc), input_precision=precision)  # queries x this block's linear keys
         a = tl.where(i[None, :] <= i[:, None], a, 0.0)
@@ -184,11 +193,17 @@ def _kernels() -> _Kernels:
             old, new = mi & (i < W), mi & (i >= W)  # this block's tokens: the state's window slots, then the call's
             vl = tl.load(wvalues + b * s_ub + hk * s_uh + i[:, None] * s_ut + ov[None, :], mask=old[:, None], other=0.0).to(qb.dtype)
             vl += tl.load(values + b * s_vb + hk * s_vh + (i - W)[:, None] * s_vt + ov[None, :], mask=new[:, None], other=0.0)
-            num_l += tl.dot(a.to(vl.dtype), vl, input_precision=precision)
+            if GATE:
+                num_l += tl.dot(a.to(vl.dtype), vl, input_precision=precision)
+            else:
+                acc += tl.dot(a.to(vl.dtype), vl, input_precision=precision)
         else:
-            num_l = tl.load(num + b * s_nb + h * s_nh + i[:, None] * s_nt + ov[None, :], mask=mi[:, None], other=0.0).to(tl.float32)
+            lin = tl.load(num + b * s_nb + h * s_nh + i[:, None] * s_nt + ov[None, :], mask=mi[:, None], other=0.0).to(tl.float32)
+            if GATE:
+                num_l = lin
+            else:
+                acc += lin
 
-        f = tl.load(factor + h).to(tl.float32)
         if GATE:  # g SWA + (1 - g) LA, each over its own denominator (0 where that is empty)
             ok_w, ok_l = den_w > EPS, den_l > EPS
             read_w = tl.where(ok_w[:, None], acc / tl.where(ok_w, den_w, 1.0)[:, None], 0.0)
@@ -197,7 +212,7 @@ def _kernels() -> _Kernels:
         else:  # one denominator: the window's part scaled by the window factor, plus the linear one
             den = f * den_w + den_l
             ok = den > EPS
-            o = tl.where(ok[:, None], (f * acc + num_l) / tl.where(ok, den, 1.0)[:, None], 0.0)
+            o = tl.where(ok[:, None], acc / tl.where(ok, den, 1.0)[:, None], 0.0)
         tl.store(out + b * s_ob + h * s_oh + i[:, None] * s_ot + ov[None, :], o.to(out.dtype.element_ty), mask=mi[:, None])
 
     @triton.jit
@@ -270,10 +285,11 @@ def _kernels() -> _Kernels:
         p += tl.load(bias + h * FH + of).to(xb.dtype).to(tl.float32)[None, :]  # (BT, FH) float32
         if not IEEE:  # the module's map in bfloat16 / float16: its projection is a tensor of x's dtype
             p = p.to(xb.dtype).to(tl.float32)
+        # Normalised by one reciprocal per row and a product per feature, not a division per feature.
         e = tl.exp(p - tl.max(p, axis=1)[:, None])
-        pos = e / tl.sum(e, axis=1)[:, None]
+        pos = e * (1.0 / tl.sum(e, axis=1))[:, None]
         e = tl.exp(tl.min(p, axis=1)[:, None] - p)
-        neg = e / tl.sum(e, axis=1)[:, None]
+        neg = e * (1.0 / tl.sum(e, axis=1))[:, None]
         base = out + b * s_ob + t[:, None] * s_ot + h * s_oh + of[None, :]
         tl.store(base, pos.to(out.dtype.element_ty), mask=mt[:, None])
         tl.store(base + FH, neg.to(out.dtype.element_ty), mask=mt[:, None])
