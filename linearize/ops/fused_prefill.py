@@ -165,8 +165,8 @@ def _kernels() -> _Kernels:
         # The linear part: slot i reads phi(k) v^T of extended tokens 0 .. i, i.e. the state before
         # this block (with STATES: hs, else the numerator comes in ``num``; the denominator's zpre)
         # and this block's own tokens up to i (the features a slice at a time). The joint mix has
-        # one numerator: the linear part is added to the window's, scaled by the window factor,
-        # in one accumulator (the gate mix normalises each part on its own: two).
+        # one numerator: the window's part, scaled by the window factor, and the linear part share
+        # one accumulator (the gate mix normalises each part on its own: two).
         f = tl.load(factor + h).to(tl.float32)
         if GATE:
             num_l = tl.zeros([BM, DV], tl.float32)
