@@ -74,8 +74,7 @@ def main() -> None:
             variants[name] = [o for o in options.split(",") if o != "defaults"]
     for options in variants.values():  # every option checked before anything runs
         try:
-            with kernel_options.applied_for(options):
-                pass
+            kernel_options.check(options)
         except ValueError as e:
             ap.error(str(e))
     shape = SHAPES[args.shape]

@@ -165,13 +165,13 @@ def _kernels() -> _Kernels:
         # The linear part: slot i reads phi(k) v^T of extended tokens 0 .. i, i.e. the state before
         # this block (with STATES: hs, else the numerator comes in ``num``; the denominator's zpre)
         # and this block's own tokens up to i (the features a slice at a time). The joint mix has
-        # one numerator: the window's part, scaled by the window factor, and the linear part share
-        # one accumulator (the gate mix normalises each part on its own: two).
+        # one numerator: the linear part is added to the window's, scaled by the window factor
+        # (the gate mix normalises each part on its own: a numerator of its own for the linear part).
         f = tl.load(factor + h).to(tl.float32)
         if GATE:
             num_l = tl.zeros([BM, DV], tl.float32)
         else:
-            acc = acc * f
+            num_l = acc * f
         den_l = tl.zeros([BM], tl.float32)
         a = tl.zeros([BM, BM], tl.float32)
         for f0 in range(0, F, BF):
@@ -181,10 +181,7 @@ def _kernels() -> _Kernels:
             den_l += tl.sum(qfc.to(tl.float32) * z[None, :], axis=1)
             if STATES:
                 hc = tl.load(hs + b * s_hb + h * s_hh + blk * s_hn + of[:, None] * DV + ov[None, :])  # (BF, DV)
-                if GATE:
-                    num_l += tl.dot(qfc, hc, input_precision=precision)
-                else:
-                    acc += tl.dot(qfc, hc, input_precision=precision)
+                num_l += tl.dot(qfc, hc, input_precision=precision)
             kfc = tl.load(kf + b * s_gb + h * s_gh + i[:, None] * s_gt + of[None, :], mask=mi[:, None], other=0.0)
             a += tl.dot(qfc, tl.trans(kfc), input_precision=precision)  # queries x this block's linear keys
         a = tl.where(i[None, :] <= i[:, None], a, 0.0)
@@ -193,16 +190,9 @@ def _kernels() -> _Kernels:
             old, new = mi & (i < W), mi & (i >= W)  # this block's tokens: the state's window slots, then the call's
             vl = tl.load(wvalues + b * s_ub + hk * s_uh + i[:, None] * s_ut + ov[None, :], mask=old[:, None], other=0.0).to(qb.dtype)
             vl += tl.load(values + b * s_vb + hk * s_vh + (i - W)[:, None] * s_vt + ov[None, :], mask=new[:, None], other=0.0)
-            if GATE:
-                num_l += tl.dot(a.to(vl.dtype), vl, input_precision=precision)
-            else:
-                acc += tl.dot(a.to(vl.dtype), vl, input_precision=precision)
+            num_l += tl.dot(a.to(vl.dtype), vl, input_precision=precision)
         else:
-            lin = tl.load(num + b * s_nb + h * s_nh + i[:, None] * s_nt + ov[None, :], mask=mi[:, None], other=0.0).to(tl.float32)
-            if GATE:
-                num_l = lin
-            else:
-                acc += lin
+            num_l += tl.load(num + b * s_nb + h * s_nh + i[:, None] * s_nt + ov[None, :], mask=mi[:, None], other=0.0).to(tl.float32)
 
         if GATE:  # g SWA + (1 - g) LA, each over its own denominator (0 where that is empty)
             ok_w, ok_l = den_w > EPS, den_l > EPS
@@ -212,7 +202,7 @@ def _kernels() -> _Kernels:
         else:  # one denominator: the window's part scaled by the window factor, plus the linear one
             den = f * den_w + den_l
             ok = den > EPS
-            o = tl.where(ok[:, None], acc / tl.where(ok, den, 1.0)[:, None], 0.0)
+            o = tl.where(ok[:, None], num_l / tl.where(ok, den, 1.0)[:, None], 0.0)
         tl.store(out + b * s_ob + h * s_oh + i[:, None] * s_ot + ov[None, :], o.to(out.dtype.element_ty), mask=mi[:, None])
 
     @triton.jit

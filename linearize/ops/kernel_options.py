@@ -31,29 +31,37 @@ def apply(items: Iterable[str]) -> dict[str, object]:
     """Set each ``MODULE.NAME=VALUE`` (a constant of ``linearize.ops.MODULE``, a Python literal of the
     constant's type; None where the constant is declared ``int | None``) and return what was set. Raises ValueError
     naming the bad item and the valid choices; nothing is set unless every item is valid."""
-    staged = _staged(items)
-    for module, attr, name, value in staged:
-        setattr(module, attr, value)
-        _APPLIED[name] = value
-        logger.info("kernel option %s = %r", name, value)
-    return {name: value for _, _, name, value in staged}
+    return _set(_staged(items))
+
+
+def check(items: Iterable[str]) -> None:
+    """Raise ValueError as ``apply`` would for the first bad item; set nothing."""
+    _staged(items)
 
 
 @contextlib.contextmanager
 def applied_for(items: Iterable[str]) -> Iterator[dict[str, object]]:
     """``apply(items)`` for the ``with`` block (yielding what was set), then every constant set back to
     its value before and ``applied()`` as it was: one run's variants one after another."""
-    items = list(items)
     staged = _staged(items)
     before = [(module, attr, getattr(module, attr)) for module, attr, _, _ in staged]
     recorded = dict(_APPLIED)
     try:
-        yield apply(items)
+        yield _set(staged)
     finally:
         for module, attr, value in reversed(before):
             setattr(module, attr, value)
         _APPLIED.clear()
         _APPLIED.update(recorded)
+
+
+def _set(staged: list[tuple[object, str, str, object]]) -> dict[str, object]:
+    """Set each staged constant and record it; what was set (name -> value)."""
+    for module, attr, name, value in staged:
+        setattr(module, attr, value)
+        _APPLIED[name] = value
+        logger.info("kernel option %s = %r", name, value)
+    return {name: value for _, _, name, value in staged}
 
 
 def _staged(items: Iterable[str]) -> list[tuple[object, str, str, object]]:

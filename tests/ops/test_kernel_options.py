@@ -54,3 +54,12 @@ def test_a_bad_option_names_itself_and_sets_nothing(item, says):
         kernel_options.apply(["fused_lola.PREFILL_READ_QUERIES=16", item])
     assert item in str(info.value) and says in str(info.value)
     assert fused_lola.STAGES == before and fused_lola.PREFILL_READ_QUERIES != 16 and kernel_options.applied() == {}
+    with pytest.raises(ValueError, match="expected MODULE.NAME=VALUE") as info:
+        kernel_options.check(["fused_lola.PREFILL_READ_QUERIES=16", item])
+    assert says in str(info.value) and fused_lola.PREFILL_READ_QUERIES != 16
+
+
+def test_check_sets_nothing():
+    before = fused_lola.STAGES
+    kernel_options.check([f"fused_lola.STAGES={before + 1}"])
+    assert fused_lola.STAGES == before and kernel_options.applied() == {}
