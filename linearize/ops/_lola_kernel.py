@@ -78,20 +78,23 @@ def _store_state_tile(base, of, ov, m2, sp, sn, FH: tl.constexpr, W: tl.constexp
 @triton.jit
 def _errors(pp, pn, vals, rows, mrows, s_v, base, rec, FH: tl.constexpr, DV: tl.constexpr, R: tl.constexpr,
             BF: tl.constexpr, BV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr, STORE: tl.constexpr, RW: tl.constexpr,
-            WS: tl.constexpr):  # fmt: skip
+            WS: tl.constexpr, SCALAR: tl.constexpr = False):  # fmt: skip
     """Self-recall error of R candidates (features pp, pn; values at vals + rows * s_v) against
     the state at ``base`` ((2 FH) x (DV + 1) float32, row-major, rows WS floats apart): (R,) float32. STORE: each
-    candidate's recall [phi S, phi z] also written to its row of ``rec`` (rows of RW >= DV + 1 float32)."""
+    candidate's recall [phi S, phi z] also written to its row of ``rec`` (rows of RW >= DV + 1 float32);
+    with SCALAR its recall's scalars (v . phi S, |phi S|^2, phi z) instead (rows of RW >= 3)."""
     of = tl.arange(0, BF)
     mf = of < FH
     zp = tl.load(base + of * WS + DV, mask=mf, other=0.0)
     zn = tl.load(base + (FH + of) * WS + DV, mask=mf, other=0.0)
     den = tl.sum(pp * zp[None, :], axis=1) + tl.sum(pn * zn[None, :], axis=1)
     if STORE:
-        tl.store(rec + rows * RW + DV, den, mask=mrows)
+        tl.store(rec + rows * RW + (2 if SCALAR else DV), den, mask=mrows)
     ok = den > EPS
     den = tl.where(ok, den, 1.0)
     err2 = tl.zeros([R], dtype=tl.float32)
+    a = tl.zeros([R], dtype=tl.float32)
+    b = tl.zeros([R], dtype=tl.float32)
     for v0 in range(0, DV, BV):
         ov = v0 + tl.arange(0, BV)
         mv = ov < DV
@@ -99,8 +102,17 @@ def _errors(pp, pn, vals, rows, mrows, s_v, base, rec, FH: tl.constexpr, DV: tl.
         sp, sn = _state_tile(base, of, ov, m2, FH, WS)
         num = _product(pp, sp, LOWP) + _product(pn, sn, LOWP)
         if STORE:
-            tl.store(rec + rows[:, None] * RW + ov[None, :], num, mask=mrows[:, None] & mv[None, :])
+            if SCALAR:
+                vv = tl.load(vals + rows[:, None] * s_v + ov[None, :], mask=mrows[:, None] & mv[None, :], other=0.0).to(tl.float32)
+                a += tl.sum(tl.where(mv[None, :], num * vv, 0.0), axis=1)
+                b += tl.sum(tl.where(mv[None, :], num * num, 0.0), axis=1)
+            else:
+                tl.store(rec + rows[:, None] * RW + ov[None, :], num, mask=mrows[:, None] & mv[None, :])
         err2 += _distance2(num, den, ok, vals, rows, mrows, s_v, ov, mv)
+    if STORE:
+        if SCALAR:
+            tl.store(rec + rows * RW, a, mask=mrows)
+            tl.store(rec + rows * RW + 1, b, mask=mrows)
     return tl.sqrt(err2)
 
 
@@ -130,6 +142,51 @@ def _errors_kept(pp, pn, vals, rows, mrows, s_v, rec, pend, FH: tl.constexpr, DV
         tl.store(rec + rows[:, None] * RW + ov[None, :], num, mask=m2)
         err2 += _distance2(num, den, ok, vals, rows, mrows, s_v, ov, mv)
     return tl.sqrt(err2)
+
+
+@triton.jit
+def _scalar_error(a, b, d, vsq, EPS: tl.constexpr):
+    """Self-recall error from a recall's scalars: || v - n / d || with a = v . n, b = |n|^2, d the
+    denominator and vsq = |v|^2 (|v| where d <= EPS, as the state's read is then taken as 0)."""
+    ok = d > EPS
+    dd = tl.where(ok, d, 1.0)
+    err2 = tl.where(ok, vsq - (2.0 * a - b / dd) / dd, vsq)
+    return tl.sqrt(tl.maximum(err2, 0.0))
+
+
+@triton.jit
+def _errors_scalar(pp, pn, vals, rows, mrows, s_v, rec, pend, FH: tl.constexpr, DV: tl.constexpr, R: tl.constexpr,
+                   BF: tl.constexpr, BV: tl.constexpr, EPS: tl.constexpr, RW: tl.constexpr, P_U: tl.constexpr,
+                   P_VV: tl.constexpr):  # fmt: skip
+    """``_errors`` from the candidates' kept recall scalars: each row of ``rec`` (a = v . phi S,
+    b = |phi S|^2, d = phi z against the state before the last write) first takes that write,
+    ``pend`` = (phi_w (2 FH), [v_w, 1] (DV + 1), u = S v_w (2 FH) against that state, |v_w|^2): with
+    c = phi . phi_w, a += c (v . v_w), b += 2 c (phi . u) + c^2 |v_w|^2, d += c; and is stored
+    back: (R,) float32, O(f + Dv) per candidate and no read of the state."""
+    of = tl.arange(0, BF)
+    mf = of < FH
+    wp = tl.load(pend + of, mask=mf, other=0.0)
+    wn = tl.load(pend + FH + of, mask=mf, other=0.0)
+    up = tl.load(pend + P_U + of, mask=mf, other=0.0)
+    un = tl.load(pend + P_U + FH + of, mask=mf, other=0.0)
+    c = tl.sum(pp * wp[None, :], axis=1) + tl.sum(pn * wn[None, :], axis=1)  # (R,)
+    cu = tl.sum(pp * up[None, :], axis=1) + tl.sum(pn * un[None, :], axis=1)
+    vd = tl.zeros([R], dtype=tl.float32)
+    vsq = tl.zeros([R], dtype=tl.float32)
+    for v0 in range(0, DV, BV):
+        ov = v0 + tl.arange(0, BV)
+        mv = ov < DV
+        vv = tl.load(vals + rows[:, None] * s_v + ov[None, :], mask=mrows[:, None] & mv[None, :], other=0.0).to(tl.float32)
+        vw = tl.load(pend + 2 * FH + ov, mask=mv, other=0.0)
+        vd += tl.sum(vv * vw[None, :], axis=1)
+        vsq += tl.sum(vv * vv, axis=1)
+    a = tl.load(rec + rows * RW, mask=mrows, other=0.0) + c * vd
+    b = tl.load(rec + rows * RW + 1, mask=mrows, other=0.0) + c * (2.0 * cu + c * tl.load(pend + P_VV))
+    d = tl.load(rec + rows * RW + 2, mask=mrows, other=0.0) + c * tl.load(pend + 2 * FH + DV)
+    tl.store(rec + rows * RW, a, mask=mrows)
+    tl.store(rec + rows * RW + 1, b, mask=mrows)
+    tl.store(rec + rows * RW + 2, d, mask=mrows)
+    return _scalar_error(a, b, d, vsq, EPS)
 
 
 @triton.jit
@@ -177,6 +234,17 @@ def _leaving_kept(pp16, pn16, first, qp, qn, vals, base, lrec, qrec, ring, n_rin
 
 
 @triton.jit
+def _store_errors(e, errs, cpos, cvalid, r, oc, mc, sinks, L: tl.constexpr):
+    """Store the errors ``e`` of cache slots ``oc`` (mask ``mc``) of (row, query head) ``r`` into
+    errs[r, :L]: sinks +inf (never written into the state), empty slots -inf (taken first)."""
+    pos = tl.load(cpos + r * L + oc, mask=mc, other=-3)
+    val = tl.load(cvalid + r * L + oc, mask=mc, other=0) != 0
+    e = tl.where(pos < sinks, float("inf"), e)
+    e = tl.where(val, e, float("-inf"))
+    tl.store(errs + r * (L + 1) + oc, e, mask=mc)
+
+
+@triton.jit
 def _head(r, linear, wk, bk, n_rep, H: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
           BF: tl.constexpr, WS: tl.constexpr):  # fmt: skip
     """What a program of (batch row, query head) ``r`` starts from: its row b, head h, (batch row, KV
@@ -214,6 +282,7 @@ def _errors_program(
     for the query's read (to ``rbuf`` (B Hq, DV + 1), features ``qphi``), each with the deferred
     writes added."""
     b, h, kr, base, od, md, of, mf, w, bias = _head(r, linear, wk, bk, n_rep, H, D, FH, DV, BD, BF, WS)
+    PW: tl.constexpr = 2 * FH + DV + 1  # the pending write's floats (fused_lola.pending_width)
     if c * BL >= L:  # the leaving token, as the first of 16 rows (a product's least height)
         o16 = tl.arange(0, 16)
         first = o16 == 0
@@ -236,16 +305,62 @@ def _errors_program(
         rec = recall + r * L * RW
         if KEEP:
             if tl.load(rok + b) != 0:
-                e = _errors_kept(ppb, pnb, cvals + r * L * DV, oc, mc, DV, rec, pending + r * (2 * FH + DV + 1), FH, DV, BL, BF, BV, EPS, RW)
+                e = _errors_kept(ppb, pnb, cvals + r * L * DV, oc, mc, DV, rec, pending + r * PW, FH, DV, BL, BF, BV, EPS, RW)
             else:
                 e = _errors(ppb, pnb, cvals + r * L * DV, oc, mc, DV, base, rec, FH, DV, BL, BF, BV, LOWP, EPS, True, RW, WS)
         else:
             e = _errors(ppb, pnb, cvals + r * L * DV, oc, mc, DV, base, rec, FH, DV, BL, BF, BV, LOWP, EPS, False, RW, WS)
-        pos = tl.load(cpos + r * L + oc, mask=mc, other=-3)
-        val = tl.load(cvalid + r * L + oc, mask=mc, other=0) != 0
-        e = tl.where(pos < sinks, float("inf"), e)
-        e = tl.where(val, e, float("-inf"))
-        tl.store(errs + r * (L + 1) + oc, e, mask=mc)
+        _store_errors(e, errs, cpos, cvalid, r, oc, mc, sinks, L)
+
+
+@triton.jit
+def _scalar_errors_program(
+    r, c, linear, errs, cmap, cvals, cvalid, cpos, lmap, lvals, lpos, wk, bk, recall, pending, rok, sinks, n_rep,
+    H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, DV: tl.constexpr,
+    BL: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr,
+    RW: tl.constexpr, WS: tl.constexpr, FROM_STATE: tl.constexpr,
+):  # fmt: skip
+    """``_errors_program`` with the recalls kept as scalars (``recall`` (B Hq, L, RW): v . phi S, |phi S|^2,
+    phi z), for the rows whose recalls are current (FROM_STATE False: the slots' from their scalars and the
+    pending write, the leaving token's from the scalars the last commit left in ``pending``; no read of
+    the state) or for the others (FROM_STATE True: both from the state, their scalars stored). A row is
+    one or the other, so the two passes are two launches (or two calls in one program), each compiled
+    without the other's registers and shared memory."""
+    b = r // H
+    if (tl.load(rok + b) != 0) != FROM_STATE:
+        b, h, kr, base, od, md, of, mf, w, bias = _head(r, linear, wk, bk, n_rep, H, D, FH, DV, BD, BF, WS)
+        PW: tl.constexpr = 4 * FH + DV + 5  # the pending write's floats (fused_lola.pending_width)
+        P_U: tl.constexpr = 2 * FH + DV + 1
+        P_VV: tl.constexpr = 4 * FH + DV + 1
+        P_LEAVE: tl.constexpr = 4 * FH + DV + 2
+        lr = pending + r * PW + P_LEAVE
+        if c * BL >= L:  # the leaving token
+            o16 = tl.arange(0, 16)
+            first = o16 == 0
+            if FROM_STATE:  # as the first of 16 rows (a product's least height)
+                x16 = tl.load(lmap + kr * D + o16[:, None] * 0 + od[None, :], mask=first[:, None] & md[None, :], other=0.0)
+                pp16, pn16 = _features(x16, w, bias, mf, LOWP)
+                e16 = _errors(pp16, pn16, lvals + kr * DV, o16, first, 0, base, lr, FH, DV, 16, BF, BV, LOWP, EPS, True, RW, WS, True)
+            else:
+                odv = tl.arange(0, BV)
+                vsq = 0.0
+                for v0 in range(0, DV, BV):
+                    vl = tl.load(lvals + kr * DV + v0 + odv, mask=v0 + odv < DV, other=0.0).to(tl.float32)
+                    vsq += tl.sum(vl * vl, axis=0)
+                e16 = tl.where(first, _scalar_error(tl.load(lr), tl.load(lr + 1), tl.load(lr + 2), vsq, EPS), 0.0)
+            e16 = tl.where(tl.load(lpos + b) < sinks, float("inf"), e16)
+            tl.store(errs + r * (L + 1) + L + o16, e16, mask=first)
+        else:
+            oc = c * BL + tl.arange(0, BL)
+            mc = oc < L
+            xb = tl.load(cmap + (r * L + oc)[:, None] * D + od[None, :], mask=mc[:, None] & md[None, :], other=0.0)
+            ppb, pnb = _features(xb, w, bias, mf, LOWP)
+            rec = recall + r * L * RW
+            if FROM_STATE:
+                e = _errors(ppb, pnb, cvals + r * L * DV, oc, mc, DV, base, rec, FH, DV, BL, BF, BV, LOWP, EPS, True, RW, WS, True)
+            else:
+                e = _errors_scalar(ppb, pnb, cvals + r * L * DV, oc, mc, DV, rec, pending + r * PW, FH, DV, BL, BF, BV, EPS, RW, P_U, P_VV)
+            _store_errors(e, errs, cpos, cvalid, r, oc, mc, sinks, L)
 
 
 @triton.jit
@@ -255,22 +370,27 @@ def lola_errors_kernel(
     H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, DV: tl.constexpr,
     BL: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr,
     KEEP: tl.constexpr, RW: tl.constexpr, K: tl.constexpr, WS: tl.constexpr,
-    NB: tl.constexpr,
+    NB: tl.constexpr, FROM_STATE: tl.constexpr,
 ):  # fmt: skip
     """``_errors_program`` for block pid % (NB + 1) of (row, query head) pid // (NB + 1): the NB cache
     blocks and the leaving token of one (row, head) are neighbours in the launch order, so the state
     they all read comes from memory about once and from L2 after (in a grid with the blocks as its
-    slower axis each block read every row's state from memory again)."""
+    slower axis each block read every row's state from memory again). Scalar recalls (KEEP 2):
+    ``_scalar_errors_program``'s pass FROM_STATE."""
     pid = tl.program_id(0)
     r = (pid // (NB + 1)).to(tl.int64)
-    _errors_program(r, pid % (NB + 1), linear, errs, cmap, cvals, cvalid, cpos, lmap, lvals, lpos, wk, bk, recall, pending, rok, lrec,
-                    ring, ring_n, qphi, rbuf, sinks, n_rep, H, L, D, FH, DV, BL, BD, BF, BV, LOWP, EPS, KEEP, RW, K, WS)  # fmt: skip
+    if KEEP == 2:
+        _scalar_errors_program(r, pid % (NB + 1), linear, errs, cmap, cvals, cvalid, cpos, lmap, lvals, lpos, wk, bk, recall, pending,
+                               rok, sinks, n_rep, H, L, D, FH, DV, BL, BD, BF, BV, LOWP, EPS, RW, WS, FROM_STATE)  # fmt: skip
+    else:
+        _errors_program(r, pid % (NB + 1), linear, errs, cmap, cvals, cvalid, cpos, lmap, lvals, lpos, wk, bk, recall, pending, rok, lrec,
+                        ring, ring_n, qphi, rbuf, sinks, n_rep, H, L, D, FH, DV, BL, BD, BF, BV, LOWP, EPS, KEEP, RW, K, WS)  # fmt: skip
 
 
 @triton.jit
 def _commit_program(
     r, linear, errs, qphi, q, out, rbuf, held,
-    ckeys, cmap, cvals, cvalid, cpos, lkeys, lmap, lvals, lvalid, lpos, wkeys, wvals, wvalid,
+    ckeys, cmap, cvals, cvalid, cpos, lkeys, lmap, lvals, lvalid, lpos, wkeys, wvals, wvalid, wmap, windex,
     wk, bk, factor, recall, pending, rok, lrec, ring, ring_n,
     sinks, n_rep, scale, weight_tokens,
     H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, DV: tl.constexpr, ETA: tl.constexpr,
@@ -320,11 +440,22 @@ def _commit_program(
     xl = tl.load(lmap + kr * D + od, mask=md, other=0.0)
     xc = tl.load(cmap + slot * D + od, mask=md, other=0.0)
     xo = tl.where(first[:, None], tl.where(drop, xl, xc)[None, :], 0.0)
+    if KEEP == 2:  # and, as row 1, the next leaving token (the window ring's oldest, ``windex``)
+        ni = tl.load(windex)
+        xn = tl.load(wmap + (kr * ETA + ni) * D + od, mask=md, other=0.0)
+        xo = tl.where((o16 == 1)[:, None], xn[None, :], xo)
     ppo, pno = _features(xo, w, bias, mf, LOWP)
     fp = tl.sum(tl.where(first[:, None], ppo, 0.0), axis=0)  # (BF,) the features of the token written
     fn = tl.sum(tl.where(first[:, None], pno, 0.0), axis=0)
+    if KEEP == 2:
+        np_ = tl.sum(tl.where((o16 == 1)[:, None], ppo, 0.0), axis=0)  # (BF,) the next leaving token's
+        nn_ = tl.sum(tl.where((o16 == 1)[:, None], pno, 0.0), axis=0)
     scale_w = written.to(tl.float32)
-    pend = pending + r * (2 * FH + W)  # (phi_w, [v_w, 1] or 0): the write, for the kept recalls
+    PW: tl.constexpr = 2 * FH + W + (2 * FH + 4) * (KEEP // 2)  # the pending write's floats (fused_lola.pending_width)
+    P_U: tl.constexpr = 2 * FH + W
+    P_VV: tl.constexpr = 4 * FH + W
+    P_LEAVE: tl.constexpr = 4 * FH + W + 1
+    pend = pending + r * PW  # (phi_w, [v_w, 1] or 0): the write, for the kept recalls
     if KEEP:
         tl.store(pend + of, fp, mask=mf)
         tl.store(pend + FH + of, fn, mask=mf)
@@ -336,7 +467,7 @@ def _commit_program(
 
     # 2. The token not kept joins [S | z]; the query reads the updated tiles (into rbuf). With kept
     # recalls it joins the deferred writes, and [S | z] takes them all once K are waiting.
-    if KEEP:
+    if KEEP == 1:
         RING: tl.constexpr = 2 * FH + W
         n_ring = tl.load(ring_n + r)
         own = ring + r * K * RING
@@ -351,7 +482,7 @@ def _commit_program(
         v_leave = tl.load(lvals + kr * DV + ov, mask=ov < DV, other=0.0).to(tl.float32)
         v_slot = tl.load(cvals + slot * DV + ov, mask=ov < DV, other=0.0).to(tl.float32)
         row = tl.where(ov == DV, 1.0, tl.where(drop, v_leave, v_slot)) * scale_w
-        if KEEP:
+        if KEEP == 1:
             tl.store(pend + 2 * FH + ov, row, mask=mv)
             tl.store(rbuf + r * W + ov, tl.load(rbuf + r * W + ov, mask=mv, other=0.0) + a_q * row, mask=mv)
             tl.store(own + n_ring * RING + 2 * FH + ov, row, mask=mv & (fold == 0))
@@ -366,13 +497,50 @@ def _commit_program(
                 _store_state_tile(base, of, ov, m2, sp + addp, sn + addn, FH, WS)
         else:
             sp, sn = _state_tile(base, of, ov, m2, FH, WS)
+            if KEEP == 2:
+                tl.store(pend + 2 * FH + ov, row, mask=mv)
             sp += fp[:, None] * row[None, :]
             sn += fn[:, None] * row[None, :]
             _store_state_tile(base, of, ov, m2, sp, sn, FH, WS)
             read = tl.sum(qp[:, None] * sp, axis=0) + tl.sum(qn[:, None] * sn, axis=0)
             tl.store(rbuf + r * W + ov, read, mask=mv)
-    if KEEP:
+    if KEEP == 1:
         tl.store(ring_n + r, tl.where(fold, 0, n_ring + 1))
+    if KEEP == 2:
+        # A second pass over the updated tiles (from L2; apart from the first, whose registers it would
+        # add to): u = S v_w against the state before the write, as S' v_w - phi_w |v_w|^2, and the next
+        # leaving token's scalars against the state after it (its window slot is the ring's oldest, ``windex``).
+        tl.debug_barrier()  # the updated tiles and the pending row are stored before this pass loads them
+        la = tl.load(pend + P_LEAVE)  # the leaving token's scalars (the slot it takes gets them), before the next one's replace them
+        lb = tl.load(pend + P_LEAVE + 1)
+        ld = tl.load(pend + P_LEAVE + 2)
+        up = tl.zeros([BF], dtype=tl.float32)
+        un = tl.zeros([BF], dtype=tl.float32)
+        vsq_w = 0.0
+        a_n = 0.0
+        b_n = 0.0
+        d_n = 0.0
+        for v0 in range(0, W, BV):
+            ov = v0 + tl.arange(0, BV)
+            m2 = mf[:, None] & (ov < W)[None, :]
+            sp, sn = _state_tile(base, of, ov, m2, FH, WS)
+            rv = tl.load(pend + 2 * FH + ov, mask=ov < DV, other=0.0)
+            up += tl.sum(sp * rv[None, :], axis=1)
+            un += tl.sum(sn * rv[None, :], axis=1)
+            vsq_w += tl.sum(rv * rv, axis=0)
+            nr = tl.sum(np_[:, None] * sp, axis=0) + tl.sum(nn_[:, None] * sn, axis=0)  # (BV,) [phi S, phi z]
+            vn = tl.load(wvals + (kr * ETA + ni) * DV + ov, mask=ov < DV, other=0.0).to(tl.float32)
+            a_n += tl.sum(tl.where(ov < DV, vn * nr, 0.0), axis=0)
+            b_n += tl.sum(tl.where(ov < DV, nr * nr, 0.0), axis=0)
+            d_n += tl.sum(tl.where(ov == DV, nr, 0.0), axis=0)
+        up -= fp * vsq_w
+        un -= fn * vsq_w
+        tl.store(pend + P_U + of, up, mask=mf)
+        tl.store(pend + P_U + FH + of, un, mask=mf)
+        tl.store(pend + P_VV, vsq_w)
+        tl.store(pend + P_LEAVE, a_n)
+        tl.store(pend + P_LEAVE + 1, b_n)
+        tl.store(pend + P_LEAVE + 2, d_n)
 
     # 3. The leaving token takes the slot where it is kept; the tokens held.
     kl = tl.load(lkeys + kr * D + od, mask=md, other=0.0)
@@ -384,11 +552,16 @@ def _commit_program(
     tl.store(cvalid + slot, (slot_valid | take).to(cvalid.dtype.element_ty))
     n_held = tl.load(held + r) + written.to(tl.int64)
     tl.store(held + r, n_held)
-    if KEEP:  # the slot's recall: the leaving token's, against the state before the write (pending)
+    if KEEP == 2:  # the slot's recall scalars: the leaving token's, against the state before the write (pending)
+        tl.store(recall + slot * RW, la, mask=take)
+        tl.store(recall + slot * RW + 1, lb, mask=take)
+        tl.store(recall + slot * RW + 2, ld, mask=take)
+    if KEEP == 1:
         for v0 in range(0, W, BV):
             ov = v0 + tl.arange(0, BV)
             mv = ov < W
             tl.store(recall + slot * RW + ov, tl.load(lrec + r * RW + ov, mask=mv, other=0.0), mask=mv & take)
+    if KEEP:
         if MARK:
             tl.store(rok + b, 1)
     tl.debug_barrier()  # the slot and the state's read are stored before the read below loads them
@@ -433,7 +606,7 @@ def _commit_program(
 @triton.jit
 def lola_commit_kernel(
     linear, errs, qphi, q, out, rbuf, held,
-    ckeys, cmap, cvals, cvalid, cpos, lkeys, lmap, lvals, lvalid, lpos, wkeys, wvals, wvalid,
+    ckeys, cmap, cvals, cvalid, cpos, lkeys, lmap, lvals, lvalid, lpos, wkeys, wvals, wvalid, wmap, windex,
     wk, bk, factor, recall, pending, rok, lrec, ring, ring_n,
     sinks, n_rep, scale, weight_tokens,
     H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, DV: tl.constexpr, ETA: tl.constexpr,
@@ -443,7 +616,7 @@ def lola_commit_kernel(
 ):  # fmt: skip
     """``_commit_program`` for (row, query head) pid, after ``lola_errors_kernel``."""
     _commit_program(tl.program_id(0).to(tl.int64), linear, errs, qphi, q, out, rbuf, held, ckeys, cmap, cvals, cvalid, cpos, lkeys, lmap, lvals, lvalid,
-                    lpos, wkeys, wvals, wvalid, wk, bk, factor, recall, pending, rok, lrec, ring, ring_n, sinks, n_rep, scale,
+                    lpos, wkeys, wvals, wvalid, wmap, windex, wk, bk, factor, recall, pending, rok, lrec, ring, ring_n, sinks, n_rep, scale,
                     weight_tokens, H, L, D, FH, DV, ETA, BL, BS, BD, BF, BV, BW, BDV, LOWP, EPS, SEPARATE, READ_STATE, READ_SPARSE,
                     KEEP, RW, K, WS, True)  # fmt: skip
 
@@ -451,7 +624,7 @@ def lola_commit_kernel(
 @triton.jit
 def lola_step_kernel(
     linear, errs, qphi, q, out, rbuf, held,
-    ckeys, cmap, cvals, cvalid, cpos, lkeys, lmap, lvals, lvalid, lpos, wkeys, wvals, wvalid,
+    ckeys, cmap, cvals, cvalid, cpos, lkeys, lmap, lvals, lvalid, lpos, wkeys, wvals, wvalid, wmap, windex,
     wk, bk, factor, recall, pending, rok, lrec, ring, ring_n,
     sinks, n_rep, scale, weight_tokens,
     H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, DV: tl.constexpr, ETA: tl.constexpr,
@@ -467,11 +640,17 @@ def lola_step_kernel(
     longer run in parallel. The caller marks the rows' recalls current (``rok``) after the launch."""
     r = tl.program_id(0).to(tl.int64)
     for c in range(NB + 1):
-        _errors_program(r, c, linear, errs, cmap, cvals, cvalid, cpos, lmap, lvals, lpos, wk, bk, recall, pending, rok, lrec,
-                        ring, ring_n, qphi, rbuf, sinks, n_rep, H, L, D, FH, DV, BL, BD, BF, BV, LOWP, EPS, KEEP, RW, K, WS)  # fmt: skip
+        if KEEP == 2:  # a row's recalls are either current or not: one of the two passes runs
+            _scalar_errors_program(r, c, linear, errs, cmap, cvals, cvalid, cpos, lmap, lvals, lpos, wk, bk, recall, pending, rok, sinks,
+                                   n_rep, H, L, D, FH, DV, BL, BD, BF, BV, LOWP, EPS, RW, WS, True)  # fmt: skip
+            _scalar_errors_program(r, c, linear, errs, cmap, cvals, cvalid, cpos, lmap, lvals, lpos, wk, bk, recall, pending, rok, sinks,
+                                   n_rep, H, L, D, FH, DV, BL, BD, BF, BV, LOWP, EPS, RW, WS, False)  # fmt: skip
+        else:
+            _errors_program(r, c, linear, errs, cmap, cvals, cvalid, cpos, lmap, lvals, lpos, wk, bk, recall, pending, rok, lrec,
+                            ring, ring_n, qphi, rbuf, sinks, n_rep, H, L, D, FH, DV, BL, BD, BF, BV, LOWP, EPS, KEEP, RW, K, WS)  # fmt: skip
     tl.debug_barrier()  # the errors, the leaving token's recall and the query's read are stored before the commit loads them
     _commit_program(r, linear, errs, qphi, q, out, rbuf, held, ckeys, cmap, cvals, cvalid, cpos, lkeys, lmap, lvals, lvalid,
-                    lpos, wkeys, wvals, wvalid, wk, bk, factor, recall, pending, rok, lrec, ring, ring_n, sinks, n_rep, scale,
+                    lpos, wkeys, wvals, wvalid, wmap, windex, wk, bk, factor, recall, pending, rok, lrec, ring, ring_n, sinks, n_rep, scale,
                     weight_tokens, H, L, D, FH, DV, ETA, BL, BS, BD, BF, BV, BW, BDV, LOWP, EPS, SEPARATE, READ_STATE, READ_SPARSE,
                     KEEP, RW, K, WS, False)  # fmt: skip
 

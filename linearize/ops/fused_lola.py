@@ -34,6 +34,18 @@ the state once for the token's recall and for the query's read (``qphi``, into t
 each plus the deferred writes' terms; the commit adds its write to them and the query's read, and
 writes [S | z] only when they are full, all at once.
 
+The recalls can instead be kept as three scalars per slot (``SCALAR_RECALLS``): a = v . phi S,
+b = |phi S|^2 and d = phi z, from which the error is sqrt(|v|^2 - 2 a / d + b / d^2). A write
+phi_w [v_w, 1]^T changes them by c = phi . phi_w times (v . v_w), 2 (phi . S v_w) + c |v_w|^2 and 1,
+so the commit's pass over [S | z] also leaves u = S v_w (before the write) pending, and the next
+errors kernel updates each slot from its features, its value and these: O(f + Dv) per slot, 4 floats
+of memory instead of Dv + 1. The leaving token's scalars come from the commit before it, which reads
+the next leaving token (the window ring's oldest) against the state after its write in the same pass;
+so the errors kernel never reads [S | z], and the writes are not deferred. The error is then the
+difference of terms of about |v|^2, so where a slot's value is recalled almost exactly its error
+carries float32 rounding of |v|^2 (about 1e-7 relative): near-ties between such slots may go the
+other way than in the torch step.
+
 The errors kernel reads the state from memory about once per (row, query head) (its other blocks
 find it in L2), the commit kernel reads it again and writes it once; the cache's keys and values,
 kept in the model's dtype, are read for the errors and again for the read. From ``ONE_KERNEL_ROWS``
@@ -140,6 +152,21 @@ DEFERRED_WRITES = 8
 state is written once every this many tokens."""
 
 
+SCALAR_RECALLS = False
+"""How a decode state with ``keep_recalls`` keeps its cache slots' recalls: False, as vectors
+[phi S, phi z] (Dv + 1 floats per slot, with deferred writes); True, as scalars (v . phi S, |phi S|^2,
+phi z: 4 floats per slot, the writes not deferred). Read where a decode state is made."""
+SCALAR_RECALL_WIDTH = 4
+"""Floats per kept recall in the "scalars" form: a, b, d and one of padding (16-byte rows)."""
+
+
+def pending_width(features: int, dv: int, scalars: bool) -> int:
+    """Floats of a decode state's pending write (``LolaDecodeState.pending``) for ``features`` = 2f:
+    phi_w and [v_w, 1]; with scalar recalls also u = S v_w (features), |v_w|^2 and the next leaving
+    token's three recall scalars."""
+    return features + dv + 1 + (features + 4 if scalars else 0)
+
+
 STATE_ALIGN = 4
 """Floats a row of the decode state's [S | z] is padded to a multiple of (``state_width``): at 4,
 every row starts on 16 bytes and the kernels move the state in 16-byte accesses (rows of Dv + 1
@@ -171,7 +198,7 @@ def lola_step(
     linear: Tensor, held: Tensor, qphi: Tensor, q: Tensor,
     cache_keys: Tensor, cache_map_keys: Tensor | None, cache_values: Tensor, cache_valid: Tensor, cache_positions: Tensor,
     leave_keys: Tensor, leave_map_keys: Tensor | None, leave_values: Tensor, leave_valid: Tensor, leave_positions: Tensor,
-    window_keys: Tensor, window_values: Tensor, window_valid: Tensor,
+    window_keys: Tensor, window_values: Tensor, window_valid: Tensor, window_map_keys: Tensor | None, window_index: Tensor,
     weight: Tensor, bias: Tensor, factor: Tensor,
     sinks: int, scale: float, weight_tokens: int, read_state: bool, read_sparse: bool,
     recall: Tensor | None, pending: Tensor | None, recall_ok: Tensor | None, deferred: Tensor | None, deferred_count: Tensor | None,
@@ -191,11 +218,14 @@ def lola_step(
       ``leave_map_keys`` (B, Hkv, D), ``leave_values`` (B, Hkv, Dv), ``leave_valid`` bool and
       ``leave_positions`` long (B,);
     - the window with the new token: ``window_keys`` (B, Hkv, eta, D), ``window_values`` (B, Hkv,
-      eta, Dv), ``window_valid`` (B, eta) bool;
+      eta, Dv), ``window_valid`` (B, eta) bool, ``window_map_keys`` the feature map's keys where they
+      differ (None: the same), ``window_index`` () long the ring slot of its oldest token (the next
+      step's leaving token);
     - the key map's Hedgehog ``weight`` (Hq, D, f) and ``bias`` (Hq, f) in the model's dtype
       (bfloat16 or float32), ``factor`` (Hq,) float32 the window factor;
     - ``sinks``, ``scale``, ``weight_tokens``, ``read_state``, ``read_sparse`` as in ``lola_attention``;
-    - the kept recalls (all five, or five Nones; no defaults: a dispatcher that drops trailing
+    - the kept recalls (all five, three with ``deferred`` and ``deferred_count`` None for the scalar
+      form, or five Nones; no defaults: a dispatcher that drops trailing
       arguments equal to their defaults would leave the mutated ones out, and torch 2.11's version
       bump then indexes past the end): ``recall`` (B Hq, lambda, ``recall_width(Dv)``) float32
       each cache slot's [phi S, phi z] against the state before the last write (its first Dv + 1
@@ -207,7 +237,11 @@ def lola_step(
       float32, ``deferred_count`` (B Hq) int32 of them in use (K a power of two): the true state is
       ``linear`` plus the first ``deferred_count`` writes phi [v, 1]^T; a step adds its write there
       and [S | z] takes them all when K are waiting, so most steps read the state once and write
-      none of it.
+      none of it;
+    - scalar recalls (``deferred`` None): ``recall`` (B Hq, lambda, ``SCALAR_RECALL_WIDTH``) each
+      slot's (v . phi S, |phi S|^2, phi z) against the state before the last write, ``pending`` (B Hq,
+      ``pending_width(2f, Dv, True)``) that write, u = S v_w, |v_w|^2 and the next leaving token's
+      scalars against the state after it.
     """
     b, hq, lam, d = cache_keys.shape
     dv = cache_values.shape[-1]
@@ -238,9 +272,24 @@ def lola_step(
         fused_decode._check("cache_map_keys", cache_map_keys, (b, hq, lam, d))
         fused_decode._check("leave_map_keys", leave_map_keys, (b, hkv, d))
     keep = recall is not None
-    if any(keep != (t is not None) for t in (pending, recall_ok, deferred, deferred_count)):
-        raise ValueError("give recall, pending, recall_ok, deferred and deferred_count together (the kept recalls) or none of them")
-    if keep:
+    scalars = keep and deferred is None and deferred_count is None
+    if any(keep != (t is not None) for t in (pending, recall_ok)) or (
+        not scalars and any(keep != (t is not None) for t in (deferred, deferred_count))
+    ):
+        raise ValueError("give recall, pending, recall_ok, deferred and deferred_count together (the kept recalls), the first three "
+                         "alone (the kept recalls as scalars) or none of them")  # fmt: skip
+    fused_decode._check("window_index", window_index, (), torch.long)
+    if window_map_keys is not None:
+        fused_decode._check("window_map_keys", window_map_keys, (b, hkv, eta, d))
+    if scalars:
+        fused_decode._check_buffer("recall", recall)
+        fused_decode._check("recall", recall, (b * hq, lam, SCALAR_RECALL_WIDTH), torch.float32)
+        fused_decode._check_buffer("pending", pending)
+        fused_decode._check("pending", pending, (b * hq, pending_width(2 * fh, dv, True)), torch.float32)
+        fused_decode._check("recall_ok", recall_ok, (b,), torch.int32)
+        if not recall_ok.is_contiguous():
+            raise ValueError("recall_ok must be contiguous (the kernels update it in place)")
+    elif keep:
         fused_decode._check_buffer("recall", recall)
         fused_decode._check("recall", recall, (b * hq, lam, recall_width(dv)), torch.float32)
         fused_decode._check_buffer("pending", pending)
@@ -267,11 +316,16 @@ def lola_step(
                                  window_valid, weight, bias)
     )  # fmt: skip
     leave_map_keys = leave_map_keys.contiguous() if separate else leave_keys
+    window_map_keys = window_keys if window_map_keys is None else window_map_keys.contiguous()
     rows = b * hq
     out = torch.empty(rows, dv, device=linear.device, dtype=q.dtype)
     rbuf = torch.empty(rows, dv + 1, device=linear.device, dtype=torch.float32)
     errs = torch.empty(rows, lam + 1, device=linear.device, dtype=torch.float32)
-    if keep:
+    if scalars:  # unread
+        lrec = deferred = errs
+        deferred_count = held
+        k_deferred = 2
+    elif keep:
         lrec = torch.empty(rows, recall_width(dv), device=linear.device, dtype=torch.float32)
     else:  # unread
         recall = pending = lrec = deferred = errs
@@ -283,13 +337,13 @@ def lola_step(
     blocks = -(-lam // block)
     shape = dict(H=hq, L=lam, D=d, FH=fh, DV=dv, BL=block, BD=_pow2(d), BF=_pow2(fh),
                  BV=min(BLOCK_VALUES, _pow2(dv + 1)), LOWP=0 if weight.dtype != torch.bfloat16 else 1 if SPLIT_STATE else 2,
-                 EPS=EMPTY_DENOMINATOR, KEEP=keep,
-                 RW=recall_width(dv), K=k_deferred, WS=linear.shape[2])  # fmt: skip
+                 EPS=EMPTY_DENOMINATOR, KEEP=2 if scalars else int(keep),
+                 RW=SCALAR_RECALL_WIDTH if scalars else recall_width(dv), K=k_deferred, WS=linear.shape[2])  # fmt: skip
     commit_args = (
         linear, errs, qphi, q, out, rbuf, held,
         cache_keys, map_keys, cache_values, cache_valid, cache_positions,
         leave_keys, leave_map_keys, leave_values, leave_valid, leave_positions, window_keys, window_values, window_valid,
-        weight, bias, factor, recall, pending, recall_ok, lrec, deferred, deferred_count,
+        window_map_keys, window_index, weight, bias, factor, recall, pending, recall_ok, lrec, deferred, deferred_count,
         sinks, hq // hkv, scale, weight_tokens,
     )  # fmt: skip
     commit_shape = dict(ETA=eta, BS=min(SELECT_BLOCK, _pow2(lam)), BW=_pow2(eta), BDV=_pow2(dv), SEPARATE=separate,
@@ -299,18 +353,21 @@ def lola_step(
         if keep:
             recall_ok.fill_(1)  # every row's recalls are current (the kernel leaves this to its caller)
         return out
-    errors[(rows * (blocks + 1),)](
-        linear, errs, map_keys, cache_values, cache_valid, cache_positions, leave_map_keys, leave_values, leave_positions, weight, bias,
-        recall, pending, recall_ok, lrec, deferred, deferred_count, qphi, rbuf, sinks, hq // hkv, NB=blocks, **shape,
-        num_warps=WARPS if fh >= 128 else SMALL_MAP_WARPS, num_stages=STAGES, maxnreg=MAX_REGISTERS,
-    )  # fmt: skip
+    for from_state in (True, False) if scalars else (False,):  # scalar recalls: the rows whose recalls are not current, then the others
+        errors[(rows * (blocks + 1),)](
+            linear, errs, map_keys, cache_values, cache_valid, cache_positions, leave_map_keys, leave_values, leave_positions, weight, bias,
+            recall, pending, recall_ok, lrec, deferred, deferred_count, qphi, rbuf, sinks, hq // hkv, NB=blocks, FROM_STATE=from_state,
+            **shape, num_warps=WARPS if fh >= 128 else SMALL_MAP_WARPS, num_stages=STAGES if from_state or not scalars else 1,
+            maxnreg=MAX_REGISTERS,
+        )  # fmt: skip
     commit[(rows,)](*commit_args, num_warps=COMMIT_WARPS, **commit_shape)
     return out
 
 
 @lola_step.register_fake
 def _(linear, held, qphi, q, cache_keys, cache_map_keys, cache_values, cache_valid, cache_positions, leave_keys, leave_map_keys,
-      leave_values, leave_valid, leave_positions, window_keys, window_values, window_valid, weight, bias, factor, sinks, scale,
+      leave_values, leave_valid, leave_positions, window_keys, window_values, window_valid, window_map_keys, window_index, weight, bias,
+      factor, sinks, scale,
       weight_tokens, read_state, read_sparse, recall, pending, recall_ok, deferred, deferred_count):  # fmt: skip
     return q.new_empty(linear.shape[0], cache_values.shape[-1])
 

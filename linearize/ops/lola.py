@@ -678,7 +678,10 @@ class LolaDecodeState:
     them all once ``fused_lola.DEFERRED_WRITES`` are waiting, so most steps read [S | z] once and
     write none of it; the torch step adds them first. A row whose recalls are not current has no
     deferred writes (the fused step computes its recalls from ``linear`` alone): code that changes
-    the memory outside the steps folds them (``fold_deferred``) before clearing ``recall_ok``."""
+    the memory outside the steps folds them (``fold_deferred``) before clearing ``recall_ok``.
+    With ``fused_lola.SCALAR_RECALLS`` (read here) a slot's recall is kept as three scalars instead
+    (v . phi S, |phi S|^2, phi z; ``recall`` (B Hq, lambda, 4)), ``pending`` also holds S v_w and the
+    next leaving token's scalars, and no writes are deferred (``deferred`` None)."""
 
     keys: Tensor  # (B, Hkv, eta, D) ring order
     values: Tensor  # (B, Hkv, eta, Dv)
@@ -697,7 +700,7 @@ class LolaDecodeState:
     context: _ChunkContext
     key_map: tuple[Tensor, Tensor] | None = None  # phi_k as Hedgehog (weight (Hq, D, f), bias (Hq, f)), for the fused step
     recall: Tensor | None = None  # (B Hq, lambda, Dv + 1 padded) the fused step's kept recalls [phi S, phi z] of the cache slots
-    pending: Tensor | None = None  # (B Hq, F + Dv + 1) the last write (phi_w, [v_w, 1]), not yet in ``recall``
+    pending: Tensor | None = None  # (B Hq, fused_lola.pending_width(F, Dv, scalars)) the last write (phi_w, [v_w, 1], ...), not yet in ``recall``
     recall_ok: Tensor | None = None  # (B,) int32: 1 where the row's kept recalls are current
     deferred: Tensor | None = None  # (B Hq, K, F + Dv + 1) writes (phi, [v, 1]) not yet in ``linear``
     deferred_count: Tensor | None = None  # (B Hq,) int32 how many of them
@@ -733,7 +736,11 @@ class LolaDecodeState:
         keep = (keep_recalls and _fused_step_fits(lam, key_map, recall, dtype, linear) and fused_decode.triton_available()
                 and fused_decode.kernels_run_on(linear))  # where the fused step may run  # fmt: skip
         recalls = {}
-        if keep:  # the first fused step computes them (recall_ok 0)
+        if keep and fused_lola.SCALAR_RECALLS:  # the first fused step computes them (recall_ok 0)
+            recalls = dict(recall=linear.new_zeros(b * hq, lam, fused_lola.SCALAR_RECALL_WIDTH),
+                           pending=linear.new_zeros(b * hq, fused_lola.pending_width(linear.shape[2], dv, True)),
+                           recall_ok=torch.zeros(b, dtype=torch.int32, device=linear.device))  # fmt: skip
+        elif keep:  # the first fused step computes them (recall_ok 0)
             width = linear.shape[2] + dv + 1
             recalls = dict(recall=linear.new_zeros(b * hq, lam, fused_lola.recall_width(dv)), pending=linear.new_zeros(b * hq, width),
                            recall_ok=torch.zeros(b, dtype=torch.int32, device=linear.device),
@@ -926,7 +933,7 @@ def _step_fused(ds: LolaDecodeState, q: Tensor, k: Tensor, v: Tensor, q_lin: Ten
     weight, bias = ds.key_map
     out = fused_lola.lola_step(
         ds.linear, ds.held, qphi, q[:, :, 0], ds.cache_keys, ds.cache_linear_keys, ds.cache_values, ds.cache_valid, ds.cache_positions,
-        *leaving, ds.keys, ds.values, ds.valid, weight, bias, ctx.factor.view(hq), ctx.sinks, ctx.scale, ctx.weight_tokens,
+        *leaving, ds.keys, ds.values, ds.valid, ds.linear_keys, ds.index, weight, bias, ctx.factor.view(hq), ctx.sinks, ctx.scale, ctx.weight_tokens,
         ctx.read_state, ctx.read_sparse, ds.recall, ds.pending, ds.recall_ok, ds.deferred, ds.deferred_count,
     )  # fmt: skip
     return out.view(b, hq, 1, dv)

@@ -14,6 +14,7 @@ from linearize.ops import fused_decode, fused_lola
 from linearize.ops import lola as lola_ops
 from linearize.ops.feature_maps import hedgehog
 from linearize.ops.lola import LolaDecodeState, lola_attention, lola_decode_step
+from torch import Tensor
 
 pytestmark = pytest.mark.skipif(not fused_decode.triton_available(), reason="needs Triton (the test extra installs it)")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -134,7 +135,8 @@ def test_fused_step_rejects_bad_arguments():
                 cache_values=z(b, hq, lam, dv), cache_valid=z(b, hq, lam, dtype=torch.bool), cache_positions=z(b, hq, lam, dtype=torch.long),
                 leave_keys=z(b, hkv, d), leave_map_keys=None, leave_values=z(b, hkv, dv), leave_valid=z(b, dtype=torch.bool),
                 leave_positions=z(b, dtype=torch.long), window_keys=z(b, hkv, eta, d), window_values=z(b, hkv, eta, dv),
-                window_valid=z(b, eta, dtype=torch.bool), weight=z(hq, d, f), bias=z(hq, f), factor=z(hq), sinks=0, scale=1.0,
+                window_valid=z(b, eta, dtype=torch.bool), window_map_keys=None, window_index=z((), dtype=torch.long), weight=z(hq, d, f),
+                bias=z(hq, f), factor=z(hq), sinks=0, scale=1.0,
                 weight_tokens=0, read_state=True, read_sparse=True)  # fmt: skip
     none = dict.fromkeys(("recall", "pending", "recall_ok", "deferred", "deferred_count"))
     with pytest.raises(ValueError, match="linear must have shape"):
@@ -153,6 +155,18 @@ def test_fused_step_rejects_bad_arguments():
         fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **args, **{**kept, "recall_ok": z(b, dtype=torch.bool)})
     with pytest.raises(ValueError, match="K a power of two"):
         fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **args, **{**kept, "deferred": z(b * hq, 3, 2 * f + dv + 1)})
+    with pytest.raises(ValueError, match="window_index must have shape"):
+        fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **{**args, "window_index": z(1, dtype=torch.long)}, **none)
+    with pytest.raises(ValueError, match="window_map_keys must have shape"):
+        fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **{**args, "window_map_keys": z(b, hkv, eta + 1, d)}, **none)
+    scalars = dict(recall=z(b * hq, lam, fused_lola.SCALAR_RECALL_WIDTH), pending=z(b * hq, fused_lola.pending_width(2 * f, dv, True)),
+                   recall_ok=z(b, dtype=torch.int32), deferred=None, deferred_count=None)  # fmt: skip
+    with pytest.raises(ValueError, match="recall must have shape"):
+        fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **args, **{**scalars, "recall": kept["recall"]})
+    with pytest.raises(ValueError, match="pending must have shape"):
+        fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **args, **{**scalars, "pending": kept["pending"]})
+    with pytest.raises(ValueError, match="the first three alone"):
+        fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **args, **{**scalars, "deferred_count": kept["deferred_count"]})
 
 
 def test_no_custom_op_gives_a_mutated_argument_a_default():
@@ -187,17 +201,10 @@ def _recall_drift(ds: LolaDecodeState, phi_k) -> float:
     return float((got - want)[ds.cache_valid].abs().max())
 
 
-@pytest.mark.usefixtures("step_kernels")
-@pytest.mark.parametrize("deferred", [2, 4, 8])
-@torch.no_grad()
-def test_kept_recalls_stay_the_state_products_and_survive_torch_steps(monkeypatch, deferred):
-    """The fused step keeps each cache slot's recall [phi S, phi z] (plus the write pending) equal
-    to the product recomputed from the state, step after step; a torch step in between marks the
-    recalls stale, and the next fused step computes them again from the state. The state's writes
-    are deferred (2, 4 or 8 at most: [S | z] takes them every 2 or 4 tokens, or only when a torch
-    step needs it): outputs follow the chunked op throughout, and the state the decode state stands
-    for is the op's."""
-    monkeypatch.setattr(fused_lola, "DEFERRED_WRITES", deferred)
+def _small_memory():
+    """A float32 LoLA memory of 12 random tokens (2 rows, 4 query heads on 2 KV heads, D 16, f 8, Dv 12,
+    window 3, lambda 4, one sink) and its decode state as the decode settings make it: (b, hq, f, dv,
+    lambda, phi_k, the op's arguments, a token maker, the op's state, the decode state)."""
     torch.manual_seed(5)
     b, hq, hkv, d, f, dv, w, lam = 2, 4, 2, 16, 8, 12, 3, 4
     phi_q, phi_k, key_map = _maps(hq, d, f)
@@ -209,6 +216,21 @@ def test_kept_recalls_stay_the_state_products_and_survive_torch_steps(monkeypatc
 
     _, state = lola_attention(*token(12), chunk=4, **kw)
     ds = LolaDecodeState.from_state(state, phi_q=phi_q, phi_k=phi_k, scale=d**-0.5, dtype=torch.float32, key_map=key_map, **options)
+    return b, hq, f, dv, lam, phi_k, kw, token, state, ds
+
+
+@pytest.mark.usefixtures("step_kernels")
+@pytest.mark.parametrize("deferred", [2, 4, 8])
+@torch.no_grad()
+def test_kept_recalls_stay_the_state_products_and_survive_torch_steps(monkeypatch, deferred):
+    """The fused step keeps each cache slot's recall [phi S, phi z] (plus the write pending) equal
+    to the product recomputed from the state, step after step; a torch step in between marks the
+    recalls stale, and the next fused step computes them again from the state. The state's writes
+    are deferred (2, 4 or 8 at most: [S | z] takes them every 2 or 4 tokens, or only when a torch
+    step needs it): outputs follow the chunked op throughout, and the state the decode state stands
+    for is the op's."""
+    monkeypatch.setattr(fused_lola, "DEFERRED_WRITES", deferred)
+    b, hq, f, dv, lam, phi_k, kw, token, state, ds = _small_memory()
     assert ds.recall is not None and ds.recall.shape == (b * hq, lam, 16) and not ds.recall_ok.any()  # Dv + 1 = 13, padded
     for fused in (True, True, True, False, True, True, False, False, True):
         q, k, v = token(1)
@@ -226,6 +248,92 @@ def test_kept_recalls_stay_the_state_products_and_survive_torch_steps(monkeypatc
         torch.testing.assert_close(sz[..., :dv], state.linear.kv, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(sz[..., dv], state.linear.k_sum, atol=1e-5, rtol=1e-5)
     assert ds.deferred.shape[1] == deferred
+
+
+SCALAR_CASES = {
+    "D16-f16-hybrid": dict(d=16, f=16, dv=16, separate=False, reads=(True, True)),
+    "D12-f6-Dv10-hybrid": dict(d=12, f=6, dv=10, separate=False, reads=(True, True)),
+    "D16-f8-Dv70-no-sparse": dict(d=16, f=8, dv=70, separate=False, reads=(True, False)),
+    "D12-f6-Dv10-no-state": dict(d=12, f=6, dv=10, separate=False, reads=(False, True)),
+    "separate-length-weight-blocks": dict(d=16, f=16, dv=16, separate=True, reads=(True, True), weight_tokens=3, sinks=0, lam=70, steps=5),
+}
+
+
+@pytest.mark.usefixtures("step_kernels")
+@pytest.mark.parametrize("case", list(SCALAR_CASES.values()), ids=list(SCALAR_CASES))
+@torch.no_grad()
+def test_fused_step_with_scalar_recalls_equals_the_torch_step(monkeypatch, case):
+    """The cache slots' recalls kept as scalars (``SCALAR_RECALLS``): the same outputs, memory and
+    choices as the torch step and the chunked op, token by token (the separate case with lambda 70
+    in blocks of 16 candidates)."""
+    monkeypatch.setattr(fused_lola, "SCALAR_RECALLS", True)
+    monkeypatch.setattr(fused_lola, "BLOCK_ROWS", 16)
+    monkeypatch.setattr(fused_lola, "SELECT_BLOCK", 16)
+    _run(**case)
+
+
+def _scalar_drift(ds: LolaDecodeState, phi_k) -> tuple[float, float]:
+    """How far the kept recall scalars, with the pending write added, are from (v . phi S, |phi S|^2,
+    phi z) of every valid cache slot recomputed from the state, and the pending leaving token's
+    (the window ring's oldest) from its own recomputed: the invariants the errors kernel relies on
+    (largest differences relative to each scalar's scale)."""
+    b, hq, lam, _ = ds.cache_keys.shape
+    dv = ds.values.shape[-1]
+    n_rep = hq // ds.keys.shape[1]
+
+    def scalars(phi: Tensor, v: Tensor) -> Tensor:  # (B, Hq, N, F), (B, Hq, N, Dv) -> (B, Hq, N, 3) against the state now
+        n = phi @ ds.linear_state().view(b, hq, phi.shape[-1], -1)[..., : dv + 1]
+        return torch.stack([(v * n[..., :dv]).sum(-1), n[..., :dv].square().sum(-1), n[..., dv]], -1)
+
+    def off(got: Tensor, want: Tensor) -> float:
+        got, want = got.reshape(-1, 3), want.reshape(-1, 3)
+        return float(((got - want).abs() / (want.abs().amax(dim=0) + 1e-6)).max()) if got.numel() else 0.0
+
+    phi = phi_k(ds.cache_keys.float())  # (B, Hq, L, F)
+    f = phi.shape[-1]
+    v = ds.cache_values.float()
+    pend = ds.pending.view(b, hq, 1, -1)
+    row, u, vsq = pend[..., f : f + dv + 1], pend[..., f + dv + 1 : 2 * f + dv + 1], pend[..., 2 * f + dv + 1]
+    c = (phi * pend[..., :f]).sum(-1)  # (B, Hq, L)
+    kept = ds.recall.view(b, hq, lam, -1)
+    got = torch.stack([kept[..., 0] + c * (v * row[..., :dv]).sum(-1), kept[..., 1] + c * (2 * (phi * u).sum(-1) + c * vsq),
+                       kept[..., 2] + c * row[..., dv]], -1)  # fmt: skip
+    valid = ds.cache_valid
+    cache = off(got[valid], scalars(phi, v)[valid])
+    i = ds.index.view(1)
+    keys = ds.keys if ds.linear_keys is None else ds.linear_keys
+    phi_l = phi_k(keys.index_select(2, i).float().repeat_interleave(n_rep, 1))  # (B, Hq, 1, F)
+    v_l = ds.values.index_select(2, i).float().repeat_interleave(n_rep, 1)
+    leave = off(pend[..., 2 * f + dv + 2 : 2 * f + dv + 5], scalars(phi_l, v_l))
+    return cache, leave
+
+
+@pytest.mark.usefixtures("step_kernels")
+@torch.no_grad()
+def test_scalar_recalls_stay_the_state_products_and_survive_torch_steps(monkeypatch):
+    """The kept recall scalars (plus the write pending) equal those recomputed from the state, and
+    the pending leaving token's equal its own, step after step; a torch step in between marks them
+    stale and the next fused step computes them from the state again; outputs follow the chunked
+    op and the state is the op's throughout (no deferred writes)."""
+    monkeypatch.setattr(fused_lola, "SCALAR_RECALLS", True)
+    b, hq, f, dv, lam, phi_k, kw, token, state, ds = _small_memory()
+    assert ds.recall.shape == (b * hq, lam, 4) and ds.pending.shape == (b * hq, 4 * f + dv + 5) and ds.deferred is None
+    assert not ds.recall_ok.any()
+    for fused in (True, True, True, False, True, True, False, False, True, True):
+        q, k, v = token(1)
+        want, state = lola_attention(q, k, v, chunk=1, state=state, **kw)
+        with fused_decode.use_fused(fused):
+            got = lola_decode_step(ds, q, k, v)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        if fused:
+            assert ds.recall_ok.all()
+            cache, leave = _scalar_drift(ds, phi_k)
+            assert cache < 1e-5 and leave < 1e-5, (cache, leave)
+        else:
+            assert not ds.recall_ok.any()
+        sz = ds.linear_state().view(b, hq, 2 * f, -1)
+        torch.testing.assert_close(sz[..., :dv], state.linear.kv, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(sz[..., dv], state.linear.k_sum, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.usefixtures("step_kernels")
@@ -250,10 +358,10 @@ def _bfloat16_runs(b, hq, hkv, d, *, f, lam, w, tokens, chunk, keep_recalls=True
 
 
 @pytest.mark.usefixtures("step_kernels")
-@pytest.mark.parametrize("keep_recalls,split", [(True, True), (False, True), (False, False)],
-                         ids=["kept-recalls", "state", "state-one-product"])
+@pytest.mark.parametrize("keep_recalls,split,scalars", [(True, True, False), (True, True, True), (False, True, False), (False, False, False)],
+                         ids=["kept-recalls", "scalar-recalls", "state", "state-one-product"])
 @torch.no_grad()
-def test_fused_step_in_bfloat16(monkeypatch, keep_recalls, split):
+def test_fused_step_in_bfloat16(monkeypatch, keep_recalls, split, scalars):
     """A bfloat16 model, on a GPU at the Llama-3-8B layer's sizes (D 128, f 128, lambda 256, 32
     query heads on 8 KV heads; in Triton's interpreter, its bfloat16 mended by conftest, at D 32,
     lambda 32): the fused step's choices, outputs and memory follow the torch step's over 16
@@ -261,6 +369,7 @@ def test_fused_step_in_bfloat16(monkeypatch, keep_recalls, split):
     state, its products on the state's bfloat16 part and the rest or (``SPLIT_STATE`` off) on its
     bfloat16 part alone."""
     monkeypatch.setattr(fused_lola, "SPLIT_STATE", split)
+    monkeypatch.setattr(fused_lola, "SCALAR_RECALLS", scalars)
     torch.manual_seed(0)
     b, hq, hkv, d, lam, w, tokens = (4, 32, 8, 128, 256, 64, 1024) if DEVICE == "cuda" else (2, 4, 2, 32, 32, 16, 160)
     _, _, runs = _bfloat16_runs(b, hq, hkv, d, f=d, lam=lam, w=w, tokens=tokens, chunk=w, sinks=4, linear_weight=0.1,
@@ -292,7 +401,8 @@ def test_fused_step_in_bfloat16(monkeypatch, keep_recalls, split):
             getattr(runs[1], name).copy_(getattr(runs[0], name))
         if keep_recalls:
             runs[1].recall_ok.mul_((~flipped.any(-1)).int())  # a row whose cache was replaced: its kept recalls are stale
-            runs[1].deferred_count.zero_()  # the state copied holds every write
+            if runs[1].deferred_count is not None:
+                runs[1].deferred_count.zero_()  # the state copied holds every write
     # On an H200: 42 of 2,048 head steps (2.1%). The features themselves are bfloat16-rounded
     # projections, so two candidates within about a percent of each other are a tie at that precision.
     print(f"choices differing: {differ} of {16 * b * hq} head steps")  # shown with -s: the rate each precision gives
