@@ -3,7 +3,7 @@ two as one kernel) with each tile, against the torch step it replaces, at one la
 (CUDA, bfloat16 model, eager: the step's few torch kernels around the fused ones included).
 
     python scripts/lola_step_tiles.py OUT_DIR [--batch 64] [--heads 32] [--kv-heads 8] [--head-dim 128] [--sparse 256]
-        [--variants state,kept,scalar] [--tiles K] [--kernel-option MODULE.NAME=VALUE ...]
+        [--variants state,kept,scalar,features] [--tiles K] [--kernel-option MODULE.NAME=VALUE ...]
 
 The defaults are a Llama-3-8B-shaped layer read as LoLA with 256 sparse slots and a square Hedgehog
 map (256 features); SmolLM2's is ``--heads 9 --kv-heads 3 --head-dim 64``. OUT_DIR/lola_step_tiles.json
@@ -13,7 +13,8 @@ written once; with kept recalls, those read and written too, and [S | z] read on
 and written once), the microseconds per call of the torch step (``torch_step_us``; its
 state pass in the hybrid's state kernel) and of each tile of the fused step, scoring the cache from
 the state (``state``), from kept recalls (``kept``, LoLA's ``keep_recalls``) and from kept recall
-scalars (``scalar``, ``keep_recalls`` with ``fused_lola.SCALAR_RECALLS``), and each one's best
+scalars (``scalar``, ``keep_recalls`` with ``fused_lola.SCALAR_RECALLS``) with the slots' features kept as
+well (``features``, ``fused_lola.KEPT_FEATURES``), and each one's best
 tile's kernels by device time over 10 steps (``state_profile_us``, ``kept_profile_us``, ``scalar_profile_us``). A tile is
 named ``KERNELS-BLxBVwWcCsS``: two kernels or one (``ONE_KERNEL_ROWS``), candidates per program x
 value columns of a state tile, warps of the errors kernel (of the one kernel), warps of the commit
@@ -73,14 +74,14 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--sparse", type=int, default=256)
-    ap.add_argument("--variants", default="state,kept,scalar", help="comma-separated, of state, kept, scalar")
+    ap.add_argument("--variants", default="state,kept,scalar,features", help="comma-separated, of state, kept, scalar, features")
     ap.add_argument("--tiles", type=int, default=len(TILES), help=f"time the first this many tiles (of {len(TILES)}; 1: the default)")
     ap.add_argument("--kernel-option", action="append", default=[], metavar="MODULE.NAME=VALUE",
                     help="a kernel constant set before the decode states are made, e.g. fused_lola.STATE_ALIGN=1 (repeatable)")
     args = ap.parse_args()
     variants = args.variants.split(",")
-    if not variants or any(v not in ("state", "kept", "scalar") for v in variants):
-        ap.error(f"--variants {args.variants!r}: choose from state, kept, scalar")
+    if not variants or any(v not in ("state", "kept", "scalar", "features") for v in variants):
+        ap.error(f"--variants {args.variants!r}: choose from state, kept, scalar, features")
     if not 1 <= args.tiles <= len(TILES):
         ap.error(f"--tiles {args.tiles}: choose 1 to {len(TILES)}")
     try:
@@ -111,10 +112,12 @@ def main() -> None:
     bytes_moved = {"state": cache + 2 * lin,  # [S | z] read + written
                    "kept": cache + recalls + lin + 2 * lin / fused_lola.DEFERRED_WRITES,  # read, written every DEFERRED_WRITES tokens
                    "scalar": cache + 2 * b * hq * lam * fused_lola.SCALAR_RECALL_WIDTH * 4 + 2 * lin}
+    bytes_moved["features"] = bytes_moved["scalar"] + b * hq * lam * 2 * d * 2  # the slots' bfloat16 features read (2f = 2 D here)
     for variant in ("torch", *variants):  # the torch step; the fused step scoring the cache from the state; from kept recalls
-        fused_lola.SCALAR_RECALLS = variant == "scalar"  # read where the decode state is made
+        fused_lola.SCALAR_RECALLS = variant in ("scalar", "features")  # read where the decode state is made
+        fused_lola.KEPT_FEATURES = variant == "features"
         ds = LolaDecodeState.from_state(state, phi_q=phi_q, phi_k=phi_k, window_factor=torch.ones(hq, device=dev), scale=d**-0.5,
-                                        dtype=dt, sinks=4, linear_weight=0.1, key_map=(wk, bk), keep_recalls=variant in ("kept", "scalar"))  # fmt: skip
+                                        dtype=dt, sinks=4, linear_weight=0.1, key_map=(wk, bk), keep_recalls=variant in ("kept", "scalar", "features"))  # fmt: skip
         step = functools.partial(lola_decode_step, ds, q, k, v)
         with fused_decode.use_fused(variant != "torch"):
             if variant == "torch":

@@ -315,17 +315,19 @@ def _errors_program(
 
 @triton.jit
 def _scalar_errors_program(
-    r, c, linear, errs, cmap, cvals, cvalid, cpos, lmap, lvals, lpos, wk, bk, recall, pending, rok, sinks, n_rep,
+    r, c, linear, errs, cmap, cvals, cvalid, cpos, lmap, lvals, lpos, wk, bk, recall, pending, rok, cfeat, sinks, n_rep,
     H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, DV: tl.constexpr,
     BL: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr,
-    RW: tl.constexpr, WS: tl.constexpr, FROM_STATE: tl.constexpr,
+    RW: tl.constexpr, WS: tl.constexpr, FROM_STATE: tl.constexpr, KF: tl.constexpr,
 ):  # fmt: skip
     """``_errors_program`` with the recalls kept as scalars (``recall`` (B Hq, L, RW): v . phi S, |phi S|^2,
     phi z), for the rows whose recalls are current (FROM_STATE False: the slots' from their scalars and the
     pending write, the leaving token's from the scalars the last commit left in ``pending``; no read of
     the state) or for the others (FROM_STATE True: both from the state, their scalars stored). A row is
     one or the other, so the two passes are two launches (or two calls in one program), each compiled
-    without the other's registers and shared memory."""
+    without the other's registers and shared memory. KF: the slots' features are kept too (``cfeat``
+    (B Hq, L, 2 FH) in the map's dtype): the pass from the state stores them, the other reads them
+    instead of making them from the keys."""
     b = r // H
     if (tl.load(rok + b) != 0) != FROM_STATE:
         b, h, kr, base, od, md, of, mf, w, bias = _head(r, linear, wk, bk, n_rep, H, D, FH, DV, BD, BF, WS)
@@ -353,8 +355,17 @@ def _scalar_errors_program(
         else:
             oc = c * BL + tl.arange(0, BL)
             mc = oc < L
-            xb = tl.load(cmap + (r * L + oc)[:, None] * D + od[None, :], mask=mc[:, None] & md[None, :], other=0.0)
-            ppb, pnb = _features(xb, w, bias, mf, LOWP)
+            fb = cfeat + (r * L + oc)[:, None] * (2 * FH) + of[None, :]
+            mfb = mc[:, None] & mf[None, :]
+            if KF and not FROM_STATE:
+                ppb = tl.load(fb, mask=mfb, other=0.0).to(tl.float32)
+                pnb = tl.load(fb + FH, mask=mfb, other=0.0).to(tl.float32)
+            else:
+                xb = tl.load(cmap + (r * L + oc)[:, None] * D + od[None, :], mask=mc[:, None] & md[None, :], other=0.0)
+                ppb, pnb = _features(xb, w, bias, mf, LOWP)
+                if KF:
+                    tl.store(fb, ppb.to(cfeat.dtype.element_ty), mask=mfb)
+                    tl.store(fb + FH, pnb.to(cfeat.dtype.element_ty), mask=mfb)
             rec = recall + r * L * RW
             if FROM_STATE:
                 e = _errors(ppb, pnb, cvals + r * L * DV, oc, mc, DV, base, rec, FH, DV, BL, BF, BV, LOWP, EPS, True, RW, WS, True)
@@ -365,12 +376,12 @@ def _scalar_errors_program(
 
 @triton.jit
 def lola_errors_kernel(
-    linear, errs, cmap, cvals, cvalid, cpos, lmap, lvals, lpos, wk, bk, recall, pending, rok, lrec, ring, ring_n, qphi, rbuf,
+    linear, errs, cmap, cvals, cvalid, cpos, lmap, lvals, lpos, wk, bk, recall, pending, rok, lrec, ring, ring_n, qphi, rbuf, cfeat,
     sinks, n_rep,
     H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, DV: tl.constexpr,
     BL: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr,
     KEEP: tl.constexpr, RW: tl.constexpr, K: tl.constexpr, WS: tl.constexpr,
-    NB: tl.constexpr, FROM_STATE: tl.constexpr,
+    NB: tl.constexpr, FROM_STATE: tl.constexpr, KF: tl.constexpr,
 ):  # fmt: skip
     """``_errors_program`` for block pid % (NB + 1) of (row, query head) pid // (NB + 1): the NB cache
     blocks and the leaving token of one (row, head) are neighbours in the launch order, so the state
@@ -381,7 +392,7 @@ def lola_errors_kernel(
     r = (pid // (NB + 1)).to(tl.int64)
     if KEEP == 2:
         _scalar_errors_program(r, pid % (NB + 1), linear, errs, cmap, cvals, cvalid, cpos, lmap, lvals, lpos, wk, bk, recall, pending,
-                               rok, sinks, n_rep, H, L, D, FH, DV, BL, BD, BF, BV, LOWP, EPS, RW, WS, FROM_STATE)  # fmt: skip
+                               rok, cfeat, sinks, n_rep, H, L, D, FH, DV, BL, BD, BF, BV, LOWP, EPS, RW, WS, FROM_STATE, KF)  # fmt: skip
     else:
         _errors_program(r, pid % (NB + 1), linear, errs, cmap, cvals, cvalid, cpos, lmap, lvals, lpos, wk, bk, recall, pending, rok, lrec,
                         ring, ring_n, qphi, rbuf, sinks, n_rep, H, L, D, FH, DV, BL, BD, BF, BV, LOWP, EPS, KEEP, RW, K, WS)  # fmt: skip
@@ -391,12 +402,13 @@ def lola_errors_kernel(
 def _commit_program(
     r, linear, errs, qphi, q, out, rbuf, held,
     ckeys, cmap, cvals, cvalid, cpos, lkeys, lmap, lvals, lvalid, lpos, wkeys, wvals, wvalid, wmap, windex,
-    wk, bk, factor, recall, pending, rok, lrec, ring, ring_n,
+    wk, bk, factor, recall, pending, rok, lrec, ring, ring_n, cfeat,
     sinks, n_rep, scale, weight_tokens,
     H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, DV: tl.constexpr, ETA: tl.constexpr,
     BL: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr,
     BDV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr, SEPARATE: tl.constexpr, READ_STATE: tl.constexpr,
-    READ_SPARSE: tl.constexpr, KEEP: tl.constexpr, RW: tl.constexpr, K: tl.constexpr, WS: tl.constexpr, MARK: tl.constexpr,
+    READ_SPARSE: tl.constexpr, KEEP: tl.constexpr, RW: tl.constexpr, K: tl.constexpr, WS: tl.constexpr, KF: tl.constexpr,
+    MARK: tl.constexpr,
 ):  # fmt: skip
     """The rest of the step for one (row, query head) ``r`` (int64), from the candidates' errors: the choice, the
     state's update and read, the cache slot taken, ``held``, and the exact read. KEEP: the write is
@@ -444,12 +456,19 @@ def _commit_program(
         ni = tl.load(windex)
         xn = tl.load(wmap + (kr * ETA + ni) * D + od, mask=md, other=0.0)
         xo = tl.where((o16 == 1)[:, None], xn[None, :], xo)
+        if KF:  # and, as row 2, the leaving token (the slot it takes keeps its features)
+            xo = tl.where((o16 == 2)[:, None], xl[None, :], xo)
     ppo, pno = _features(xo, w, bias, mf, LOWP)
     fp = tl.sum(tl.where(first[:, None], ppo, 0.0), axis=0)  # (BF,) the features of the token written
     fn = tl.sum(tl.where(first[:, None], pno, 0.0), axis=0)
     if KEEP == 2:
         np_ = tl.sum(tl.where((o16 == 1)[:, None], ppo, 0.0), axis=0)  # (BF,) the next leaving token's
         nn_ = tl.sum(tl.where((o16 == 1)[:, None], pno, 0.0), axis=0)
+        if KF:  # the slot the leaving token takes keeps its features
+            lfp = tl.sum(tl.where((o16 == 2)[:, None], ppo, 0.0), axis=0)  # (BF,)
+            lfn = tl.sum(tl.where((o16 == 2)[:, None], pno, 0.0), axis=0)
+            tl.store(cfeat + slot * (2 * FH) + of, lfp.to(cfeat.dtype.element_ty), mask=mf & take)
+            tl.store(cfeat + slot * (2 * FH) + FH + of, lfn.to(cfeat.dtype.element_ty), mask=mf & take)
     scale_w = written.to(tl.float32)
     PW: tl.constexpr = 2 * FH + W + (2 * FH + 4) * (KEEP // 2)  # the pending write's floats (fused_lola.pending_width)
     P_U: tl.constexpr = 2 * FH + W
@@ -607,30 +626,30 @@ def _commit_program(
 def lola_commit_kernel(
     linear, errs, qphi, q, out, rbuf, held,
     ckeys, cmap, cvals, cvalid, cpos, lkeys, lmap, lvals, lvalid, lpos, wkeys, wvals, wvalid, wmap, windex,
-    wk, bk, factor, recall, pending, rok, lrec, ring, ring_n,
+    wk, bk, factor, recall, pending, rok, lrec, ring, ring_n, cfeat,
     sinks, n_rep, scale, weight_tokens,
     H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, DV: tl.constexpr, ETA: tl.constexpr,
     BL: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr,
     BDV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr, SEPARATE: tl.constexpr, READ_STATE: tl.constexpr,
-    READ_SPARSE: tl.constexpr, KEEP: tl.constexpr, RW: tl.constexpr, K: tl.constexpr, WS: tl.constexpr,
+    READ_SPARSE: tl.constexpr, KEEP: tl.constexpr, RW: tl.constexpr, K: tl.constexpr, WS: tl.constexpr, KF: tl.constexpr,
 ):  # fmt: skip
     """``_commit_program`` for (row, query head) pid, after ``lola_errors_kernel``."""
     _commit_program(tl.program_id(0).to(tl.int64), linear, errs, qphi, q, out, rbuf, held, ckeys, cmap, cvals, cvalid, cpos, lkeys, lmap, lvals, lvalid,
-                    lpos, wkeys, wvals, wvalid, wmap, windex, wk, bk, factor, recall, pending, rok, lrec, ring, ring_n, sinks, n_rep, scale,
+                    lpos, wkeys, wvals, wvalid, wmap, windex, wk, bk, factor, recall, pending, rok, lrec, ring, ring_n, cfeat, sinks, n_rep, scale,
                     weight_tokens, H, L, D, FH, DV, ETA, BL, BS, BD, BF, BV, BW, BDV, LOWP, EPS, SEPARATE, READ_STATE, READ_SPARSE,
-                    KEEP, RW, K, WS, True)  # fmt: skip
+                    KEEP, RW, K, WS, KF, True)  # fmt: skip
 
 
 @triton.jit
 def lola_step_kernel(
     linear, errs, qphi, q, out, rbuf, held,
     ckeys, cmap, cvals, cvalid, cpos, lkeys, lmap, lvals, lvalid, lpos, wkeys, wvals, wvalid, wmap, windex,
-    wk, bk, factor, recall, pending, rok, lrec, ring, ring_n,
+    wk, bk, factor, recall, pending, rok, lrec, ring, ring_n, cfeat,
     sinks, n_rep, scale, weight_tokens,
     H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, DV: tl.constexpr, ETA: tl.constexpr,
     BL: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr,
     BDV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr, SEPARATE: tl.constexpr, READ_STATE: tl.constexpr,
-    READ_SPARSE: tl.constexpr, KEEP: tl.constexpr, RW: tl.constexpr, K: tl.constexpr, WS: tl.constexpr,
+    READ_SPARSE: tl.constexpr, KEEP: tl.constexpr, RW: tl.constexpr, K: tl.constexpr, WS: tl.constexpr, KF: tl.constexpr,
     NB: tl.constexpr,
 ):  # fmt: skip
     """The whole step of one (row, query head) pid in one program: its NB cache blocks' and the
@@ -641,18 +660,18 @@ def lola_step_kernel(
     r = tl.program_id(0).to(tl.int64)
     for c in range(NB + 1):
         if KEEP == 2:  # a row's recalls are either current or not: one of the two passes runs
-            _scalar_errors_program(r, c, linear, errs, cmap, cvals, cvalid, cpos, lmap, lvals, lpos, wk, bk, recall, pending, rok, sinks,
-                                   n_rep, H, L, D, FH, DV, BL, BD, BF, BV, LOWP, EPS, RW, WS, True)  # fmt: skip
-            _scalar_errors_program(r, c, linear, errs, cmap, cvals, cvalid, cpos, lmap, lvals, lpos, wk, bk, recall, pending, rok, sinks,
-                                   n_rep, H, L, D, FH, DV, BL, BD, BF, BV, LOWP, EPS, RW, WS, False)  # fmt: skip
+            _scalar_errors_program(r, c, linear, errs, cmap, cvals, cvalid, cpos, lmap, lvals, lpos, wk, bk, recall, pending, rok, cfeat,
+                                   sinks, n_rep, H, L, D, FH, DV, BL, BD, BF, BV, LOWP, EPS, RW, WS, True, KF)  # fmt: skip
+            _scalar_errors_program(r, c, linear, errs, cmap, cvals, cvalid, cpos, lmap, lvals, lpos, wk, bk, recall, pending, rok, cfeat,
+                                   sinks, n_rep, H, L, D, FH, DV, BL, BD, BF, BV, LOWP, EPS, RW, WS, False, KF)  # fmt: skip
         else:
             _errors_program(r, c, linear, errs, cmap, cvals, cvalid, cpos, lmap, lvals, lpos, wk, bk, recall, pending, rok, lrec,
                             ring, ring_n, qphi, rbuf, sinks, n_rep, H, L, D, FH, DV, BL, BD, BF, BV, LOWP, EPS, KEEP, RW, K, WS)  # fmt: skip
     tl.debug_barrier()  # the errors, the leaving token's recall and the query's read are stored before the commit loads them
     _commit_program(r, linear, errs, qphi, q, out, rbuf, held, ckeys, cmap, cvals, cvalid, cpos, lkeys, lmap, lvals, lvalid,
-                    lpos, wkeys, wvals, wvalid, wmap, windex, wk, bk, factor, recall, pending, rok, lrec, ring, ring_n, sinks, n_rep, scale,
+                    lpos, wkeys, wvals, wvalid, wmap, windex, wk, bk, factor, recall, pending, rok, lrec, ring, ring_n, cfeat, sinks, n_rep, scale,
                     weight_tokens, H, L, D, FH, DV, ETA, BL, BS, BD, BF, BV, BW, BDV, LOWP, EPS, SEPARATE, READ_STATE, READ_SPARSE,
-                    KEEP, RW, K, WS, False)  # fmt: skip
+                    KEEP, RW, K, WS, KF, False)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- chunked prefill

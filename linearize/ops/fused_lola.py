@@ -156,6 +156,11 @@ SCALAR_RECALLS = False
 """How a decode state with ``keep_recalls`` keeps its cache slots' recalls: False, as vectors
 [phi S, phi z] (Dv + 1 floats per slot, with deferred writes); True, as scalars (v . phi S, |phi S|^2,
 phi z: 4 floats per slot, the writes not deferred). Read where a decode state is made."""
+KEPT_FEATURES = False
+"""With ``SCALAR_RECALLS``, the decode state also keeps each cache slot's Hedgehog features (2f per
+slot in the model's dtype, as the map rounds them): the errors kernel reads them instead of making them
+from the slot's key every token (a projection and 2f exponentials per slot), for f x 2 bytes more per
+slot and query head. Read where a decode state is made."""
 SCALAR_RECALL_WIDTH = 4
 """Floats per kept recall in the "scalars" form: a, b, d and one of padding (16-byte rows)."""
 
@@ -192,7 +197,7 @@ def supports(dtype: torch.dtype) -> bool:
 @torch.library.custom_op(
     "linearize::lola_step",
     mutates_args=("linear", "held", "cache_keys", "cache_map_keys", "cache_values", "cache_valid", "cache_positions", "recall", "pending",
-                  "recall_ok", "deferred", "deferred_count"),
+                  "recall_ok", "deferred", "deferred_count", "cache_features"),
 )
 def lola_step(
     linear: Tensor, held: Tensor, qphi: Tensor, q: Tensor,
@@ -202,6 +207,7 @@ def lola_step(
     weight: Tensor, bias: Tensor, factor: Tensor,
     sinks: int, scale: float, weight_tokens: int, read_state: bool, read_sparse: bool,
     recall: Tensor | None, pending: Tensor | None, recall_ok: Tensor | None, deferred: Tensor | None, deferred_count: Tensor | None,
+    cache_features: Tensor | None,
 ) -> Tensor:  # fmt: skip
     """One LoLA decode step after the new token took its window slot, in place on the memory:
     selection, the write into ``linear`` (B Hq, 2f, W) float32 [S | z] (W >= Dv + 1 floats per row,
@@ -241,7 +247,8 @@ def lola_step(
     - scalar recalls (``deferred`` None): ``recall`` (B Hq, lambda, ``SCALAR_RECALL_WIDTH``) each
       slot's (v . phi S, |phi S|^2, phi z) against the state before the last write, ``pending`` (B Hq,
       ``pending_width(2f, Dv, True)``) that write, u = S v_w, |v_w|^2 and the next leaving token's
-      scalars against the state after it.
+      scalars against the state after it; ``cache_features`` (B Hq, lambda, 2f) in ``weight``'s dtype
+      or None: the slots' features kept too (current where the recalls are).
     """
     b, hq, lam, d = cache_keys.shape
     dv = cache_values.shape[-1]
@@ -289,6 +296,12 @@ def lola_step(
         fused_decode._check("recall_ok", recall_ok, (b,), torch.int32)
         if not recall_ok.is_contiguous():
             raise ValueError("recall_ok must be contiguous (the kernels update it in place)")
+        if cache_features is not None:
+            fused_decode._check("cache_features", cache_features, (b * hq, lam, 2 * fh), weight.dtype)
+            if not cache_features.is_contiguous():
+                raise ValueError("cache_features must be contiguous (the kernels update it in place)")
+    elif cache_features is not None:
+        raise ValueError("cache_features are kept only with scalar recalls (recall, pending and recall_ok, no deferred writes)")
     elif keep:
         fused_decode._check_buffer("recall", recall)
         fused_decode._check("recall", recall, (b * hq, lam, recall_width(dv)), torch.float32)
@@ -331,6 +344,7 @@ def lola_step(
         recall = pending = lrec = deferred = errs
         recall_ok = deferred_count = held
         k_deferred = 2
+    cfeat = errs if cache_features is None else cache_features  # unread without
     errors, commit, whole = _kernels()
     map_keys = cache_map_keys if separate else cache_keys
     block = min(BLOCK_ROWS, _pow2(lam))
@@ -343,10 +357,10 @@ def lola_step(
         linear, errs, qphi, q, out, rbuf, held,
         cache_keys, map_keys, cache_values, cache_valid, cache_positions,
         leave_keys, leave_map_keys, leave_values, leave_valid, leave_positions, window_keys, window_values, window_valid,
-        window_map_keys, window_index, weight, bias, factor, recall, pending, recall_ok, lrec, deferred, deferred_count,
+        window_map_keys, window_index, weight, bias, factor, recall, pending, recall_ok, lrec, deferred, deferred_count, cfeat,
         sinks, hq // hkv, scale, weight_tokens,
     )  # fmt: skip
-    commit_shape = dict(ETA=eta, BS=min(SELECT_BLOCK, _pow2(lam)), BW=_pow2(eta), BDV=_pow2(dv), SEPARATE=separate,
+    commit_shape = dict(KF=cache_features is not None, ETA=eta, BS=min(SELECT_BLOCK, _pow2(lam)), BW=_pow2(eta), BDV=_pow2(dv), SEPARATE=separate,
                         READ_STATE=read_state, READ_SPARSE=read_sparse, **shape)  # fmt: skip
     if one_kernel(rows):
         whole[(rows,)](*commit_args, NB=blocks, num_warps=ONE_KERNEL_WARPS, num_stages=STAGES, maxnreg=MAX_REGISTERS, **commit_shape)
@@ -356,7 +370,8 @@ def lola_step(
     for from_state in (True, False) if scalars else (False,):  # scalar recalls: the rows whose recalls are not current, then the others
         errors[(rows * (blocks + 1),)](
             linear, errs, map_keys, cache_values, cache_valid, cache_positions, leave_map_keys, leave_values, leave_positions, weight, bias,
-            recall, pending, recall_ok, lrec, deferred, deferred_count, qphi, rbuf, sinks, hq // hkv, NB=blocks, FROM_STATE=from_state,
+            recall, pending, recall_ok, lrec, deferred, deferred_count, qphi, rbuf, cfeat, sinks, hq // hkv, NB=blocks, FROM_STATE=from_state,
+            KF=cache_features is not None,
             **shape, num_warps=WARPS if fh >= 128 else SMALL_MAP_WARPS, num_stages=STAGES if from_state or not scalars else 1,
             maxnreg=MAX_REGISTERS,
         )  # fmt: skip
@@ -367,8 +382,8 @@ def lola_step(
 @lola_step.register_fake
 def _(linear, held, qphi, q, cache_keys, cache_map_keys, cache_values, cache_valid, cache_positions, leave_keys, leave_map_keys,
       leave_values, leave_valid, leave_positions, window_keys, window_values, window_valid, window_map_keys, window_index, weight, bias,
-      factor, sinks, scale,
-      weight_tokens, read_state, read_sparse, recall, pending, recall_ok, deferred, deferred_count):  # fmt: skip
+      factor, sinks, scale, weight_tokens, read_state, read_sparse, recall, pending, recall_ok, deferred, deferred_count,
+      cache_features):  # fmt: skip
     return q.new_empty(linear.shape[0], cache_values.shape[-1])
 
 

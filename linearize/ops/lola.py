@@ -681,7 +681,9 @@ class LolaDecodeState:
     the memory outside the steps folds them (``fold_deferred``) before clearing ``recall_ok``.
     With ``fused_lola.SCALAR_RECALLS`` (read here) a slot's recall is kept as three scalars instead
     (v . phi S, |phi S|^2, phi z; ``recall`` (B Hq, lambda, 4)), ``pending`` also holds S v_w and the
-    next leaving token's scalars, and no writes are deferred (``deferred`` None)."""
+    next leaving token's scalars, and no writes are deferred (``deferred`` None); with
+    ``fused_lola.KEPT_FEATURES`` as well, ``cache_features`` keeps each slot's features (current where
+    the recalls are)."""
 
     keys: Tensor  # (B, Hkv, eta, D) ring order
     values: Tensor  # (B, Hkv, eta, Dv)
@@ -704,6 +706,7 @@ class LolaDecodeState:
     recall_ok: Tensor | None = None  # (B,) int32: 1 where the row's kept recalls are current
     deferred: Tensor | None = None  # (B Hq, K, F + Dv + 1) writes (phi, [v, 1]) not yet in ``linear``
     deferred_count: Tensor | None = None  # (B Hq,) int32 how many of them
+    cache_features: Tensor | None = None  # (B Hq, lambda, F) with scalar recalls and fused_lola.KEPT_FEATURES: the slots' features
 
     @classmethod
     def from_state(cls, state: LolaState, *, phi_q: FeatureFn, phi_k: FeatureFn, window_factor: Tensor, scale: float,
@@ -740,6 +743,8 @@ class LolaDecodeState:
             recalls = dict(recall=linear.new_zeros(b * hq, lam, fused_lola.SCALAR_RECALL_WIDTH),
                            pending=linear.new_zeros(b * hq, fused_lola.pending_width(linear.shape[2], dv, True)),
                            recall_ok=torch.zeros(b, dtype=torch.int32, device=linear.device))  # fmt: skip
+            if fused_lola.KEPT_FEATURES:  # in the map's dtype (bfloat16 or float32: the fused step's)
+                recalls["cache_features"] = torch.zeros(b * hq, lam, linear.shape[2], dtype=dtype, device=linear.device)
         elif keep:  # the first fused step computes them (recall_ok 0)
             width = linear.shape[2] + dv + 1
             recalls = dict(recall=linear.new_zeros(b * hq, lam, fused_lola.recall_width(dv)), pending=linear.new_zeros(b * hq, width),
@@ -934,7 +939,7 @@ def _step_fused(ds: LolaDecodeState, q: Tensor, k: Tensor, v: Tensor, q_lin: Ten
     out = fused_lola.lola_step(
         ds.linear, ds.held, qphi, q[:, :, 0], ds.cache_keys, ds.cache_linear_keys, ds.cache_values, ds.cache_valid, ds.cache_positions,
         *leaving, ds.keys, ds.values, ds.valid, ds.linear_keys, ds.index, weight, bias, ctx.factor.view(hq), ctx.sinks, ctx.scale, ctx.weight_tokens,
-        ctx.read_state, ctx.read_sparse, ds.recall, ds.pending, ds.recall_ok, ds.deferred, ds.deferred_count,
+        ctx.read_state, ctx.read_sparse, ds.recall, ds.pending, ds.recall_ok, ds.deferred, ds.deferred_count, ds.cache_features,
     )  # fmt: skip
     return out.view(b, hq, 1, dv)
 

@@ -138,7 +138,7 @@ def test_fused_step_rejects_bad_arguments():
                 window_valid=z(b, eta, dtype=torch.bool), window_map_keys=None, window_index=z((), dtype=torch.long), weight=z(hq, d, f),
                 bias=z(hq, f), factor=z(hq), sinks=0, scale=1.0,
                 weight_tokens=0, read_state=True, read_sparse=True)  # fmt: skip
-    none = dict.fromkeys(("recall", "pending", "recall_ok", "deferred", "deferred_count"))
+    none = dict.fromkeys(("recall", "pending", "recall_ok", "deferred", "deferred_count", "cache_features"))
     with pytest.raises(ValueError, match="linear must have shape"):
         fused_lola.lola_step(z(b * hq, 2 * f, dv), **args, **none)
     with pytest.raises(ValueError, match="bfloat16 or float32"):
@@ -148,7 +148,7 @@ def test_fused_step_rejects_bad_arguments():
     with pytest.raises(ValueError, match="recall, pending, recall_ok, deferred and deferred_count together"):
         fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **args, **{**none, "recall": z(b * hq, lam, dv + 1)})
     kept = dict(recall=z(b * hq, lam, fused_lola.recall_width(dv)), pending=z(b * hq, 2 * f + dv + 1), recall_ok=z(b, dtype=torch.int32),
-                deferred=z(b * hq, 4, 2 * f + dv + 1), deferred_count=z(b * hq, dtype=torch.int32))
+                deferred=z(b * hq, 4, 2 * f + dv + 1), deferred_count=z(b * hq, dtype=torch.int32), cache_features=None)
     with pytest.raises(ValueError, match="recall must have shape"):
         fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **args, **{**kept, "recall": z(b * hq, lam, dv + 1)})
     with pytest.raises(ValueError, match="recall_ok must be torch.int32"):
@@ -160,13 +160,17 @@ def test_fused_step_rejects_bad_arguments():
     with pytest.raises(ValueError, match="window_map_keys must have shape"):
         fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **{**args, "window_map_keys": z(b, hkv, eta + 1, d)}, **none)
     scalars = dict(recall=z(b * hq, lam, fused_lola.SCALAR_RECALL_WIDTH), pending=z(b * hq, fused_lola.pending_width(2 * f, dv, True)),
-                   recall_ok=z(b, dtype=torch.int32), deferred=None, deferred_count=None)  # fmt: skip
+                   recall_ok=z(b, dtype=torch.int32), deferred=None, deferred_count=None, cache_features=None)  # fmt: skip
     with pytest.raises(ValueError, match="recall must have shape"):
         fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **args, **{**scalars, "recall": kept["recall"]})
     with pytest.raises(ValueError, match="pending must have shape"):
         fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **args, **{**scalars, "pending": kept["pending"]})
     with pytest.raises(ValueError, match="the first three alone"):
         fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **args, **{**scalars, "deferred_count": kept["deferred_count"]})
+    with pytest.raises(ValueError, match="cache_features are kept only with scalar recalls"):
+        fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **args, **{**kept, "cache_features": z(b * hq, lam, 2 * f)})
+    with pytest.raises(ValueError, match="cache_features must be torch.float32"):
+        fused_lola.lola_step(z(b * hq, 2 * f, dv + 1), **args, **{**scalars, "cache_features": z(b * hq, lam, 2 * f, dtype=torch.bfloat16)})
 
 
 def test_no_custom_op_gives_a_mutated_argument_a_default():
@@ -260,13 +264,15 @@ SCALAR_CASES = {
 
 
 @pytest.mark.usefixtures("step_kernels")
+@pytest.mark.parametrize("features", [False, True], ids=["features-made", "features-kept"])
 @pytest.mark.parametrize("case", list(SCALAR_CASES.values()), ids=list(SCALAR_CASES))
 @torch.no_grad()
-def test_fused_step_with_scalar_recalls_equals_the_torch_step(monkeypatch, case):
-    """The cache slots' recalls kept as scalars (``SCALAR_RECALLS``): the same outputs, memory and
-    choices as the torch step and the chunked op, token by token (the separate case with lambda 70
-    in blocks of 16 candidates)."""
+def test_fused_step_with_scalar_recalls_equals_the_torch_step(monkeypatch, case, features):
+    """The cache slots' recalls kept as scalars (``SCALAR_RECALLS``), their features made from their
+    keys or kept (``KEPT_FEATURES``): the same outputs, memory and choices as the torch step and the
+    chunked op, token by token (the separate case with lambda 70 in blocks of 16 candidates)."""
     monkeypatch.setattr(fused_lola, "SCALAR_RECALLS", True)
+    monkeypatch.setattr(fused_lola, "KEPT_FEATURES", features)
     monkeypatch.setattr(fused_lola, "BLOCK_ROWS", 16)
     monkeypatch.setattr(fused_lola, "SELECT_BLOCK", 16)
     _run(**case)
@@ -309,13 +315,16 @@ def _scalar_drift(ds: LolaDecodeState, phi_k) -> tuple[float, float]:
 
 
 @pytest.mark.usefixtures("step_kernels")
+@pytest.mark.parametrize("features", [False, True], ids=["features-made", "features-kept"])
 @torch.no_grad()
-def test_scalar_recalls_stay_the_state_products_and_survive_torch_steps(monkeypatch):
+def test_scalar_recalls_stay_the_state_products_and_survive_torch_steps(monkeypatch, features):
     """The kept recall scalars (plus the write pending) equal those recomputed from the state, and
     the pending leaving token's equal its own, step after step; a torch step in between marks them
     stale and the next fused step computes them from the state again; outputs follow the chunked
-    op and the state is the op's throughout (no deferred writes)."""
+    op and the state is the op's throughout (no deferred writes). Kept features equal the map's on
+    every valid slot's key."""
     monkeypatch.setattr(fused_lola, "SCALAR_RECALLS", True)
+    monkeypatch.setattr(fused_lola, "KEPT_FEATURES", features)
     b, hq, f, dv, lam, phi_k, kw, token, state, ds = _small_memory()
     assert ds.recall.shape == (b * hq, lam, 4) and ds.pending.shape == (b * hq, 4 * f + dv + 5) and ds.deferred is None
     assert not ds.recall_ok.any()
@@ -329,6 +338,11 @@ def test_scalar_recalls_stay_the_state_products_and_survive_torch_steps(monkeypa
             assert ds.recall_ok.all()
             cache, leave = _scalar_drift(ds, phi_k)
             assert cache < 1e-5 and leave < 1e-5, (cache, leave)
+            assert (ds.cache_features is not None) == features
+            if features:
+                want = phi_k(ds.cache_keys.float())[ds.cache_valid]  # (valid slots, F)
+                got = ds.cache_features.view(*ds.cache_valid.shape, -1)[ds.cache_valid]
+                torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
         else:
             assert not ds.recall_ok.any()
         sz = ds.linear_state().view(b, hq, 2 * f, -1)
@@ -358,8 +372,9 @@ def _bfloat16_runs(b, hq, hkv, d, *, f, lam, w, tokens, chunk, keep_recalls=True
 
 
 @pytest.mark.usefixtures("step_kernels")
-@pytest.mark.parametrize("keep_recalls,split,scalars", [(True, True, False), (True, True, True), (False, True, False), (False, False, False)],
-                         ids=["kept-recalls", "scalar-recalls", "state", "state-one-product"])
+@pytest.mark.parametrize("keep_recalls,split,scalars", [(True, True, False), (True, True, True), (True, True, "features"), (False, True, False),
+                                                         (False, False, False)],
+                         ids=["kept-recalls", "scalar-recalls", "scalar-recalls-features", "state", "state-one-product"])
 @torch.no_grad()
 def test_fused_step_in_bfloat16(monkeypatch, keep_recalls, split, scalars):
     """A bfloat16 model, on a GPU at the Llama-3-8B layer's sizes (D 128, f 128, lambda 256, 32
@@ -369,7 +384,8 @@ def test_fused_step_in_bfloat16(monkeypatch, keep_recalls, split, scalars):
     state, its products on the state's bfloat16 part and the rest or (``SPLIT_STATE`` off) on its
     bfloat16 part alone."""
     monkeypatch.setattr(fused_lola, "SPLIT_STATE", split)
-    monkeypatch.setattr(fused_lola, "SCALAR_RECALLS", scalars)
+    monkeypatch.setattr(fused_lola, "SCALAR_RECALLS", bool(scalars))
+    monkeypatch.setattr(fused_lola, "KEPT_FEATURES", scalars == "features")
     torch.manual_seed(0)
     b, hq, hkv, d, lam, w, tokens = (4, 32, 8, 128, 256, 64, 1024) if DEVICE == "cuda" else (2, 4, 2, 32, 32, 16, 160)
     _, _, runs = _bfloat16_runs(b, hq, hkv, d, f=d, lam=lam, w=w, tokens=tokens, chunk=w, sinks=4, linear_weight=0.1,
