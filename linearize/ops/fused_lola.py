@@ -40,8 +40,10 @@ phi_w [v_w, 1]^T changes them by c = phi . phi_w times (v . v_w), 2 (phi . S v_w
 so the commit's pass over [S | z] also leaves u = S v_w (before the write) pending, and the next
 errors kernel updates each slot from its features, its value and these: O(f + Dv) per slot, 4 floats
 of memory instead of Dv + 1. The leaving token's scalars come from the commit before it, which reads
-the next leaving token (the window ring's oldest) against the state after its write in the same pass;
-so the errors kernel never reads [S | z], and the writes are not deferred. The error is then the
+the next leaving token (the window ring's oldest) against the state after its write, in a second pass
+over the updated tiles; so the errors kernel never reads [S | z] (but for rows whose scalars are not
+current: a second launch computes them from the state), and the writes are not deferred. With
+``KEPT_FEATURES`` the slots' features are kept as well and the errors kernel makes none. The error is then the
 difference of terms of about |v|^2, so where a slot's value is recalled almost exactly its error
 carries float32 rounding of |v|^2 (about 1e-7 relative): near-ties between such slots may go the
 other way than in the torch step.
