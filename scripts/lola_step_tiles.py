@@ -15,7 +15,7 @@ state pass in the hybrid's state kernel) and of each tile of the fused step, sco
 the state (``state``), from kept recalls (``kept``, LoLA's ``keep_recalls``) and from kept recall
 scalars (``scalar``, ``keep_recalls`` with ``fused_lola.SCALAR_RECALLS``) with the slots' features kept as
 well (``features``, ``fused_lola.KEPT_FEATURES``), and each one's best
-tile's kernels by device time over 10 steps (``state_profile_us``, ``kept_profile_us``, ``scalar_profile_us``). A tile is
+tile's kernels by device time over 10 steps (``VARIANT_profile_us``). A tile is
 named ``KERNELS-BLxBVwWcCsS``: two kernels or one (``ONE_KERNEL_ROWS``), candidates per program x
 value columns of a state tile, warps of the errors kernel (of the one kernel), warps of the commit
 kernel (two kernels only), pipelining stages (``STAGES``), and ``-p1`` where the errors' products

@@ -290,34 +290,29 @@ def lola_step(
     fused_decode._check("window_index", window_index, (), torch.long)
     if window_map_keys is not None:
         fused_decode._check("window_map_keys", window_map_keys, (b, hkv, eta, d))
-    if scalars:
+    if keep:
         fused_decode._check_buffer("recall", recall)
-        fused_decode._check("recall", recall, (b * hq, lam, SCALAR_RECALL_WIDTH), torch.float32)
+        fused_decode._check("recall", recall, (b * hq, lam, SCALAR_RECALL_WIDTH if scalars else recall_width(dv)), torch.float32)
         fused_decode._check_buffer("pending", pending)
-        fused_decode._check("pending", pending, (b * hq, pending_width(2 * fh, dv, True)), torch.float32)
+        fused_decode._check("pending", pending, (b * hq, pending_width(2 * fh, dv, scalars)), torch.float32)
         fused_decode._check("recall_ok", recall_ok, (b,), torch.int32)
         if not recall_ok.is_contiguous():
             raise ValueError("recall_ok must be contiguous (the kernels update it in place)")
-        if cache_features is not None:
-            fused_decode._check("cache_features", cache_features, (b * hq, lam, 2 * fh), weight.dtype)
-            if not cache_features.is_contiguous():
-                raise ValueError("cache_features must be contiguous (the kernels update it in place)")
-    elif cache_features is not None:
-        raise ValueError("cache_features are kept only with scalar recalls (recall, pending and recall_ok, no deferred writes)")
-    elif keep:
-        fused_decode._check_buffer("recall", recall)
-        fused_decode._check("recall", recall, (b * hq, lam, recall_width(dv)), torch.float32)
-        fused_decode._check_buffer("pending", pending)
-        fused_decode._check("pending", pending, (b * hq, 2 * fh + dv + 1), torch.float32)
-        fused_decode._check("recall_ok", recall_ok, (b,), torch.int32)
+    if keep and not scalars:
         k_deferred = deferred.shape[1] if deferred.dim() == 3 else 0
         if k_deferred < 2 or k_deferred & (k_deferred - 1):
             raise ValueError(f"deferred must be (B Hq, K, 2f + Dv + 1) with K a power of two >= 2, got {tuple(deferred.shape)}")
         fused_decode._check_buffer("deferred", deferred)
         fused_decode._check("deferred", deferred, (b * hq, k_deferred, 2 * fh + dv + 1), torch.float32)
         fused_decode._check("deferred_count", deferred_count, (b * hq,), torch.int32)
-        if not recall_ok.is_contiguous() or not deferred_count.is_contiguous():
-            raise ValueError("recall_ok and deferred_count must be contiguous (the kernels update them in place)")
+        if not deferred_count.is_contiguous():
+            raise ValueError("deferred_count must be contiguous (the kernels update it in place)")
+    if cache_features is not None:
+        if not scalars:
+            raise ValueError("cache_features are kept only with scalar recalls (recall, pending and recall_ok, no deferred writes)")
+        fused_decode._check("cache_features", cache_features, (b * hq, lam, 2 * fh), weight.dtype)
+        if not cache_features.is_contiguous():
+            raise ValueError("cache_features must be contiguous (the kernels update it in place)")
     if not supports(weight.dtype):
         raise ValueError(f"weight must be bfloat16 or float32, got {weight.dtype}")
     if lam < 1 or hq % hkv:

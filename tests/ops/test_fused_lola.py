@@ -223,6 +223,24 @@ def _small_memory():
     return b, hq, f, dv, lam, phi_k, kw, token, state, ds
 
 
+def _steps_against_the_op(ds, state, kw, token, pattern):
+    """Decode one random token per entry of ``pattern`` (True: the fused step, False: the torch
+    step), checking each output against the chunked op and, after the caller's checks (this yields
+    whether the step was fused), the state ``ds`` stands for against the op's."""
+    b, hq = ds.held.shape
+    f, dv = ds.linear.shape[1], ds.values.shape[-1]
+    for fused in pattern:
+        q, k, v = token(1)
+        want, state = lola_attention(q, k, v, chunk=1, state=state, **kw)
+        with fused_decode.use_fused(fused):
+            got = lola_decode_step(ds, q, k, v)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        yield fused
+        sz = ds.linear_state().view(b, hq, f, -1)
+        torch.testing.assert_close(sz[..., :dv], state.linear.kv, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(sz[..., dv], state.linear.k_sum, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.usefixtures("step_kernels")
 @pytest.mark.parametrize("deferred", [2, 4, 8])
 @torch.no_grad()
@@ -236,12 +254,7 @@ def test_kept_recalls_stay_the_state_products_and_survive_torch_steps(monkeypatc
     monkeypatch.setattr(fused_lola, "DEFERRED_WRITES", deferred)
     b, hq, f, dv, lam, phi_k, kw, token, state, ds = _small_memory()
     assert ds.recall is not None and ds.recall.shape == (b * hq, lam, 16) and not ds.recall_ok.any()  # Dv + 1 = 13, padded
-    for fused in (True, True, True, False, True, True, False, False, True):
-        q, k, v = token(1)
-        want, state = lola_attention(q, k, v, chunk=1, state=state, **kw)
-        with fused_decode.use_fused(fused):
-            got = lola_decode_step(ds, q, k, v)
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for fused in _steps_against_the_op(ds, state, kw, token, (True, True, True, False, True, True, False, False, True)):
         if fused:
             assert ds.recall_ok.all()
             assert _recall_drift(ds, phi_k) < 1e-4
@@ -249,8 +262,6 @@ def test_kept_recalls_stay_the_state_products_and_survive_torch_steps(monkeypatc
             assert not ds.recall_ok.any() and not ds.deferred_count.any()
         sz = ds.linear_state().view(b, hq, 2 * f, -1)
         assert sz.shape[-1] == fused_lola.state_width(dv) == 16 and not sz[..., dv + 1 :].any()  # Dv + 1 = 13, padded with zeros
-        torch.testing.assert_close(sz[..., :dv], state.linear.kv, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(sz[..., dv], state.linear.k_sum, atol=1e-5, rtol=1e-5)
     assert ds.deferred.shape[1] == deferred
 
 
@@ -328,12 +339,7 @@ def test_scalar_recalls_stay_the_state_products_and_survive_torch_steps(monkeypa
     b, hq, f, dv, lam, phi_k, kw, token, state, ds = _small_memory()
     assert ds.recall.shape == (b * hq, lam, 4) and ds.pending.shape == (b * hq, 4 * f + dv + 5) and ds.deferred is None
     assert not ds.recall_ok.any()
-    for fused in (True, True, True, False, True, True, False, False, True, True):
-        q, k, v = token(1)
-        want, state = lola_attention(q, k, v, chunk=1, state=state, **kw)
-        with fused_decode.use_fused(fused):
-            got = lola_decode_step(ds, q, k, v)
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for fused in _steps_against_the_op(ds, state, kw, token, (True, True, True, False, True, True, False, False, True, True)):
         if fused:
             assert ds.recall_ok.all()
             cache, leave = _scalar_drift(ds, phi_k)
@@ -345,9 +351,6 @@ def test_scalar_recalls_stay_the_state_products_and_survive_torch_steps(monkeypa
                 torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
         else:
             assert not ds.recall_ok.any()
-        sz = ds.linear_state().view(b, hq, 2 * f, -1)
-        torch.testing.assert_close(sz[..., :dv], state.linear.kv, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(sz[..., dv], state.linear.k_sum, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.usefixtures("step_kernels")
