@@ -183,9 +183,9 @@ def test_lola_decoder_with_the_fused_step_follows_the_torch_decoder(monkeypatch)
 
 @pytest.mark.parametrize("name,fused", [("hybrid-nope", False), ("dsla-partial", False), ("hybrid-joint", True), ("lola-nope-sinks-weight", False),
                                         ("lola-nope-sinks-weight", True), ("lola-nope-sinks-weight", "kept-recalls"),
-                                        ("lola-nope-sinks-weight", "kept-recalls-one-kernel")],
+                                        ("lola-nope-sinks-weight", "kept-recalls-one-kernel"), ("lola-nope-sinks-weight", "kept-recalls-vectors")],
                          ids=["hybrid-nope", "dsla-partial", "hybrid-joint-fused", "lola", "lola-fused", "lola-fused-kept-recalls",
-                              "lola-fused-kept-recalls-one-kernel"])
+                              "lola-fused-kept-recalls-one-kernel", "lola-fused-kept-recalls-vectors"])
 @torch.no_grad()
 def test_compiled_step_equals_the_eager_step(name, fused, monkeypatch):
     """torch.compile'd steps (one compilation: nothing in the step changes a Python value) give the
@@ -196,8 +196,11 @@ def test_compiled_step_equals_the_eager_step(name, fused, monkeypatch):
         pytest.skip("needs Triton (the test extra installs it)")
     model = _model(name)
     keep = isinstance(fused, str) and fused.startswith("kept-recalls")
+    scalars = fused != "kept-recalls-vectors"  # how kept recalls are kept: 4 scalars per slot (the default) or [phi S, phi z]
     if fused == "kept-recalls-one-kernel":
         monkeypatch.setattr(fused_lola, "ONE_KERNEL_ROWS", 0)
+    if fused == "kept-recalls-vectors":  # [phi S, phi z] per slot, the writes deferred (the default keeps 4 scalars per slot)
+        monkeypatch.setattr(fused_lola, "SCALAR_RECALLS", False)
     if name.startswith("lola"):
         from dataclasses import replace
 
@@ -219,6 +222,7 @@ def test_compiled_step_equals_the_eager_step(name, fused, monkeypatch):
             assert states
             if keep:
                 assert all(st.recall_ok is not None and bool(st.recall_ok.all()) for st in states)
+                assert all((st.deferred is None) == scalars for st in states)  # the vectors' writes are deferred, the scalars' not
             else:
                 assert all(st.recall is None and st.deferred is None for st in states)
     assert torch.equal(runs[1][0], runs[0][0])

@@ -38,13 +38,13 @@ class LolaOptions(WindowOptions):
     error against the linear state) or "memory" (the smaller of that and how well the older
     candidates recall it, so a repeated token is not held twice; decoding runs the torch step)."""
     keep_recalls: bool = False
-    """Decoding with the fused step (CUDA): true keeps each sparse-cache slot's recall [phi S, phi z]
-    and adds each token's write to it, so a slot's error does not read the state (about 5x fewer
-    FLOPs per token, sparse_cache x (head_dim + 1) more float32 per query head), and defers the
-    writes into the linear state to every 8th token; false (the default) scores every slot against
-    the state each token. The same choices either way (up to rounding). On an H200 true was 1.27x
-    faster for a Llama-3-8B-shaped layer at batch 64 and 32K, equal at batch 1, but held 1.7x the
-    memory per SmolLM2 request and served 0.69x the tokens/s at equal memory."""
+    """Decoding with the fused step (CUDA): true keeps 4 floats per sparse-cache slot and query head
+    (v . phi S, |phi S|^2 and phi z of its key and value) and updates them with each token's write, so
+    a slot's self-recall error does not read the linear state; false (the default) scores every slot
+    against the state each token. The same choices either way (up to rounding). On an H100, for a
+    Llama-3-8B-shaped layer at 32K, true took the batch-64 step from 0.333 to 0.263 of softmax's and
+    the tokens/s at equal memory from 6.30x to 8.06x the teacher's; at SmolLM2's shape and at batch 1
+    it gained nothing, for 5% more memory per request."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -139,10 +139,9 @@ class LolaAttention(WindowedLinearAttention):
 def lola_memory(options: LolaOptions, config, dtype_bytes: int) -> tuple[int, int]:
     """Window + linear state as a hybrid, plus the sparse cache (which keeps keys before RoPE too:
     its entries' self-recall error and write need them). The method's memory: decoding with the
-    fused step (CUDA) and ``keep_recalls`` also keeps each cache slot's recall, sparse_cache x
-    (head_dim + 1, padded to a multiple of 4) float32 per query head more, and 8 deferred writes of
-    (features + head_dim + 1) floats (``ops.lola.LolaDecodeState``; the capacity benchmark measures
-    the decode state itself)."""
+    fused step (CUDA) and ``keep_recalls`` also keeps each cache slot's recall, sparse_cache x 4
+    float32 per query head more, and one pending write (``ops.lola.LolaDecodeState``; the capacity
+    benchmark measures the decode state itself)."""
     h, _, head_dim = head_sizes(config)
     sparse = options.sparse_cache * (2 + (not options.linear_rope)) * h * head_dim * STATE_BYTES
     return 0, window_bytes(options, config) + sparse + linear_state_bytes(options, config)

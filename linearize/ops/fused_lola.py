@@ -154,10 +154,11 @@ DEFERRED_WRITES = 8
 state is written once every this many tokens."""
 
 
-SCALAR_RECALLS = False
-"""How a decode state with ``keep_recalls`` keeps its cache slots' recalls: False, as vectors
-[phi S, phi z] (Dv + 1 floats per slot, with deferred writes); True, as scalars (v . phi S, |phi S|^2,
-phi z: 4 floats per slot, the writes not deferred). Read where a decode state is made."""
+SCALAR_RECALLS = True
+"""How a decode state with ``keep_recalls`` keeps its cache slots' recalls: True (the default), as
+scalars (v . phi S, |phi S|^2, phi z: 4 floats per slot, the writes not deferred); False, as vectors
+[phi S, phi z] (Dv + 1 floats per slot, with deferred writes: measured slower and larger at both
+shapes, docs/results/performance/static.md). Read where a decode state is made."""
 KEPT_FEATURES = False
 """With ``SCALAR_RECALLS``, the decode state also keeps each cache slot's Hedgehog features (2f per
 slot in the model's dtype, as the map rounds them): the errors kernel reads them instead of making them

@@ -20,6 +20,13 @@ pytestmark = pytest.mark.skipif(not fused_decode.triton_available(), reason="nee
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@pytest.fixture(autouse=True)
+def vector_recalls(monkeypatch):
+    """Kept recalls as vectors [phi S, phi z] unless a test asks for the scalars (``SCALAR_RECALLS``,
+    the module's default, which the scalar tests set themselves)."""
+    monkeypatch.setattr(fused_lola, "SCALAR_RECALLS", False)
+
+
 @pytest.fixture(params=["two-kernels", "one-kernel"])
 def step_kernels(request, monkeypatch):
     """Run a decode-step test with the step as two kernels (errors, then commit) and as one
