@@ -494,10 +494,24 @@ def _commit_program(
         a_q = tl.sum(qp * fp, axis=0) + tl.sum(qn * fn, axis=0)  # phi_q . phi_w
         tl.store(own + n_ring * RING + of, fp, mask=mf & (fold == 0))
         tl.store(own + n_ring * RING + FH + of, fn, mask=mf & (fold == 0))
-    for v0 in range(0, W, BV):
+    if KEEP != 1:  # z += phi_w (the written row's 1) and the query's read of it; with KEEP 2 the next leaving token's phi z
+        zp = tl.load(base + of * WS + DV, mask=mf, other=0.0) + fp * scale_w
+        zn = tl.load(base + (FH + of) * WS + DV, mask=mf, other=0.0) + fn * scale_w
+        tl.store(base + of * WS + DV, zp, mask=mf)
+        tl.store(base + (FH + of) * WS + DV, zn, mask=mf)
+        tl.store(rbuf + r * W + DV, tl.sum(qp * zp, axis=0) + tl.sum(qn * zn, axis=0))
+        if KEEP == 2:
+            tl.store(pend + 2 * FH + DV, scale_w)
+            d_n = tl.sum(np_ * zp, axis=0) + tl.sum(nn_ * zn, axis=0)  # the next leaving token's phi z, against the z updated
+    # Without deferred writes the tiles cover the values only, the z column a vector above (a tile of
+    # BV columns for it would be all but empty: DV is a multiple of BV in the shapes served). With them
+    # the tiles cover z and the state's padding too (its rows stay zero): whole 16-byte groups.
+    NV: tl.constexpr = W if KEEP == 1 else DV
+    NS: tl.constexpr = WS if KEEP == 1 else DV
+    for v0 in range(0, NV, BV):
         ov = v0 + tl.arange(0, BV)
-        mv = ov < W
-        m2 = mf[:, None] & (ov < WS)[None, :]  # the state's padding too (its rows stay zero): whole 16-byte groups
+        mv = ov < NV
+        m2 = mf[:, None] & (ov < NS)[None, :]
         v_leave = tl.load(lvals + kr * DV + ov, mask=ov < DV, other=0.0).to(tl.float32)
         v_slot = tl.load(cvals + slot * DV + ov, mask=ov < DV, other=0.0).to(tl.float32)
         row = tl.where(ov == DV, 1.0, tl.where(drop, v_leave, v_slot)) * scale_w
@@ -538,20 +552,19 @@ def _commit_program(
         vsq_w = 0.0
         a_n = 0.0
         b_n = 0.0
-        d_n = 0.0
-        for v0 in range(0, W, BV):
+        for v0 in range(0, DV, BV):
             ov = v0 + tl.arange(0, BV)
-            m2 = mf[:, None] & (ov < W)[None, :]
+            mv = ov < DV
+            m2 = mf[:, None] & mv[None, :]
             sp, sn = _state_tile(base, of, ov, m2, FH, WS)
-            rv = tl.load(pend + 2 * FH + ov, mask=ov < DV, other=0.0)
+            rv = tl.load(pend + 2 * FH + ov, mask=mv, other=0.0)
             up += tl.sum(sp * rv[None, :], axis=1)
             un += tl.sum(sn * rv[None, :], axis=1)
             vsq_w += tl.sum(rv * rv, axis=0)
-            nr = tl.sum(np_[:, None] * sp, axis=0) + tl.sum(nn_[:, None] * sn, axis=0)  # (BV,) [phi S, phi z]
-            vn = tl.load(wvals + (kr * ETA + ni) * DV + ov, mask=ov < DV, other=0.0).to(tl.float32)
-            a_n += tl.sum(tl.where(ov < DV, vn * nr, 0.0), axis=0)
-            b_n += tl.sum(tl.where(ov < DV, nr * nr, 0.0), axis=0)
-            d_n += tl.sum(tl.where(ov == DV, nr, 0.0), axis=0)
+            nr = tl.sum(np_[:, None] * sp, axis=0) + tl.sum(nn_[:, None] * sn, axis=0)  # (BV,) phi S
+            vn = tl.load(wvals + (kr * ETA + ni) * DV + ov, mask=mv, other=0.0).to(tl.float32)
+            a_n += tl.sum(vn * nr, axis=0)
+            b_n += tl.sum(nr * nr, axis=0)
         up -= fp * vsq_w
         un -= fn * vsq_w
         tl.store(pend + P_U + of, up, mask=mf)
