@@ -12,9 +12,9 @@ written once; with kept recalls, those read and written too, and [S | z] read on
 ``DEFERRED_WRITES`` tokens; with scalar recalls, 4 floats per slot read and written, [S | z] read
 and written once), the microseconds per call of the torch step (``torch_step_us``; its
 state pass in the hybrid's state kernel) and of each tile of the fused step, scoring the cache from
-the state (``state``), from kept recalls (``kept``, LoLA's ``keep_recalls``) and from kept recall
-scalars (``scalar``, ``keep_recalls`` with ``fused_lola.SCALAR_RECALLS``) with the slots' features kept as
-well (``features``, ``fused_lola.KEPT_FEATURES``), and each one's best
+the state (``state``), from kept recall vectors (``kept``: LoLA's ``keep_recalls`` with
+``fused_lola.SCALAR_RECALLS`` False) and from kept recall scalars (``scalar``: ``keep_recalls``, its
+default form), and from those with the slots' features kept as well (``features``, ``fused_lola.KEPT_FEATURES``), and each one's best
 tile's kernels by device time over 10 steps (``VARIANT_profile_us``). A tile is
 named ``KERNELS-BLxBVwWcCsS``: two kernels or one (``ONE_KERNEL_ROWS``), candidates per program x
 value columns of a state tile, warps of the errors kernel (of the one kernel), warps of the commit

@@ -140,7 +140,8 @@ def lola_memory(options: LolaOptions, config, dtype_bytes: int) -> tuple[int, in
     """Window + linear state as a hybrid, plus the sparse cache (which keeps keys before RoPE too:
     its entries' self-recall error and write need them). The method's memory: decoding with the
     fused step (CUDA) and ``keep_recalls`` also keeps each cache slot's recall, sparse_cache x 4
-    float32 per query head more, and one pending write (``ops.lola.LolaDecodeState``; the capacity
+    float32 per query head more, and one pending write (``fused_lola``'s default scalar recalls; more
+    with its vector recalls or kept features) (``ops.lola.LolaDecodeState``; the capacity
     benchmark measures the decode state itself)."""
     h, _, head_dim = head_sizes(config)
     sparse = options.sparse_cache * (2 + (not options.linear_rope)) * h * head_dim * STATE_BYTES

@@ -23,8 +23,8 @@ in torch:
    - the exact read of the window and the cache (one running max, the window factor) plus the
      linear term (with the length factor of ``weight_tokens``), one denominator.
 
-Where the decode state keeps each cache slot's recall [phi S, phi z] (LoLA's ``keep_recalls``; the
-first step, or the first after a torch step, computes them as above and stores them), the errors kernel
+Where the decode state keeps each cache slot's recall [phi S, phi z] (LoLA's ``keep_recalls`` with
+``SCALAR_RECALLS`` False; the first step, or the first after a torch step, computes them as above and stores them), the errors kernel
 scores the cache without the state: the commit leaves its write (phi_w, [v_w, 1]) pending, and the
 next errors kernel adds it to every slot's recall as (phi . phi_w) [v_w, 1], O(f + Dv) per slot
 instead of the O(f Dv) product, then takes the error from the recall; the slot the leaving token
@@ -34,7 +34,7 @@ the state once for the token's recall and for the query's read (``qphi``, into t
 each plus the deferred writes' terms; the commit adds its write to them and the query's read, and
 writes [S | z] only when they are full, all at once.
 
-The recalls can instead be kept as three scalars per slot (``SCALAR_RECALLS``): a = v . phi S,
+By default the recalls are kept as three scalars per slot instead (``SCALAR_RECALLS``): a = v . phi S,
 b = |phi S|^2 and d = phi z, from which the error is sqrt(|v|^2 - 2 a / d + b / d^2). A write
 phi_w [v_w, 1]^T changes them by c = phi . phi_w times (v . v_w), 2 (phi . S v_w) + c |v_w|^2 and 1,
 so the commit's pass over [S | z] also leaves u = S v_w (before the write) pending, and the next

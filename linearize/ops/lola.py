@@ -667,8 +667,8 @@ class LolaDecodeState:
     ``context`` holds the per-call constants (window factor, linear weights) already on the
     device. ``canonical()`` gives the equivalent ``LolaState`` (the chunked op's layout).
 
-    Where the fused step may run (and ``keep_recalls``), the state also keeps each cache slot's
-    recall [phi(k) S, phi(k) z] (``recall``, lambda (Dv + 1) floats per query head, padded to a
+    Where the fused step may run (and ``keep_recalls``, with ``fused_lola.SCALAR_RECALLS`` False), the
+    state also keeps each cache slot's recall [phi(k) S, phi(k) z] (``recall``, lambda (Dv + 1) floats per query head, padded to a
     multiple of 4: about the bytes of the slots' keys and values in float32). A write into [S | z]
     changes every recall by a rank-one term, so the step adds that term (kept in ``pending`` until
     the next step's errors) instead of reading the whole state for every slot. They are derived
@@ -679,7 +679,7 @@ class LolaDecodeState:
     write none of it; the torch step adds them first. A row whose recalls are not current has no
     deferred writes (the fused step computes its recalls from ``linear`` alone): code that changes
     the memory outside the steps folds them (``fold_deferred``) before clearing ``recall_ok``.
-    With ``fused_lola.SCALAR_RECALLS`` (read here) a slot's recall is kept as three scalars instead
+    With ``fused_lola.SCALAR_RECALLS`` (the default; read here) a slot's recall is kept as three scalars instead
     (v . phi S, |phi S|^2, phi z; ``recall`` (B Hq, lambda, 4)), ``pending`` also holds S v_w and the
     next leaving token's scalars, and no writes are deferred (``deferred`` None); with
     ``fused_lola.KEPT_FEATURES`` as well, ``cache_features`` keeps each slot's features (current where
