@@ -7,7 +7,8 @@ import triton.language as tl
 @triton.jit
 def _features(x, w, bias, mf, LOWP: tl.constexpr):
     """Hedgehog features of the rows ``x`` (R, BD): (softmax(p), softmax(-p)) (R, BF) each, float32,
-    p = x W + b, the columns past the map's width masked to 0."""
+    p = x W + b, the columns past the map's width masked to 0; each row scaled by the reciprocal of
+    its sum (two reciprocals per row instead of 2f divisions)."""
     if LOWP:
         proj = tl.dot(x.to(tl.bfloat16), w.to(tl.bfloat16))
     else:
@@ -17,10 +18,10 @@ def _features(x, w, bias, mf, LOWP: tl.constexpr):
         proj = proj.to(tl.bfloat16).to(tl.float32)
     pos = tl.where(mf[None, :], proj, float("-inf"))
     ep = tl.exp(pos - tl.max(pos, axis=1)[:, None])
-    pp = ep / tl.sum(ep, axis=1)[:, None]
+    pp = ep * (1.0 / tl.sum(ep, axis=1))[:, None]  # one reciprocal per row, not a division per feature
     neg = tl.where(mf[None, :], -proj, float("-inf"))
     en = tl.exp(neg - tl.max(neg, axis=1)[:, None])
-    pn = en / tl.sum(en, axis=1)[:, None]
+    pn = en * (1.0 / tl.sum(en, axis=1))[:, None]
     if LOWP:  # and so is its softmax
         pp = pp.to(tl.bfloat16).to(tl.float32)
         pn = pn.to(tl.bfloat16).to(tl.float32)
