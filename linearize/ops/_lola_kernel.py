@@ -378,18 +378,32 @@ def _scalar_errors_program(
 @triton.jit
 def lola_errors_kernel(
     linear, errs, cmap, cvals, cvalid, cpos, lmap, lvals, lpos, wk, bk, recall, pending, rok, lrec, ring, ring_n, qphi, rbuf, cfeat,
-    sinks, n_rep,
+    sinks, n_rep, rows,
     H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, DV: tl.constexpr,
     BL: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, LOWP: tl.constexpr, EPS: tl.constexpr,
     KEEP: tl.constexpr, RW: tl.constexpr, K: tl.constexpr, WS: tl.constexpr,
-    NB: tl.constexpr, FROM_STATE: tl.constexpr, KF: tl.constexpr,
+    NB: tl.constexpr, FROM_STATE: tl.constexpr, KF: tl.constexpr, RG: tl.constexpr,
 ):  # fmt: skip
     """``_errors_program`` for block pid % (NB + 1) of (row, query head) pid // (NB + 1): the NB cache
     blocks and the leaving token of one (row, head) are neighbours in the launch order, so the state
     they all read comes from memory about once and from L2 after (in a grid with the blocks as its
     slower axis each block read every row's state from memory again). Scalar recalls (KEEP 2):
-    ``_scalar_errors_program``'s pass FROM_STATE."""
+    ``_scalar_errors_program``'s pass FROM_STATE; the pass from the state (FROM_STATE) instead takes
+    RG of the ``rows`` (row, query head) pairs per program, pid * RG on, and each stale one's blocks in
+    turn: it is compiled for the state's products (one or two programs an SM), and where every row is
+    current (every step but the first) each program only reads its rows' flags and returns."""
     pid = tl.program_id(0)
+    if KEEP == 2 and FROM_STATE:
+        og = pid * RG + tl.arange(0, RG)
+        stale = (og < rows) & (tl.load(rok + og // H, mask=og < rows, other=1) == 0)
+        if tl.max(stale.to(tl.int32), axis=0) != 0:
+            for i in range(RG):
+                r = pid.to(tl.int64) * RG + i
+                if r < rows:
+                    for c in range(NB + 1):
+                        _scalar_errors_program(r, c, linear, errs, cmap, cvals, cvalid, cpos, lmap, lvals, lpos, wk, bk, recall, pending,
+                                               rok, cfeat, sinks, n_rep, H, L, D, FH, DV, BL, BD, BF, BV, LOWP, EPS, RW, WS, True, KF)  # fmt: skip
+        return
     r = (pid // (NB + 1)).to(tl.int64)
     if KEEP == 2:
         _scalar_errors_program(r, pid % (NB + 1), linear, errs, cmap, cvals, cvalid, cpos, lmap, lvals, lpos, wk, bk, recall, pending,

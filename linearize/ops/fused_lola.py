@@ -102,6 +102,9 @@ WARPS = 8
 """Warps per program of the errors kernel where the map is 128 wide or more."""
 SMALL_MAP_WARPS = 4
 """Warps per program of the errors kernel where the map is narrower (SmolLM2's 64)."""
+SCALAR_PASS_WARPS: int | None = None
+"""Warps per program of the scalar recalls' common pass (the rows whose recalls are current: no
+state read, no pipelining); None: as the pass from the state (``WARPS`` or ``SMALL_MAP_WARPS``)."""
 COMMIT_WARPS = 4
 """Warps per program of the commit kernel (the choice, the state pass, the read)."""
 MAX_REGISTERS: int | None = None
@@ -135,6 +138,29 @@ def _kernels():
     from linearize.ops._lola_kernel import lola_commit_kernel, lola_errors_kernel, lola_step_kernel
 
     return lola_errors_kernel, lola_commit_kernel, lola_step_kernel
+
+
+STALE_PROGRAMS_PER_SM = 2
+"""With scalar recalls, the errors kernel's pass over the rows whose recalls are stale (computed from
+the state) runs about this many programs per SM, each over a group of rows (a power of two, at most
+``STALE_MAX_GROUP``): compiled for the state's products, it holds one or two programs an SM, and on
+every step but the first it finds every row current, so a program per (row, block) would occupy
+the SMs for thousands of programs that only read a flag."""
+STALE_MAX_GROUP = 64
+"""The most rows one program of the stale pass checks (and, where they are stale, scores in turn)."""
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (1 elsewhere: Triton's interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def stale_rows_per_program(rows: int, device: torch.device) -> int:
+    """Rows per program of the errors kernel's stale pass: the largest power of two at most
+    rows / (``STALE_PROGRAMS_PER_SM`` x SMs), between 1 and ``STALE_MAX_GROUP``."""
+    per = rows // (STALE_PROGRAMS_PER_SM * _sm_count(device))
+    return min(STALE_MAX_GROUP, 1 << (per.bit_length() - 1)) if per > 1 else 1
 
 
 def one_kernel(rows: int) -> bool:
@@ -365,12 +391,15 @@ def lola_step(
         if keep:
             recall_ok.fill_(1)  # every row's recalls are current (the kernel leaves this to its caller)
         return out
+    group = stale_rows_per_program(rows, linear.device)
+    warps = WARPS if fh >= 128 else SMALL_MAP_WARPS
     for from_state in (True, False) if scalars else (False,):  # scalar recalls: the rows whose recalls are not current, then the others
-        errors[(rows * (blocks + 1),)](
+        errors[(-(-rows // group),) if from_state else (rows * (blocks + 1),)](
             linear, errs, map_keys, cache_values, cache_valid, cache_positions, leave_map_keys, leave_values, leave_positions, weight, bias,
-            recall, pending, recall_ok, lrec, deferred, deferred_count, qphi, rbuf, cfeat, sinks, hq // hkv, NB=blocks, FROM_STATE=from_state,
-            KF=cache_features is not None,
-            **shape, num_warps=WARPS if fh >= 128 else SMALL_MAP_WARPS, num_stages=STAGES if from_state or not scalars else 1,
+            recall, pending, recall_ok, lrec, deferred, deferred_count, qphi, rbuf, cfeat, sinks, hq // hkv, rows, NB=blocks,
+            FROM_STATE=from_state, KF=cache_features is not None, RG=group if from_state else 1,
+            **shape, num_warps=warps if from_state or not scalars or SCALAR_PASS_WARPS is None else SCALAR_PASS_WARPS,
+            num_stages=STAGES if from_state or not scalars else 1,
             maxnreg=MAX_REGISTERS,
         )  # fmt: skip
     commit[(rows,)](*commit_args, num_warps=COMMIT_WARPS, **commit_shape)

@@ -361,6 +361,29 @@ def test_scalar_recalls_stay_the_state_products_and_survive_torch_steps(monkeypa
 
 
 @pytest.mark.usefixtures("step_kernels")
+@pytest.mark.parametrize("per_sm", [1, 2], ids=["both-rows-one-program", "a-program-per-row"])
+@torch.no_grad()
+def test_scalar_recalls_of_one_stale_row_are_computed_again(monkeypatch, per_sm):
+    """One batch row's recall scalars marked stale and overwritten while the other row's stay
+    current: the next fused step computes that row's from the state and keeps the other's, whether
+    one program of the stale pass checks both rows or each row has its own
+    (``STALE_PROGRAMS_PER_SM``): outputs follow the chunked op and every row's scalars equal those
+    recomputed from the state."""
+    monkeypatch.setattr(fused_lola, "SCALAR_RECALLS", True)
+    monkeypatch.setattr(fused_lola, "STALE_PROGRAMS_PER_SM", per_sm)
+    b, hq, f, dv, lam, phi_k, kw, token, state, ds = _small_memory()
+    assert fused_lola.stale_rows_per_program(b * hq, ds.linear.device) == (b * hq if per_sm == 1 else hq)
+    steps = _steps_against_the_op(ds, state, kw, token, (True,) * 4)
+    for i, _ in enumerate(steps):
+        assert ds.recall_ok.all()
+        cache, leave = _scalar_drift(ds, phi_k)
+        assert cache < 1e-5 and leave < 1e-5, (i, cache, leave)
+        if i == 1:  # row 1's scalars lost: the next step must compute them from the state
+            ds.recall_ok[1] = 0
+            ds.recall.view(b, hq, lam, -1)[1] = 123.0
+
+
+@pytest.mark.usefixtures("step_kernels")
 @torch.no_grad()
 def test_fused_step_without_kept_recalls():
     """With ``keep_recalls`` off the state keeps no recalls and every step scores the cache from
