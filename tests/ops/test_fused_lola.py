@@ -371,6 +371,7 @@ def test_scalar_recalls_of_one_stale_row_are_computed_again(monkeypatch, per_sm)
     recomputed from the state."""
     monkeypatch.setattr(fused_lola, "SCALAR_RECALLS", True)
     monkeypatch.setattr(fused_lola, "STALE_PROGRAMS_PER_SM", per_sm)
+    monkeypatch.setattr(fused_lola, "_sm_count", lambda device: 1)  # the grouping as the interpreter sees it, on any device
     b, hq, f, dv, lam, phi_k, kw, token, state, ds = _small_memory()
     assert fused_lola.stale_rows_per_program(b * hq, ds.linear.device) == (b * hq if per_sm == 1 else hq)
     steps = _steps_against_the_op(ds, state, kw, token, (True,) * 4)
