@@ -394,12 +394,13 @@ def lola_step(
     group = stale_rows_per_program(rows, linear.device)
     warps = WARPS if fh >= 128 else SMALL_MAP_WARPS
     for from_state in (True, False) if scalars else (False,):  # scalar recalls: the rows whose recalls are not current, then the others
+        common = scalars and not from_state  # the scalar recalls' common pass: no state read, no pipelining
         errors[(-(-rows // group),) if from_state else (rows * (blocks + 1),)](
             linear, errs, map_keys, cache_values, cache_valid, cache_positions, leave_map_keys, leave_values, leave_positions, weight, bias,
             recall, pending, recall_ok, lrec, deferred, deferred_count, qphi, rbuf, cfeat, sinks, hq // hkv, rows, NB=blocks,
             FROM_STATE=from_state, KF=cache_features is not None, RG=group if from_state else 1,
-            **shape, num_warps=warps if from_state or not scalars or SCALAR_PASS_WARPS is None else SCALAR_PASS_WARPS,
-            num_stages=STAGES if from_state or not scalars else 1,
+            **shape, num_warps=SCALAR_PASS_WARPS if common and SCALAR_PASS_WARPS is not None else warps,
+            num_stages=1 if common else STAGES,
             maxnreg=MAX_REGISTERS,
         )  # fmt: skip
     commit[(rows,)](*commit_args, num_warps=COMMIT_WARPS, **commit_shape)
