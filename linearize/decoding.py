@@ -10,10 +10,13 @@ two eager warm-up steps and replayed per token: no Python, no kernel launches on
 
 Each layer's memory:
 - softmax (an unconverted attention layer, or a converted one in mode 'teacher'): keys and values
-  in (B, Hkv, max_length, D) buffers. A step writes its slot and attends over the whole buffer with
-  the slots after its position masked, as gpt-fast does: its cost is that of ``max_length`` tokens,
-  so set ``max_length`` to what the requests need. Query heads read their KV head's keys through a
-  grouped matmul (no repeated KV heads).
+  in (B, Hkv, max_length, D) buffers. A step writes its slot, then, where the fused kernels run
+  (CUDA) and the prompt has no padding, reads each row's keys up to its slot with the
+  flash-decoding kernel (``ops.softmax.slot_attention``, the buffers read as a pool of one slot per
+  row; ``ops.softmax.DECODE_FLASH``); otherwise it attends over the whole buffer with the slots
+  after its position masked, as gpt-fast does (its cost that of ``max_length`` tokens), query heads
+  reading their KV head's keys through a grouped matmul (no repeated KV heads).
+  ``StaticDecoder.softmax_path`` says which.
 - converted: the layer's per-token decode path (``decode_step``) on its state in static form
   (``ConvertedAttention.static_decoding``: every index a device tensor), updated in place. Layers
   without one (the diagnostic modes sinks_only and none) raise: they decode through ``model.generate()``.
@@ -45,6 +48,8 @@ from .cache import StateCacheLayer, cache_kwargs, state_layer
 from .checks import check_int
 from .layers.base import FUSED_QKV, ConvertedAttention, frozen_derived, project_qkv
 from .modeling import decoder_layers
+from .ops import fused_decode
+from .ops import softmax as softmax_ops
 from .ops.states import BatchState, DecodeClock
 from .runtime import check_length
 
@@ -62,15 +67,20 @@ class _SoftmaxMemory:
     keys: Tensor
     values: Tensor
 
-    def step(self, attn: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, slot: Tensor, blocked: Tensor) -> Tensor:
+    def step(self, attn: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, slot: Tensor, blocked: Tensor,
+             flash: tuple[Tensor, Tensor] | None = None) -> Tensor:  # fmt: skip
         """The layer's attention output (B, 1, hidden) for ``h`` (B, 1, hidden) written at buffer
         ``slot`` (1,); ``blocked`` (B, 1, 1, max_length) marks the slots a row does not read (after
-        ``slot``, and its prompt's padding)."""
+        ``slot``, and its prompt's padding). ``flash``: (rows (B,), lengths (B,)) to read each row's
+        first ``lengths`` slots with the flash-decoding kernel instead (no padding)."""
         q, k, v, _, _ = project_qkv(attn, h, (cos, sin))  # (B, Hq, 1, D), (B, Hkv, 1, D) x 2
         self.keys.index_copy_(2, slot, k.to(self.keys.dtype))
         self.values.index_copy_(2, slot, v.to(self.values.dtype))
         b, hkv, _, d = self.keys.shape
         hq = q.shape[1]
+        if flash is not None:
+            o = softmax_ops.slot_attention(q[:, :, 0].to(self.keys.dtype), self.keys, self.values, *flash, attn.scaling)  # (B, Hq, Dv)
+            return attn.o_proj(o.reshape(b, 1, -1).to(h.dtype))
         scores = torch.matmul(q.reshape(b, hkv, hq // hkv, d).to(self.keys.dtype), self.keys.transpose(-1, -2))  # (B, Hkv, n_rep, L)
         weights = (scores.float() * attn.scaling).masked_fill_(blocked, float("-inf")).softmax(dim=-1)
         o = torch.matmul(weights.to(self.values.dtype), self.values)  # (B, Hkv, n_rep, D)
@@ -140,6 +150,8 @@ class StaticDecoder:
         self.position = torch.zeros(batch_size, dtype=torch.long, device=self.device)  # (B,) each row's position (RoPE)
         self.slot = torch.zeros(1, dtype=torch.long, device=self.device)  # the buffer slot the step writes (all rows)
         self.slots = torch.arange(max_length, device=self.device)
+        self.rows = torch.arange(batch_size, device=self.device)  # each row its own slot of the softmax buffers (flash-decoding)
+        self.flash = False  # whether the softmax layers read their buffers with the flash-decoding kernel (set at prefill)
         self.clock = DecodeClock(self.device)  # the tokens decoded since the prefill, read by the layers' static states
         self.padding = torch.zeros(batch_size, max_length, dtype=torch.bool, device=self.device)  # (B, L) prompt padding
         self.logits = torch.zeros(batch_size, model.config.vocab_size, device=self.device)
@@ -169,6 +181,7 @@ class StaticDecoder:
         if not bool((mask[:, 1:] >= mask[:, :-1]).all() & (mask[:, -1] == 1).all()):
             raise ValueError("attention_mask must pad on the left (each row: zeros, then ones, ending in a real token)")
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # (B, T)
+        self.flash = softmax_ops.DECODE_FLASH and fused_decode.enabled(self.logits) and bool(mask.all())
         cache = DynamicCache()
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
                          **cache_kwargs(cache))  # fmt: skip
@@ -210,11 +223,12 @@ class StaticDecoder:
         x = base.embed_tokens(self.token)  # (B, 1, hidden)
         cos, sin = base.rotary_emb(x, self.position.clone().view(self.batch_size, 1))  # a copy, not a view of a buffer the step changes
         blocked = ((self.slots > self.slot) | self.padding).view(self.batch_size, 1, 1, self.max_length)  # (B, 1, 1, L)
+        flash = (self.rows, (self.slot + 1).expand(self.batch_size).contiguous()) if self.flash else None  # each row's keys: slots 0 .. slot
         for layer, mem, fused in zip(self.layers, self.memory, self.fused):
             h = layer.input_layernorm(x)
             attn = layer.self_attn
             if isinstance(mem, _SoftmaxMemory):
-                a = mem.step(attn, h, cos, sin, self.slot, blocked)
+                a = mem.step(attn, h, cos, sin, self.slot, blocked, flash)
             else:
                 o = attn.decode_step(h, (cos, sin), mem)  # (B, Hq, 1, D)
                 a = attn.o_proj(o.transpose(1, 2).reshape(self.batch_size, 1, -1).to(h.dtype))
@@ -268,6 +282,15 @@ class StaticDecoder:
         """Record one step (nothing runs: the warm-up steps were real ones)."""
         self._graph = cuda_graph(self._run_step, self.device, warmup=0)
         logger.info("decode step captured as a CUDA graph (batch %d, max_length %d)", self.batch_size, self.max_length)
+
+    @property
+    def softmax_path(self) -> str | None:
+        """How the softmax layers read their buffers since the last prefill: "flash-decoding" or
+        "matmul" (the scores' GEMM and a masked softmax over the whole buffer); None without softmax
+        layers (or before a prefill)."""
+        if not any(isinstance(m, _SoftmaxMemory) for m in self.memory):
+            return None
+        return "flash-decoding" if self.flash else "matmul"
 
     def nbytes_by_layer(self) -> dict[int, int]:
         """Bytes of every layer's memory (the static buffers: softmax layers' keys and values for

@@ -75,6 +75,46 @@ def test_static_decoding_matches_full_forward(name, rows):
 
 
 @pytest.mark.skipif(not fused_decode.triton_available(), reason="needs Triton (the test extra installs it)")
+@pytest.mark.parametrize("name", [None, "softmax"], ids=["teacher", "softmax"])
+@torch.no_grad()
+def test_softmax_layers_decode_with_the_flash_decoding_kernel(name, monkeypatch):
+    """With the fused kernels (in Triton's interpreter without a GPU) the softmax layers read each
+    row's keys so far with the flash-decoding kernel, one call per layer and step, and every step's
+    logits still equal the full forward's; left-padded prompts, or ``ops.softmax.DECODE_FLASH`` off,
+    take the masked matmul over the whole buffer."""
+    from linearize.ops import softmax as softmax_ops
+
+    calls = []
+    kernel = softmax_ops.slot_attention
+    monkeypatch.setattr(softmax_ops, "slot_attention", lambda *a: calls.append(a[4].tolist()) or kernel(*a))
+    model = _model(name)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = model.to(device)
+    prompt = torch.randint(3, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(7)).to(device)
+    decoder = StaticDecoder(model, batch_size=3, max_length=14, graphs=False)
+    with fused_decode.use_fused(True):
+        tokens, logits = _prefill_and_step(decoder, prompt, 6)
+    assert decoder.softmax_path == "flash-decoding"
+    layers = model.config.num_hidden_layers
+    assert calls == [[5 + i + 1] * 3 for i in range(6) for _ in range(layers)]  # each step: slots 0 .. its own, every row
+    seq = torch.cat([prompt.expand(3, -1), torch.stack(tokens[:-1], dim=1)], dim=1)
+    full = model(seq).logits[:, prompt.shape[1] - 1 :]
+    tol = 2e-5 if device == "cpu" else 2e-3
+    torch.testing.assert_close(torch.stack(logits, dim=1), full, atol=tol, rtol=tol)
+    calls.clear()
+    mask = torch.tensor([[1] * 5, [0, 0, 1, 1, 1], [1] * 5], device=device)
+    with fused_decode.use_fused(True):
+        decoder.prefill(prompt.expand(3, -1), attention_mask=mask)
+        decoder.step()
+    assert decoder.softmax_path == "matmul" and calls == []
+    monkeypatch.setattr(softmax_ops, "DECODE_FLASH", False)
+    with fused_decode.use_fused(True):
+        decoder.prefill(prompt)
+        decoder.step()
+    assert decoder.softmax_path == "matmul" and calls == []
+
+
+@pytest.mark.skipif(not fused_decode.triton_available(), reason="needs Triton (the test extra installs it)")
 @pytest.mark.parametrize("name", ["hybrid-joint", "hybrid-gate", "hybrid-nope", "dsla", "dsla-nope"])
 @torch.no_grad()
 def test_fused_decode_kernels_match_full_forward(name, monkeypatch):

@@ -110,7 +110,7 @@ def _measure(model, side: str, *, context: int, steps: int, budget: int, max_bat
             logger.warning("%s: batch %d ran out of memory; trying %d", side, batch, batch * 7 // 8)
             batch = max(1, batch * 7 // 8)
     row.update(batch_size=batch, step_s=median, tokens_per_s=batch / median, compiled=decoder.compiled, graphs=decoder.graphs,
-               held_bytes=batch * per_request)  # fmt: skip
+               held_bytes=batch * per_request, softmax_path=decoder.softmax_path)  # fmt: skip
     if device.type == "cuda":
         row["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
     del decoder
@@ -190,7 +190,8 @@ def capacity_markdown(result: dict[str, Any]) -> str:
         if "error" in row:
             lines.append(f"| {row['side']} | {row['bytes_per_request'] / 2**20:.2f} | {row['error']} | | | |")
         else:  # us per row: the step's time over its rows, what tokens/s at this batch follows from
-            lines.append(f"| {row['side']} | {row['bytes_per_request'] / 2**20:.2f} | {row['batch_size']} | {row['step_s'] * 1e3:.2f} "
+            side = row["side"] + (f" ({row['softmax_path']})" if row.get("softmax_path") else "")
+            lines.append(f"| {side} | {row['bytes_per_request'] / 2**20:.2f} | {row['batch_size']} | {row['step_s'] * 1e3:.2f} "
                          f"| {row['step_s'] * 1e6 / row['batch_size']:.1f} | {row['tokens_per_s']:.0f} |")  # fmt: skip
     if "throughput_ratio" in result:
         lines += ["", f"Converted / teacher tokens/s: **{result['throughput_ratio']:.2f}x**"]

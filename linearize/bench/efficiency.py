@@ -141,10 +141,12 @@ def bench_prefill(
 
 def _decoder_name(decoder) -> str:
     """How decode steps ran: 'cache' (the model's forward with its cache; ``decoder`` None) or
-    'static' (+ '-compiled' where the compiled step ran, + '-graph' where it was a CUDA graph)."""
+    'static' (+ '-compiled' where the compiled step ran, + '-graph' where it was a CUDA graph, +
+    '-flash-decoding' or '-matmul': how its softmax layers read their buffers, where it has any)."""
     if decoder is None:
         return "cache"
-    return "static" + ("-compiled" if decoder.compiled else "") + ("-graph" if decoder.graphs else "")
+    path = decoder.softmax_path
+    return "static" + ("-compiled" if decoder.compiled else "") + ("-graph" if decoder.graphs else "") + (f"-{path}" if path else "")
 
 
 def decode_warmup(warmup: int, static: bool | str) -> int:

@@ -18,6 +18,13 @@ from .naive import sinks_attention_reference, softmax_attention_reference  # noq
 from .states import KVState
 
 
+DECODE_FLASH = True
+"""``linearize.decoding.StaticDecoder``'s softmax layers (the teacher's) read their static key and
+value buffers with the flash-decoding kernel (``slot_attention``: each row only its keys so far,
+split over programs, in float32) where the fused kernels run and the prompt has no padding; False,
+or elsewhere: the scores' GEMM and a float32 masked softmax over the whole buffer."""
+
+
 def _append(state: KVState | None, k: Tensor, v: Tensor, valid: Tensor) -> KVState:
     if state is None:
         return KVState(keys=k, values=v, valid=valid)

@@ -31,6 +31,8 @@ def test_each_side_runs_the_largest_batch_its_requests_fit(tmp_path):
     assert saved["converted"]["batch_size"] == 20 and "position limit lifted from 64" in md
     per_row = f"| {converted['step_s'] * 1e3:.2f} | {converted['step_s'] * 1e6 / 20:.1f} | {converted['tokens_per_s']:.0f} |"
     assert "| us per row |" in md and per_row in md  # the step's time over its 20 rows
+    assert teacher["softmax_path"] == "matmul" and converted["softmax_path"] is None  # on the CPU; flash-decoding on CUDA
+    assert "| teacher (matmul) |" in md and "| converted |" in md
     assert linearize.layer_modes(model) == {0: "hybrid", 1: "hybrid"}  # the teacher's measurement left the modes
 
 
