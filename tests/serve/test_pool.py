@@ -56,8 +56,8 @@ def test_pooled_equals_reference_across_levels_chunks_and_growth(fused, monkeypa
     in_pool = DslaDecodeState.in_pool.__func__
     calls = []
     monkeypatch.setattr(DslaDecodeState, "in_pool", classmethod(lambda cls, *a, **k: calls.append(1) or in_pool(cls, *a, **k)))
-    if fused and not fused_decode.triton_available():
-        pytest.skip("needs Triton (the test extra installs it)")
+    if fused and not (fused_decode.triton_available() and fused_decode.interpreting()):
+        pytest.skip("runs the kernels in Triton's interpreter on the CPU (TRITON_INTERPRET=1, set where there is no GPU)")
     with fused_decode.use_fused(fused):
         worst, rs, ps, pool = run_both(model, levels, prompts, level_of, 6, gen)
     assert worst < 1e-5
