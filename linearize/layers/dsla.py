@@ -232,9 +232,8 @@ class DslaAttention(ConvertedAttention):
             return None
         b = q.shape[0]
         down, up, gate_bias = self.fused_gate_weights()
-        xr = fused_dsla.gate_inputs(x, down, self.options.dsla_gate_rank).view(b, 2, -1)  # (B, 2, R) float32: one GEMM
-        return fused_decode.dsla_decode_inputs(q.reshape(b, self.num_heads, -1), k.reshape(b, k.shape[1], -1), xr, weight, bias, up,
-                                               gate_bias)  # fmt: skip
+        return fused_decode.dsla_decode_inputs(q.reshape(b, self.num_heads, -1), k.reshape(b, k.shape[1], -1), x.reshape(b, -1), down,
+                                               weight, bias, up, gate_bias)  # fmt: skip
 
     def has_static_decoding(self) -> bool:
         return self.mode in self.GAMMA

@@ -228,9 +228,16 @@ class DslaDecodeState:
 
     @classmethod
     def from_state(cls, state: DslaState, kv_heads: int, normalize: bool, align: int | None = None) -> "DslaDecodeState":
-        """The decode form of ``state``, its rows padded to a multiple of ``align`` columns
-        (default: ``ROW_ALIGN`` on CUDA, none elsewhere: the CPU kernel takes unpadded rows)."""
+        """The decode form of ``state``: column-major where the fused kernels take it
+        (``fused_decode.state_layout``; no padding, each column's Dk floats contiguous) unless
+        ``align`` is given; else its rows padded to a multiple of ``align`` columns (default:
+        ``ROW_ALIGN`` on CUDA, none elsewhere: the CPU kernel takes unpadded rows)."""
         width = state.history.shape[-1]
+        if align is None and state.history.dtype == torch.float32:
+            stacked = torch.stack((state.history, state.recent))  # (2, B, Hq, Dk, Dv [+ 1])
+            columns = fused_decode.state_layout(stacked)
+            if columns is not stacked:
+                return cls(columns, _value_rows(columns, columns.shape[1], kv_heads, width, normalize), width)
         states = state.history.new_zeros(2, *state.history.shape[:-1], padded_columns(width, state.history, align))  # (2, B, Hq, Dk, C)
         states[0, ..., :width] = state.history
         states[1, ..., :width] = state.recent
@@ -251,7 +258,7 @@ class DslaDecodeState:
 
     def canonical(self) -> DslaState:
         states = self.states if self.index is None else self.states.index_select(1, self.index)
-        if self.width == states.shape[-1]:
+        if self.width == states.shape[-1] and states.is_contiguous():
             return DslaState(history=states[0], recent=states[1])
         return DslaState(history=states[0, ..., : self.width].contiguous(), recent=states[1, ..., : self.width].contiguous())
 

@@ -146,20 +146,27 @@ def _kernels() -> _Kernels:
     import triton.language as tl
 
     def tuned(keys: list[str], restore: str):
-        """Autotuned over the state tiles on a GPU (the state restored after each trial, as these
-        kernels update it in place); the default tiles in Triton's interpreter."""
+        """Autotuned over the state tiles of both layouts on a GPU (the layout is in the key, so
+        each is tuned on its own; the state restored after each trial, as these kernels update it
+        in place); the default tiles in Triton's interpreter."""
         if interpreting():
             return lambda fn: triton.heuristics({"BK": lambda _: BLOCK_K, "BV": lambda _: BLOCK_V})(fn)
-        configs = [triton.Config({"BK": bk, "BV": bv}, num_warps=w) for bk, bv, w in STATE_TILES]
+        tiles = dict.fromkeys(STATE_TILES + COLUMN_TILES)
+        configs = [triton.Config({"BK": bk, "BV": bv}, num_warps=w) for bk, bv, w in tiles]
         return autotune(configs, key=keys, restore_value=[restore])
 
-    @tuned(["F", "V"], "linear")
-    @triton.jit(do_not_specialize=["slot"])
+    @tuned(["F", "V", "SV", "tune_rows"], "linear")
+    @triton.jit(do_not_specialize=["slot", "tune_rows"])
     def hybrid_kernel(
         linear, features, values, qf, out, index,
-        slot, n_rep, s_fb, s_fw, s_vb, s_vw, s_q,
-        F: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DEVICE_INDEX: tl.constexpr,
+        slot, tune_rows, n_rep, s_fb, s_fw, s_vb, s_vw, s_q,
+        F: tl.constexpr, V: tl.constexpr, SF: tl.constexpr, SV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+        DEVICE_INDEX: tl.constexpr,
     ):  # fmt: skip
+        # tune_rows (the rows B x Hq rounded up to a power of 2) only keys the tuning: the tile
+        # that is best at batch 1 is not at batch 64. SF, SV: the state's strides between feature
+        # rows and value columns (V, 1 row-major; 1, F column-major), constants, so the compiler
+        # sees which axis is contiguous.
         r = tl.program_id(0).to(tl.int64)  # one (batch row, query head)
         iv = tl.program_id(1)
         kr = r // n_rep  # its (batch row, KV head): the window is kept per KV head
@@ -178,7 +185,7 @@ def _kernels() -> _Kernels:
             mk = ok < F
             f = tl.load(features + kr * s_fb + w * s_fw + j * F + ok, mask=mk, other=0.0).to(tl.float32)
             q = tl.load(qf + r * s_q + ok, mask=mk, other=0.0).to(tl.float32)
-            ptr = base + ok[:, None] * V + ov[None, :]
+            ptr = base + ok[:, None] * SF + ov[None, :] * SV
             m = mk[:, None] & mv[None, :]
             s = tl.load(ptr, mask=m, other=0.0)
             s += f[:, None] * vv[None, :]
@@ -186,13 +193,13 @@ def _kernels() -> _Kernels:
             acc += tl.sum(q[:, None] * s, axis=0)
         tl.store(out + r * V + ov, acc, mask=mv)
 
-    @tuned(["K", "V", "tune_rows", "KS"], "states")
+    @tuned(["K", "V", "SV", "tune_rows", "KS"], "states")
     @triton.jit(do_not_specialize=["rows", "state_rows", "tune_rows"])
     def dsla_kernel(
         states, qf, kf, v, decay, out, index,
         rows, state_rows, tune_rows, n_rep, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_db, s_ds, s_dh,
         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DV: tl.constexpr, KS: tl.constexpr, PAIR: tl.constexpr,
-        BK: tl.constexpr, BV: tl.constexpr, NORMALIZE: tl.constexpr, INDEXED: tl.constexpr,
+        SF: tl.constexpr, SV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NORMALIZE: tl.constexpr, INDEXED: tl.constexpr,
     ):  # fmt: skip
         # rows = B * H (the batch) and state_rows (the states' rows: B * H, or a pool's slots * H) are
         # run-time values, not constexprs: a new batch size compiles nothing; tune_rows (the batch
@@ -234,7 +241,7 @@ def _kernels() -> _Kernels:
             k = tl.load(kf + b * s_kb + h * s_kh + ok, mask=mk, other=0.0).to(tl.float32)
             m = mk[:, None] & mv[None, :]
             kv = k[:, None] * vv[None, :]
-            offs = ok[:, None] * V + ov[None, :]
+            offs = ok[:, None] * SF + ov[None, :] * SV  # (SF, SV: as in hybrid_kernel)
             a0 = tl.load(d0 + ok, mask=mk, other=0.0).to(tl.float32)
             s0 = tl.load(base0 + offs, mask=m, other=0.0)
             s0 = a0[:, None] * s0 + kv
@@ -255,36 +262,48 @@ def _kernels() -> _Kernels:
         q, keys, values, valid, lin, factor, out,
         n_rep, s_qb, s_qh, scale,
         H: tl.constexpr, W: tl.constexpr, D: tl.constexpr, V: tl.constexpr,
-        BW: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, EPS: tl.constexpr,
+        BW: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, EPS: tl.constexpr, GROUP: tl.constexpr,
     ):  # fmt: skip
-        r = tl.program_id(0).to(tl.int64)  # one (batch row, query head)
-        b = r // H
-        h = r % H
-        kr = b * (H // n_rep) + h // n_rep  # its (batch row, KV head)
+        # One program per (batch row, query head); with GROUP, per (batch row, KV head), its GROUP
+        # query heads in turn on one load of the window.
+        p = tl.program_id(0).to(tl.int64)
+        if GROUP > 1:
+            hkv = H // GROUP
+            b = p // hkv
+            kr = p
+        else:
+            b = p // H
+            kr = b * (H // n_rep) + (p % H) // n_rep  # its (batch row, KV head)
         ow, od, ov = tl.arange(0, BW), tl.arange(0, BD), tl.arange(0, BV)
         mw, md, mv = ow < W, od < D, ov < V
-        qv = tl.load(q + b * s_qb + h * s_qh + od, mask=md, other=0.0).to(tl.float32)
         k = tl.load(keys + kr * W * D + ow[:, None] * D + od[None, :], mask=mw[:, None] & md[None, :], other=0.0)
-        scores = tl.sum(k * qv[None, :], axis=1) * scale  # (BW,)
-        real = tl.load(valid + b * W + ow, mask=mw, other=0) != 0
-        scores = tl.where(real, scores, float("-inf"))
-        e = tl.exp(scores - tl.max(scores, axis=0))  # the new token is in the window: the max is finite
         vt = tl.load(values + kr * W * V + ow[:, None] * V + ov[None, :], mask=mw[:, None] & mv[None, :], other=0.0)
-        sw = tl.sum(e[:, None] * vt, axis=0)  # (BV,): [sum e v, sum e]
-        la = tl.load(lin + r * V + ov, mask=mv, other=0.0)
-        f = tl.load(factor + h).to(tl.float32)
+        real = tl.load(valid + b * W + ow, mask=mw, other=0) != 0
         last = ov == V - 1
-        if GATE:  # g SWA + (1 - g) LA, each over its own denominator (0 where that is empty)
-            den_w = tl.sum(tl.where(last, sw, 0.0), axis=0)
-            den_l = tl.sum(tl.where(last, la, 0.0), axis=0)
-            read_w = tl.where(den_w > EPS, sw / den_w, 0.0)
-            read_l = tl.where(den_l > EPS, la / den_l, 0.0)
-            o = read_l + f * (read_w - read_l)
-        else:  # one denominator: the linear term plus the window's, scaled by the window factor
-            x = la + f * sw
-            den = tl.sum(tl.where(last, x, 0.0), axis=0)
-            o = tl.where(den > EPS, x / den, 0.0)
-        tl.store(out + r * (V - 1) + ov, o, mask=ov < V - 1)
+        for j in tl.static_range(GROUP):
+            if GROUP > 1:
+                h = (p % hkv) * GROUP + j
+            else:
+                h = p % H
+            r = b * H + h
+            qv = tl.load(q + b * s_qb + h * s_qh + od, mask=md, other=0.0).to(tl.float32)
+            scores = tl.sum(k * qv[None, :], axis=1) * scale  # (BW,)
+            scores = tl.where(real, scores, float("-inf"))
+            e = tl.exp(scores - tl.max(scores, axis=0))  # the new token is in the window: the max is finite
+            sw = tl.sum(e[:, None] * vt, axis=0)  # (BV,): [sum e v, sum e]
+            la = tl.load(lin + r * V + ov, mask=mv, other=0.0)
+            f = tl.load(factor + h).to(tl.float32)
+            if GATE:  # g SWA + (1 - g) LA, each over its own denominator (0 where that is empty)
+                den_w = tl.sum(tl.where(last, sw, 0.0), axis=0)
+                den_l = tl.sum(tl.where(last, la, 0.0), axis=0)
+                read_w = tl.where(den_w > EPS, sw / den_w, 0.0)
+                read_l = tl.where(den_l > EPS, la / den_l, 0.0)
+                o = read_l + f * (read_w - read_l)
+            else:  # one denominator: the linear term plus the window's, scaled by the window factor
+                x = la + f * sw
+                den = tl.sum(tl.where(last, x, 0.0), axis=0)
+                o = tl.where(den > EPS, x / den, 0.0)
+            tl.store(out + r * (V - 1) + ov, o, mask=ov < V - 1)
 
     @triton.jit
     def slot_kernel(
@@ -386,29 +405,45 @@ def _kernels() -> _Kernels:
 
     @triton.jit
     def dsla_inputs_kernel(
-        q, k, xr, hw, hb, up, gb, qf, kf, decay,
-        rows, n_rep, s_qb, s_qh, s_kb, s_kh,
-        H: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, R: tl.constexpr, BB: tl.constexpr, NORM: tl.constexpr,
-        IEEE: tl.constexpr,
+        q, k, x, down, xr_in, hw, hb, up, gb, qf, kf, decay,
+        rows, n_rep, s_qb, s_qh, s_kb, s_kh, s_x,
+        H: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, R: tl.constexpr, RANK: tl.constexpr, HID: tl.constexpr,
+        BH: tl.constexpr, BB: tl.constexpr, NORM: tl.constexpr, IEEE: tl.constexpr, PARTS: tl.constexpr, DOWN: tl.constexpr,
     ):  # fmt: skip
-        # one program per (query head, block of BB rows): the head's weights loaded once for its rows
+        # one program per (query head, block of BB rows, part): the head's weights loaded once for
+        # its rows; PARTS 1: the query's map, the key's and both gates in one program; 4: one each
         h = tl.program_id(0)
         ob = tl.program_id(1) * BB + tl.arange(0, BB)
+        part = tl.program_id(2)
         mb = ob < rows
         b = ob.to(tl.int64)
         F: tl.constexpr = 2 * FH
         od = tl.arange(0, D)
-        qv = tl.load(q + b[:, None] * s_qb + h * s_qh + od[None, :], mask=mb[:, None], other=0.0)
-        _hedgehog_rows(qv, hw, hb, h, qf + h * F, b, mb, H * F, D=D, FH=FH, IEEE=IEEE)  # the query's map: h
-        kv = tl.load(k + b[:, None] * s_kb + (h // n_rep) * s_kh + od[None, :], mask=mb[:, None], other=0.0)
-        _hedgehog_rows(kv, hw, hb, H + h, kf + h * F, b, mb, H * F, D=D, FH=FH, IEEE=IEEE)  # the key's map for query head h: H + h
+        if (PARTS == 1) | (part == 0):
+            qv = tl.load(q + b[:, None] * s_qb + h * s_qh + od[None, :], mask=mb[:, None], other=0.0)
+            _hedgehog_rows(qv, hw, hb, h, qf + h * F, b, mb, H * F, D=D, FH=FH, IEEE=IEEE)  # the query's map: h
+        if (PARTS == 1) | (part == 1):
+            kv = tl.load(k + b[:, None] * s_kb + (h // n_rep) * s_kh + od[None, :], mask=mb[:, None], other=0.0)
+            _hedgehog_rows(kv, hw, hb, H + h, kf + h * F, b, mb, H * F, D=D, FH=FH, IEEE=IEEE)  # the key's map for query head h: H + h
         oi, og = tl.arange(0, R), tl.arange(0, F)
         for s in tl.static_range(2):  # history, recent: alpha = exp(logsigmoid(x W_down W_up + b) / NORM)
-            x = tl.load(xr + (b[:, None] * 2 + s) * R + oi[None, :], mask=mb[:, None], other=0.0)  # (BB, R) float32
-            u = tl.load(up + s * R * H * F + oi[:, None] * (H * F) + h * F + og[None, :])  # (R, F) float32
-            z = tl.dot(x, u, input_precision="ieee") + tl.load(gb + s * H * F + h * F + og)[None, :]
-            ls = tl.minimum(z, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(z)))  # logsigmoid
-            tl.store(decay + (b[:, None] * 2 + s) * (H * F) + h * F + og[None, :], tl.exp(ls / NORM), mask=mb[:, None])
+            if (PARTS == 1) | (part == 2 + s):
+                if DOWN:  # xr = x W_down (BB, R): the gate's rank rows of ``down``, the rest of R zero; in
+                    # float32, rounded through down's dtype as F.linear rounds it
+                    xr = tl.zeros([BB, R], dtype=tl.float32)
+                    for h0 in range(0, HID, BH):
+                        oh = h0 + tl.arange(0, BH)
+                        mh = oh < HID
+                        xv = tl.load(x + b[:, None] * s_x + oh[None, :], mask=mb[:, None] & mh[None, :], other=0.0)
+                        dw = tl.load(down + (s * RANK + oi[:, None]) * HID + oh[None, :], mask=(oi[:, None] < RANK) & mh[None, :], other=0.0)
+                        xr += tl.dot(xv.to(dw.dtype).to(tl.float32), tl.trans(dw.to(tl.float32)), input_precision="ieee")
+                    xr = xr.to(down.dtype.element_ty).to(tl.float32)
+                else:  # xr given: (B, 2, R) float32
+                    xr = tl.load(xr_in + (b[:, None] * 2 + s) * R + oi[None, :], mask=mb[:, None], other=0.0)
+                u = tl.load(up + s * R * H * F + oi[:, None] * (H * F) + h * F + og[None, :])  # (R, F) float32
+                z = tl.dot(xr, u, input_precision="ieee") + tl.load(gb + s * H * F + h * F + og)[None, :]
+                ls = tl.minimum(z, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(z)))  # logsigmoid
+                tl.store(decay + (b[:, None] * 2 + s) * (H * F) + h * F + og[None, :], tl.exp(ls / NORM), mask=mb[:, None])
 
     return _Kernels(hybrid=hybrid_kernel, dsla=dsla_kernel, window=window_kernel, slots=slot_kernel, prefill=slot_prefill_kernel,
                     inputs=dsla_inputs_kernel)  # fmt: skip
@@ -416,7 +451,16 @@ def _kernels() -> _Kernels:
 
 BLOCK_K = 32
 BLOCK_V = 64
-STATE_TILES = ((32, 64, 4), (16, 128, 4), (16, 256, 4), (32, 256, 8), (8, 256, 4))
+COLUMN_TILES = ((128, 8, 4), (128, 16, 4), (128, 32, 4), (128, 64, 8), (256, 16, 4), (256, 32, 8), (256, 8, 4), (64, 64, 4))
+"""(feature rows, value columns, warps) per program the state kernels are tuned over on a GPU as
+well, for column-major states: a program takes whole columns of F contiguous floats where F fits."""
+COLUMN_STATES = False
+"""Decode states made for the fused kernels keep [S | z] column-major: each value column's F
+features contiguous (a (rows, F, C) tensor with strides (F C, 1, F)), so a program's loads are
+whole aligned columns with no masked lanes (C = Dv + 1 columns otherwise start every row at a
+4-byte offset or are padded) and its read sums along them. False: row-major, as the CPU kernels
+take them."""
+STATE_TILES = ((32, 64, 4), (16, 128, 4), (32, 128, 4), (64, 128, 8), (16, 256, 4), (32, 256, 8), (8, 256, 4))
 """(feature rows, value columns, warps) per program the state kernels are tuned over on a GPU: the
 widest tiles cover a whole [S | z] row block (Dv + 1 contiguous floats) in one coalesced load."""
 
@@ -425,6 +469,31 @@ def _check_buffer(name: str, x: Tensor) -> None:
     """ValueError unless ``x`` is a contiguous float32 tensor (what a kernel indexes as one block)."""
     if not x.is_contiguous() or x.dtype != torch.float32:
         raise ValueError(f"{name} must be a contiguous float32 tensor, got {x.dtype} with strides {x.stride()}")
+
+
+def column_major(x: Tensor) -> Tensor:
+    """``x`` (..., R, C) as a column-major copy: the same values and shape, each column's R entries
+    contiguous (strides (..., 1, R))."""
+    return x.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def state_layout(x: Tensor) -> Tensor:
+    """A new decode state ``x`` (..., F, C) float32 laid out for the fused kernels: column-major
+    where they run on it and ``COLUMN_STATES`` is on; else ``x`` itself."""
+    if COLUMN_STATES and x.dtype == torch.float32 and enabled(x):
+        return column_major(x)
+    return x
+
+
+def _state_layout(name: str, x: Tensor) -> bool:
+    """Whether the float32 state ``x`` (..., R, C) is column-major (``column_major``); False for a
+    contiguous one; ValueError for any other layout or dtype."""
+    if x.dtype == torch.float32 and x.is_contiguous():
+        return False
+    if x.dtype == torch.float32 and x.transpose(-1, -2).is_contiguous():
+        return True
+    raise ValueError(f"{name} must be a contiguous float32 tensor or its column-major form (last two axes transposed), got {x.dtype} "
+                     f"with strides {x.stride()}")  # fmt: skip
 
 
 def _check(name: str, x: Tensor, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> None:
@@ -437,13 +506,13 @@ def _check(name: str, x: Tensor, shape: tuple[int, ...], dtype: torch.dtype | No
 @torch.library.custom_op("linearize::hybrid_linear_step", mutates_args=("linear",))
 def hybrid_linear_step(linear: Tensor, features: Tensor, values: Tensor, qf: Tensor, index: Tensor | None, slot: int) -> Tensor:
     """The hybrid decode step's linear part, in place: ``linear`` (B Hq, F, Dv + 1) float32 [S | z]
-    takes the leaving token, window slot ``index`` (0-dim long tensor on the device; None: the
-    host's ``slot``) of ``features`` (B Hkv, W, n_rep F) and ``values`` (B Hkv, W, Dv + 1); returns
-    phi(q) [S | z] (B Hq, Dv + 1) float32 for ``qf`` (B Hq, F)."""
+    (contiguous or column-major) takes the leaving token, window slot ``index`` (0-dim long tensor
+    on the device; None: the host's ``slot``) of ``features`` (B Hkv, W, n_rep F) and ``values``
+    (B Hkv, W, Dv + 1); returns phi(q) [S | z] (B Hq, Dv + 1) float32 for ``qf`` (B Hq, F)."""
     rows, f, width = linear.shape
     bk, w = values.shape[:2]
     n_rep = rows // bk
-    _check_buffer("linear", linear)
+    columns = _state_layout("linear", linear)
     _check("features", features, (bk, w, n_rep * f))
     _check("values", values, (bk, w, width))
     _check("qf", qf, (rows, f))
@@ -451,13 +520,14 @@ def hybrid_linear_step(linear: Tensor, features: Tensor, values: Tensor, qf: Ten
         raise ValueError("features, values and qf must be contiguous in their last axis")
     out = torch.empty(rows, width, device=linear.device, dtype=torch.float32)
     kernel = _kernels().hybrid
+
     def grid(meta):
         return (rows, -(-width // meta["BV"]))
 
     kernel[grid](
         linear, features, values, qf, out, linear if index is None else index,
-        slot, n_rep, features.stride(0), features.stride(1), values.stride(0), values.stride(1), qf.stride(0),
-        F=f, V=width, DEVICE_INDEX=index is not None,
+        slot, 1 << (rows - 1).bit_length(), n_rep, features.stride(0), features.stride(1), values.stride(0), values.stride(1),
+        qf.stride(0), F=f, V=width, SF=1 if columns else width, SV=f if columns else 1, DEVICE_INDEX=index is not None,
     )  # fmt: skip
     return out
 
@@ -497,9 +567,9 @@ def dsla_split_launch(splits: int, features: int) -> tuple[int, dict[str, Any]]:
 @torch.library.custom_op("linearize::dsla_state_step", mutates_args=("states",))
 def dsla_state_step(states: Tensor, qf: Tensor, kf: Tensor, v: Tensor, decay: Tensor, normalize: bool,
                     index: Tensor | None = None) -> Tensor:  # fmt: skip
-    """DSLA's decode step on both states, in place: ``states`` (2, B, Hq, Dk, C) float32, history
-    first, become diag(alpha) S + phi(k) [v, (1), 0 ...]^T for ``kf`` (B, Hq, Dk), ``v`` (B, Hkv, Dv)
-    and ``decay`` (B, 2, Hq, Dk) = alpha; returns both reads phi(q) S as partial sums over
+    """DSLA's decode step on both states, in place: ``states`` (2, B, Hq, Dk, C) float32 (contiguous,
+    or column-major: ``column_major``), history first, become diag(alpha) S + phi(k) [v, (1), 0 ...]^T
+    for ``kf`` (B, Hq, Dk), ``v`` (B, Hkv, Dv) and ``decay`` (B, 2, Hq, Dk) = alpha; returns both reads phi(q) S as partial sums over
     ``dsla_splits(B Hq, Dk)`` blocks of feature rows, (splits, 2, B, Hq, C) float32 for ``qf``
     (B, Hq, Dk): their sum over the first axis is the read (``dsla_read`` adds them, where a
     compiled step fuses the sum into what follows). With ``normalize`` column Dv is the
@@ -509,7 +579,7 @@ def dsla_state_step(states: Tensor, qf: Tensor, kf: Tensor, v: Tensor, decay: Te
     indices must be distinct)."""
     _, n, hq, dk, width = states.shape
     b, hkv, dv = v.shape[0], v.shape[1], v.shape[-1]
-    _check_buffer("states", states)
+    columns = _state_layout("states", states)
     if width < dv + int(normalize):
         raise ValueError(f"states have {width} columns; v's {dv} values" + (" and the normaliser" if normalize else "") + " need "
                          f"{dv + int(normalize)}")  # fmt: skip
@@ -536,7 +606,8 @@ def dsla_state_step(states: Tensor, qf: Tensor, kf: Tensor, v: Tensor, decay: Te
         states, qf, kf, v, decay, out, index if index is not None else out,
         b * hq, n * hq, 1 << (b - 1).bit_length(), hq // hkv, qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), v.stride(0), v.stride(1),
         decay.stride(0), decay.stride(1), decay.stride(2),
-        H=hq, K=dk, V=width, DV=dv, NORMALIZE=normalize, INDEXED=index is not None, **split,
+        H=hq, K=dk, V=width, DV=dv, SF=1 if columns else width, SV=dk if columns else 1, NORMALIZE=normalize, INDEXED=index is not None,
+        **split,
     )  # fmt: skip
     return out
 
@@ -558,6 +629,15 @@ def tile_sized(*sizes: int) -> bool:
 
 DSLA_INPUT_ROWS = 16
 """Batch rows per program of ``dsla_decode_inputs`` (each program one query head's weights)."""
+DSLA_INPUT_PARTS = 1
+"""Programs per (query head, block of rows) of ``dsla_decode_inputs``: 4 makes the query's map,
+the key's map and each gate a program of its own (a large batch at a few heads otherwise runs
+fewer programs than the GPU has SMs); 1 does all four in one program."""
+
+
+DSLA_GATE_DOWN = False
+"""``dsla_decode_inputs`` computes the gates' down projection x W_down itself (each gate's program
+for its rows, in float32: no GEMM of its own in the step); False: as a float32 GEMM before it."""
 
 
 def dsla_inputs_apply(q: Tensor, hedgehog_weight: Tensor) -> bool:
@@ -569,14 +649,16 @@ def dsla_inputs_apply(q: Tensor, hedgehog_weight: Tensor) -> bool:
 
 
 @torch.library.custom_op("linearize::dsla_decode_inputs", mutates_args=())
-def dsla_decode_inputs(q: Tensor, k: Tensor, xr: Tensor, hedgehog_weight: Tensor, hedgehog_bias: Tensor, up: Tensor,
+def dsla_decode_inputs(q: Tensor, k: Tensor, x: Tensor, down: Tensor, hedgehog_weight: Tensor, hedgehog_bias: Tensor, up: Tensor,
                        gate_bias: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """What DSLA's decode step reads of one token, in one kernel: the Hedgehog features of q (B, Hq, D)
     and of k (B, Hkv, D) for every query head of its KV head (maps ``hedgehog_weight`` (2 Hq, D, f)
     and ``hedgehog_bias`` (2 Hq, 1, f), queries' first, as ``layers.base.token_features`` stacks them),
     rounded through the maps' dtype; and both gates alpha = exp(logsigmoid(xr W_up + b) / 16) from
-    the gates' low-rank inputs ``xr`` (B, 2, R) float32 (``fused_dsla.gate_inputs``) and ``up``
-    (2, R, Hq F), ``gate_bias`` (2, Hq F) float32 (``fused_dsla.gate_weights``). Returns qf, kf
+    the token's hidden state ``x`` (B, hidden), both gates' down projections ``down`` (2 rank, hidden)
+    (xr = x W_down in down's dtype, as ``fused_dsla.gate_inputs`` computes it: in the kernel with
+    ``DSLA_GATE_DOWN``, else as a GEMM before it) and ``up`` (2, R, Hq F), ``gate_bias`` (2, Hq F) float32
+    (``fused_dsla.gate_weights``; R the rank padded, ``fused_dsla.padded_rank``). Returns qf, kf
     (B, Hq, 2f) and decay (B, 2, Hq, 2f), float32: the numbers of ``token_features`` and
     ``DslaAttention.decode_gates`` (tests/ops/test_fused_decode.py). One program per query head and
     block of ``DSLA_INPUT_ROWS`` rows, so each head's weights are read once per block."""
@@ -587,32 +669,53 @@ def dsla_decode_inputs(q: Tensor, k: Tensor, xr: Tensor, hedgehog_weight: Tensor
     f = hedgehog_weight.shape[-1]
     nf = 2 * f
     r = up.shape[1]
+    rank, hidden = down.shape[0] // 2, down.shape[-1]
     _check("k", k, (b, hkv, d), q.dtype)
-    _check("xr", xr, (b, 2, r), torch.float32)
+    _check("x", x, (b, hidden))
+    _check("down", down, (2 * rank, hidden))
+    if rank > r or down.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"down must be float32, bfloat16 or float16 with at most {r} rows per gate (up's rank axis), got "
+                         f"{down.dtype} with {rank}")  # fmt: skip
     _check("hedgehog_weight", hedgehog_weight, (2 * hq, d, f))
     _check("hedgehog_bias", hedgehog_bias, (2 * hq, 1, f))
     _check("up", up, (2, r, hq * nf), torch.float32)
     _check("gate_bias", gate_bias, (2, hq * nf), torch.float32)
     if hq % hkv or r < 16 or r & (r - 1):
         raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv}), and the rank axis ({r}) a power of two from 16")
-    if any(t.stride(-1) != 1 for t in (q, k)) or not all(t.is_contiguous() for t in (xr, hedgehog_weight, hedgehog_bias, up, gate_bias)):
-        raise ValueError("q and k must be contiguous in their last axis, xr and the weights contiguous")
+    if any(t.stride(-1) != 1 for t in (q, k, x)) or not all(t.is_contiguous() for t in (down, hedgehog_weight, hedgehog_bias, up, gate_bias)):
+        raise ValueError("q, k and x must be contiguous in their last axis, the weights contiguous")
     qf = torch.empty(b, hq, nf, device=q.device, dtype=torch.float32)
     kf = torch.empty_like(qf)
     decay = torch.empty(b, 2, hq, nf, device=q.device, dtype=torch.float32)
-    _kernels().inputs[(hq, -(-b // DSLA_INPUT_ROWS))](
-        q, k, xr, hedgehog_weight, hedgehog_bias, up, gate_bias, qf, kf, decay,
-        b, hq // hkv, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        H=hq, D=d, FH=f, R=r, BB=DSLA_INPUT_ROWS, NORM=GATE_NORMALISER, IEEE=q.dtype == torch.float32,
+    if DSLA_INPUT_PARTS not in (1, 4):
+        raise ValueError(f"fused_decode.DSLA_INPUT_PARTS must be 1 or 4, got {DSLA_INPUT_PARTS!r}")
+    if DSLA_GATE_DOWN:
+        xr = qf  # (not read)
+    else:  # the down projection as its own GEMM
+        from .fused_dsla import gate_inputs
+
+        xr = gate_inputs(x.view(b, 1, hidden), down, rank).view(b, 2, r)
+    _kernels().inputs[(hq, -(-b // DSLA_INPUT_ROWS), DSLA_INPUT_PARTS)](
+        q, k, x, down, xr, hedgehog_weight, hedgehog_bias, up, gate_bias, qf, kf, decay,
+        b, hq // hkv, q.stride(0), q.stride(1), k.stride(0), k.stride(1), x.stride(0),
+        H=hq, D=d, FH=f, R=r, RANK=rank, HID=hidden, BH=64, BB=DSLA_INPUT_ROWS, NORM=GATE_NORMALISER, IEEE=q.dtype == torch.float32,
+        PARTS=DSLA_INPUT_PARTS, DOWN=DSLA_GATE_DOWN,
     )  # fmt: skip
     return qf, kf, decay
 
 
 @dsla_decode_inputs.register_fake
-def _(q, k, xr, hedgehog_weight, hedgehog_bias, up, gate_bias):
+def _(q, k, x, down, hedgehog_weight, hedgehog_bias, up, gate_bias):
     b, hq = q.shape[:2]
     nf = 2 * hedgehog_weight.shape[-1]
     return q.new_empty(b, hq, nf, dtype=torch.float32), q.new_empty(b, hq, nf, dtype=torch.float32), q.new_empty(b, 2, hq, nf, dtype=torch.float32)
+
+
+WINDOW_GROUPED = False
+"""``hybrid_window_read`` runs a program per (batch row, KV head) that reads the window once for its
+query heads in turn (False: a program per query head, each loading its KV head's window)."""
+WINDOW_WARPS = 8
+"""Warps per program of ``hybrid_window_read``."""
 
 
 @torch.library.custom_op("linearize::hybrid_window_read", mutates_args=())
@@ -636,14 +739,17 @@ def hybrid_window_read(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, l
     _check("valid", valid, (b, w), torch.bool)
     _check("lin", lin, (b * hq, width))
     _check("factor", factor, (hq,))
-    if q.stride(-1) != 1 or not valid.is_contiguous():
-        raise ValueError("q must be contiguous in its last axis and valid contiguous")
+    if q.stride(-1) != 1 or not valid.is_contiguous() or not factor.is_contiguous():
+        raise ValueError("q must be contiguous in its last axis, valid and factor contiguous")
     out = torch.empty(b * hq, width - 1, device=q.device, dtype=torch.float32)
     kernel = _kernels().window
-    kernel[(b * hq,)](
-        q, keys, values, valid.view(torch.uint8), lin, factor.float().contiguous(), out,  # the mask as bytes (same storage)
-        hq // (bk // b), q.stride(0), q.stride(1), scale,
-        H=hq, W=w, D=d, V=width, BW=pow2(w), BD=pow2(d), BV=pow2(width), GATE=gate, EPS=EMPTY_DENOMINATOR, num_warps=8,
+    n_rep = hq // (bk // b)
+    group = n_rep if WINDOW_GROUPED else 1
+    kernel[(b * hq // group,)](
+        q, keys, values, valid.view(torch.uint8), lin, factor, out,  # the mask as bytes (same storage); factor in its own dtype
+        n_rep, q.stride(0), q.stride(1), scale,
+        H=hq, W=w, D=d, V=width, BW=pow2(w), BD=pow2(d), BV=pow2(width), GATE=gate, EPS=EMPTY_DENOMINATOR, GROUP=group,
+        num_warps=WINDOW_WARPS,
     )  # fmt: skip
     return out
 

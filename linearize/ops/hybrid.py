@@ -401,7 +401,7 @@ class HybridDecodeState:
     linear_keys: Tensor | None  # (bk, W, D) or None
     values: Tensor  # (bk, W, Dv + 1): [v, 1], zero at empty slots
     features: Tensor  # (bk, W, n_rep * F)
-    linear: Tensor  # (B * Hq, F, Dv + 1): [S | z]
+    linear: Tensor  # (B * Hq, F, Dv + 1): [S | z]; column-major where the fused kernels take it (``fused_decode.state_layout``)
     valid: Tensor  # (B, W)
     positions: Tensor  # (B, W): as in the state this was made from
     last: Tensor  # (B,) position of each row's last token before ``start``
@@ -448,7 +448,7 @@ class HybridDecodeState:
             linear_keys=None if ws.linear_keys is None else ws.linear_keys.reshape(b * hkv, w, d).clone(),
             values=torch.cat([ws.values, real], dim=-1).reshape(b * hkv, w, -1),
             features=features,
-            linear=torch.cat([lin.kv, lin.k_sum[..., None]], dim=-1).reshape(b * heads, f, -1),
+            linear=fused_decode.state_layout(torch.cat([lin.kv, lin.k_sum[..., None]], dim=-1).reshape(b * heads, f, -1)),
             valid=ws.valid.clone(), positions=ws.positions.clone(), last=ws.positions.amax(dim=1), heads=heads,
             full=bool(ws.valid.all()),
         )  # fmt: skip
@@ -510,6 +510,15 @@ class HybridDecodeState:
         return HybridState(window=window, linear=LinearState(kv=kv[..., :dv].contiguous(), k_sum=kv[..., dv].contiguous()))
 
 
+def _take(state: HybridDecodeState, features: Tensor, values: Tensor) -> None:
+    """[S | z] += phi(k) [v, 1]^T in place for the token leaving the window: its ``features``
+    (bk, [1,] n_rep F) and ``values`` (bk, [1,] Dv + 1) (zero for an empty slot), in either layout
+    of ``state.linear``."""
+    bk, width = values.shape[0], values.shape[-1]
+    n_rep = state.linear.shape[0] // bk
+    state.linear.view(bk, n_rep, -1, width).addcmul_(features.reshape(bk, n_rep, -1, 1), values.reshape(bk, 1, 1, width))
+
+
 def _read(x: Tensor) -> Tensor:
     """[numerator, denominator] in the last axis -> their ratio, 0 where the denominator is at most
     EMPTY_DENOMINATOR (``safe_divide``'s values; decoding takes no gradients)."""
@@ -559,7 +568,7 @@ def hybrid_decode_step(
         i = state.head
         # The oldest slot leaves the window: its features (zero for an empty slot) join [S | z].
         if lin is None:
-            state.linear.view(bk, -1, dv + 1).baddbmm_(state.features[:, i : i + 1].transpose(1, 2), state.values[:, i : i + 1])
+            _take(state, state.features[:, i], state.values[:, i])
         # The new token takes its slot.
         state.keys[:, i] = k.reshape(bk, d)
         if state.linear_keys is not None:
@@ -574,7 +583,7 @@ def hybrid_decode_step(
     else:  # the same with the ring index on the device (static form)
         i = ring
         if lin is None:
-            state.linear.view(bk, -1, dv + 1).baddbmm_(state.features.index_select(1, i).transpose(1, 2), state.values.index_select(1, i))
+            _take(state, state.features.index_select(1, i), state.values.index_select(1, i))
         state.keys.index_copy_(1, i, k.reshape(bk, 1, d).to(dt))
         if state.linear_keys is not None:
             state.linear_keys.index_copy_(1, i, (k if k_lin is None else k_lin).reshape(bk, 1, d).to(dt))

@@ -24,17 +24,25 @@ def _phi(x):
 @pytest.mark.parametrize("form", ["host", "static", "clocked"])
 @pytest.mark.parametrize("mix", ["joint", "gate"])
 @pytest.mark.parametrize("feats", [8, 37], ids=["F8", "F37"])  # 37: blocks of the feature and value axes masked
+@pytest.mark.parametrize("grouped, hq, layouts", [(True, 4, ("rows", "rows")), (False, 4, ("rows", "rows")), (True, 6, ("rows", "columns")),
+                                                   (True, 4, ("columns", "rows"))],
+                         ids=["grouped", "per-query-head", "grouped-rep3-fused-column-major", "torch-column-major"])  # fmt: skip
 @torch.no_grad()
-def test_hybrid_fused_step_equals_the_torch_step(form, mix, feats):
+def test_hybrid_fused_step_equals_the_torch_step(form, mix, feats, grouped, hq, layouts, monkeypatch):
     """From a window half full, 9 tokens (past the 4-token window, so slots leave it): the fused
-    step's outputs and every state tensor equal the torch step's."""
+    step's outputs and every state tensor equal the torch step's (the window read with a program
+    per KV head and per query head; either step on a row-major or a column-major [S | z])."""
+    monkeypatch.setattr(fused_decode, "WINDOW_GROUPED", grouped)
+    monkeypatch.setattr(fused_decode, "COLUMN_STATES", True)
     torch.manual_seed(0)
-    b, hq, hkv, d, w = 2, 4, 2, feats, 4
+    b, hkv, d, w = 2, 2, feats, 4
     q, k, v = (torch.randn(b, h, 2, d, device=DEVICE) for h in (hq, hkv, hkv))
     _, state = hybrid_attention(q, k, v, phi_q=_phi, phi_k=_phi, window=w, mix=mix)
     runs, clock = [], DecodeClock(DEVICE)
-    for _ in range(2):  # torch, fused
-        ds = HybridDecodeState.from_state(state, _phi, hq)
+    for layout in layouts:  # torch, fused
+        with fused_decode.use_fused(layout == "columns"):  # from_state makes [S | z] column-major where the fused kernels run
+            ds = HybridDecodeState.from_state(state, _phi, hq)
+        assert ds.linear.is_contiguous() == (layout == "rows")
         runs.append(ds.make_static() if form == "static" else ds.make_static(clock) if form == "clocked" else ds)
     ptr = runs[1].linear.data_ptr()
     for _ in range(9):
@@ -92,19 +100,24 @@ def test_lola_fused_step_equals_the_torch_step(reads, dims, monkeypatch):
 
 @pytest.mark.parametrize("normalize", [True, False], ids=["normalised", "plain"])
 @pytest.mark.parametrize("dims", [(8, 8), (37, 70), (128, 9)], ids=["F8-D8", "F37-D70", "F128-D9"])
+@pytest.mark.parametrize("layouts", [("rows", "rows"), ("rows", "columns"), ("columns", "rows")],
+                         ids=["row-major", "fused-column-major", "torch-column-major"])  # fmt: skip
 @torch.no_grad()
-def test_dsla_fused_step_equals_the_torch_step(normalize, dims):
+def test_dsla_fused_step_equals_the_torch_step(normalize, dims, layouts):
     """Both gated states decayed and written in one pass: outputs and states equal the torch step's
-    over 6 tokens from a prefilled state, with grouped KV heads."""
+    over 6 tokens from a prefilled state, with grouped KV heads; either step on row-major or
+    column-major states."""
     torch.manual_seed(1)
     b, hq, hkv = 2, 4, 2
     feats, dv = dims
     dk = feats if normalize else dv
     runs = []
     start = torch.randn(2, b, hq, dk, dv + normalize, device=DEVICE).abs()
-    for _ in range(2):
-        runs.append(DslaDecodeState(start.clone(), start.new_zeros(b, hkv, dv + normalize).index_fill_(-1, torch.tensor([dv], device=DEVICE), 1.0)
+    for layout in layouts:
+        states = fused_decode.column_major(start) if layout == "columns" else start.clone()
+        runs.append(DslaDecodeState(states, start.new_zeros(b, hkv, dv + normalize).index_fill_(-1, torch.tensor([dv], device=DEVICE), 1.0)
                                     if normalize else start.new_zeros(b, hkv, dv)))  # fmt: skip
+        assert runs[-1].states.is_contiguous() == (layout == "rows")
     weights = torch.tensor([0.7, 0.3], device=DEVICE)
     ptr = runs[1].states.data_ptr()
     for _ in range(6):
@@ -120,13 +133,15 @@ def test_dsla_fused_step_equals_the_torch_step(normalize, dims):
     torch.testing.assert_close(runs[1].states, runs[0].states, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("align", [1, 4, 8], ids=["unpadded", "align4", "align8"])
+@pytest.mark.parametrize("align", [1, 4, 8, None], ids=["unpadded", "align4", "align8", "column-major"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch"])
 @torch.no_grad()
-def test_dsla_fused_steps_continue_the_chunked_op(fused, align):
+def test_dsla_fused_steps_continue_the_chunked_op(fused, align, monkeypatch):
     """The fused steps (and the torch steps) continue a prefilled dsla_attention exactly as the op
     does on each token, on rows of 17 columns as they are or padded to 20 or 24 (the padding stays
-    zero and canonical() drops it)."""
+    zero and canonical() drops it), or column-major (what ``from_state`` makes where the fused
+    kernels run)."""
+    monkeypatch.setattr(fused_decode, "COLUMN_STATES", True)
     torch.manual_seed(2)
     b, hq, hkv, d = 1, 4, 2, 16
     q, k = torch.rand(b, hq, 5, d, device=DEVICE), torch.rand(b, hkv, 5, d, device=DEVICE)
@@ -134,8 +149,10 @@ def test_dsla_fused_steps_continue_the_chunked_op(fused, align):
     g1, g2 = -torch.rand(b, hq, 5, d, device=DEVICE), -torch.rand(b, hq, 5, d, device=DEVICE) * 3
     gamma = torch.tensor(0.3, device=DEVICE)
     _, state = dsla_attention(q[:, :, :3], k[:, :, :3], v[:, :, :3], g1[:, :, :3], g2[:, :, :3], gamma, normalize=True)
-    ds = DslaDecodeState.from_state(state, hkv, normalize=True, align=align)
-    assert ds.width == d + 1 and ds.states.shape[-1] == -(-(d + 1) // align) * align
+    with fused_decode.use_fused(True):  # the layout is chosen where the fused kernels run
+        ds = DslaDecodeState.from_state(state, hkv, normalize=True, align=align)
+    assert ds.width == d + 1 and ds.states.shape[-1] == -(-(d + 1) // (align or 1)) * (align or 1)
+    assert ds.states.is_contiguous() == (align is not None)
     for t in range(3, 5):
         step = slice(t, t + 1)
         want, state = dsla_attention(q[:, :, step], k[:, :, step], v[:, :, step], g1[:, :, step], g2[:, :, step], gamma,
@@ -261,14 +278,37 @@ def test_dsla_state_tiles_are_tuned_per_batch_size():
     assert step(33) == tuned + 1  # 33 and 40: both in the bucket of 64
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_hybrid_state_tiles_are_tuned_per_batch_size():
+    """The hybrid's state kernel is tuned again for rows in another power-of-2 bucket, and not for
+    rows in the same bucket."""
+    kernel = fused_decode._kernels().hybrid
+
+    def step(b):
+        h, f, dv, w = 4, 64, 64, 8
+        linear = torch.zeros(b * h, f, dv + 1, device="cuda")
+        features = torch.rand(b, w, f, device="cuda")  # one KV head per row: n_rep = 4
+        values = torch.rand(b, w, dv + 1, device="cuda")
+        fused_decode.hybrid_linear_step(linear, features.repeat(1, 1, h), values, torch.rand(b * h, f, device="cuda"), None, 3)
+        return len(kernel.cache)
+
+    tuned = step(1)
+    assert step(40) == tuned + 1
+    assert step(33) == tuned + 1  # 132 and 160 rows: both in the bucket of 256
+
+
+@pytest.mark.parametrize("parts, down", [(4, True), (1, True), (4, False)], ids=["parts4", "parts1", "parts4-down-gemm"])
 @pytest.mark.parametrize("batch, rank, dtype", [(3, 8, torch.float32), (19, 16, torch.float32), (3, 8, torch.bfloat16)],
                          ids=["b3-rank8", "b19-rank16", "bf16"])  # fmt: skip
 @torch.no_grad()
-def test_dsla_decode_inputs_equal_the_torch_maps_and_gates(batch, rank, dtype):
+def test_dsla_decode_inputs_equal_the_torch_maps_and_gates(batch, rank, dtype, parts, down, monkeypatch):
     """One kernel for DSLA's decode inputs: both Hedgehog maps of a token (k's for every query head of
     its KV head) and both gates, against ``hedgehog_pair`` and the low-rank gates in torch; a rank
     padded to 16, a batch over two blocks of rows; in bfloat16 the features rounded as the torch
-    form rounds them."""
+    form rounds them; each part a program of its own, or all four in one; the gates' down
+    projection in the kernel or as a GEMM before it."""
+    monkeypatch.setattr(fused_decode, "DSLA_INPUT_PARTS", parts)
+    monkeypatch.setattr(fused_decode, "DSLA_GATE_DOWN", down)
     from linearize.ops import fused_dsla
     from linearize.ops.dsla import log_gate
     from linearize.ops.feature_maps import hedgehog_pair
@@ -287,7 +327,7 @@ def test_dsla_decode_inputs_equal_the_torch_maps_and_gates(batch, rank, dtype):
     xr = fused_dsla.gate_inputs(x, down, rank).view(b, 2, -1)
     with fused_decode.use_fused(True):
         assert fused_decode.dsla_inputs_apply(q, weight)
-        qf, kf, decay = fused_decode.dsla_decode_inputs(q, k, xr, weight, bias, u, c)
+        qf, kf, decay = fused_decode.dsla_decode_inputs(q, k, x.view(b, hidden), down, weight, bias, u, c)
     want_q, want_k = hedgehog_pair(q, k, weight, bias)
     z = torch.einsum("bsr,sor->bso", xr[..., :rank], up.float()) + up_bias.float()
     want_decay = log_gate(z).exp().view(b, 2, hq, nf)
@@ -296,10 +336,13 @@ def test_dsla_decode_inputs_equal_the_torch_maps_and_gates(batch, rank, dtype):
     torch.testing.assert_close(kf, want_k.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(decay, want_decay, atol=2e-6, rtol=2e-6)
     assert qf.dtype == kf.dtype == decay.dtype == torch.float32
-    with pytest.raises(ValueError, match=r"xr must have shape"):
-        fused_decode.dsla_decode_inputs(q, k, xr[:, :1], weight, bias, u, c)
+    with pytest.raises(ValueError, match=r"x must have shape"):
+        fused_decode.dsla_decode_inputs(q, k, x.view(b, hidden)[:, :8], down, weight, bias, u, c)
     with pytest.raises(ValueError, match=r"up must be torch.float32"):
-        fused_decode.dsla_decode_inputs(q, k, xr, weight, bias, u.double(), c)
+        fused_decode.dsla_decode_inputs(q, k, x.view(b, hidden), down, weight, bias, u.double(), c)
+    monkeypatch.setattr(fused_decode, "DSLA_INPUT_PARTS", 3)
+    with pytest.raises(ValueError, match=r"DSLA_INPUT_PARTS must be 1 or 4, got 3"):
+        fused_decode.dsla_decode_inputs(q, k, x.view(b, hidden), down, weight, bias, u, c)
 
 
 def test_autotuned_choices_report_what_the_autotuner_chose(monkeypatch):
