@@ -153,7 +153,7 @@ def _kernels() -> _Kernels:
             return lambda fn: triton.heuristics({"BK": lambda _: BLOCK_K, "BV": lambda _: BLOCK_V})(fn)
         tiles = dict.fromkeys(STATE_TILES + COLUMN_TILES)
         configs = [triton.Config({"BK": bk, "BV": bv}, num_warps=w) for bk, bv, w in tiles]
-        return autotune(configs, key=keys, restore_value=[restore])
+        return autotune(configs, key=keys, restore_value=[restore], prune_configs_by={"early_config_prune": tiles_for_layout})
 
     @tuned(["F", "V", "SV", "tune_rows"], "linear")
     @triton.jit(do_not_specialize=["slot", "tune_rows"])
@@ -463,6 +463,15 @@ take them."""
 STATE_TILES = ((32, 64, 4), (16, 128, 4), (32, 128, 4), (64, 128, 8), (16, 256, 4), (32, 256, 8), (8, 256, 4))
 """(feature rows, value columns, warps) per program the state kernels are tuned over on a GPU: the
 widest tiles cover a whole [S | z] row block (Dv + 1 contiguous floats) in one coalesced load."""
+
+
+def tiles_for_layout(configs: list[Any], nargs: dict[str, Any], **kwargs: Any) -> list[Any]:
+    """The state kernels' autotuner configs worth timing for a launch's layout: ``STATE_TILES`` for
+    a row-major state (stride ``SV`` 1 between value columns), ``COLUMN_TILES`` for a column-major
+    one (an ``early_config_prune`` for ``triton.autotune``; all of them where none matches)."""
+    tiles = set(STATE_TILES if kwargs.get("SV", 1) == 1 else COLUMN_TILES)
+    kept = [c for c in configs if (c.kwargs["BK"], c.kwargs["BV"], c.num_warps) in tiles]
+    return kept or configs
 
 
 def _check_buffer(name: str, x: Tensor) -> None:

@@ -278,6 +278,21 @@ def test_dsla_state_tiles_are_tuned_per_batch_size():
     assert step(33) == tuned + 1  # 33 and 40: both in the bucket of 64
 
 
+def test_state_tiles_are_timed_for_their_layout_only():
+    """The state kernels' autotuner times the row-major tiles for a row-major state (SV 1) and the
+    column-major tiles for a column-major one; every config where none matches."""
+    import triton
+
+    configs = [triton.Config({"BK": bk, "BV": bv}, num_warps=w) for bk, bv, w in dict.fromkeys(fused_decode.STATE_TILES + fused_decode.COLUMN_TILES)]
+
+    def kept(**kwargs):
+        return [(c.kwargs["BK"], c.kwargs["BV"], c.num_warps) for c in fused_decode.tiles_for_layout(configs, {}, **kwargs)]
+
+    assert kept(SV=1, V=65) == list(fused_decode.STATE_TILES)
+    assert kept(SV=128, V=65) == list(fused_decode.COLUMN_TILES)
+    assert len(fused_decode.tiles_for_layout(configs[:1], {}, SV=128)) == 1  # none matches: all kept
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_hybrid_state_tiles_are_tuned_per_batch_size():
     """The hybrid's state kernel is tuned again for rows in another power-of-2 bucket, and not for
