@@ -232,8 +232,10 @@ class DslaAttention(ConvertedAttention):
             return None
         b = q.shape[0]
         down, up, gate_bias = self.fused_gate_weights()
+        # the gates' down projection in the kernel, or as one GEMM here (fused_decode.DSLA_GATE_DOWN)
+        xr = None if fused_decode.DSLA_GATE_DOWN else fused_dsla.gate_inputs(x, down, self.options.dsla_gate_rank).view(b, 2, -1)
         return fused_decode.dsla_decode_inputs(q.reshape(b, self.num_heads, -1), k.reshape(b, k.shape[1], -1), x.reshape(b, -1), down,
-                                               weight, bias, up, gate_bias)  # fmt: skip
+                                               weight, bias, up, gate_bias, xr)  # fmt: skip
 
     def has_static_decoding(self) -> bool:
         return self.mode in self.GAMMA

@@ -486,15 +486,19 @@ def column_major(x: Tensor) -> Tensor:
     return x.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
+def column_states(x: Tensor) -> bool:
+    """Whether a new float32 decode state like ``x`` is made column-major: ``COLUMN_STATES`` is on
+    and the fused kernels run on its device."""
+    return COLUMN_STATES and x.dtype == torch.float32 and enabled(x)
+
+
 def state_layout(x: Tensor) -> Tensor:
-    """A new decode state ``x`` (..., F, C) float32 laid out for the fused kernels: column-major
-    where they run on it and ``COLUMN_STATES`` is on; else ``x`` itself."""
-    if COLUMN_STATES and x.dtype == torch.float32 and enabled(x):
-        return column_major(x)
-    return x
+    """A new decode state ``x`` (..., F, C) laid out for the fused kernels: column-major where
+    ``column_states``; else ``x`` itself."""
+    return column_major(x) if column_states(x) else x
 
 
-def _state_layout(name: str, x: Tensor) -> bool:
+def _is_column_major(name: str, x: Tensor) -> bool:
     """Whether the float32 state ``x`` (..., R, C) is column-major (``column_major``); False for a
     contiguous one; ValueError for any other layout or dtype."""
     if x.dtype == torch.float32 and x.is_contiguous():
@@ -521,7 +525,7 @@ def hybrid_linear_step(linear: Tensor, features: Tensor, values: Tensor, qf: Ten
     rows, f, width = linear.shape
     bk, w = values.shape[:2]
     n_rep = rows // bk
-    columns = _state_layout("linear", linear)
+    columns = _is_column_major("linear", linear)
     _check("features", features, (bk, w, n_rep * f))
     _check("values", values, (bk, w, width))
     _check("qf", qf, (rows, f))
@@ -588,7 +592,7 @@ def dsla_state_step(states: Tensor, qf: Tensor, kf: Tensor, v: Tensor, decay: Te
     indices must be distinct)."""
     _, n, hq, dk, width = states.shape
     b, hkv, dv = v.shape[0], v.shape[1], v.shape[-1]
-    columns = _state_layout("states", states)
+    columns = _is_column_major("states", states)
     if width < dv + int(normalize):
         raise ValueError(f"states have {width} columns; v's {dv} values" + (" and the normaliser" if normalize else "") + " need "
                          f"{dv + int(normalize)}")  # fmt: skip
@@ -645,8 +649,9 @@ fewer programs than the GPU has SMs); 1 does all four in one program."""
 
 
 DSLA_GATE_DOWN = False
-"""``dsla_decode_inputs`` computes the gates' down projection x W_down itself (each gate's program
-for its rows, in float32: no GEMM of its own in the step); False: as a float32 GEMM before it."""
+"""DSLA layers let ``dsla_decode_inputs`` compute the gates' down projection x W_down itself (each
+gate's program for its rows, in float32: no GEMM of its own in the step); False: a float32 GEMM
+before it (``fused_dsla.gate_inputs``) gives it ``xr``."""
 
 
 def dsla_inputs_apply(q: Tensor, hedgehog_weight: Tensor) -> bool:
@@ -659,14 +664,14 @@ def dsla_inputs_apply(q: Tensor, hedgehog_weight: Tensor) -> bool:
 
 @torch.library.custom_op("linearize::dsla_decode_inputs", mutates_args=())
 def dsla_decode_inputs(q: Tensor, k: Tensor, x: Tensor, down: Tensor, hedgehog_weight: Tensor, hedgehog_bias: Tensor, up: Tensor,
-                       gate_bias: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+                       gate_bias: Tensor, xr: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """What DSLA's decode step reads of one token, in one kernel: the Hedgehog features of q (B, Hq, D)
     and of k (B, Hkv, D) for every query head of its KV head (maps ``hedgehog_weight`` (2 Hq, D, f)
     and ``hedgehog_bias`` (2 Hq, 1, f), queries' first, as ``layers.base.token_features`` stacks them),
     rounded through the maps' dtype; and both gates alpha = exp(logsigmoid(xr W_up + b) / 16) from
     the token's hidden state ``x`` (B, hidden), both gates' down projections ``down`` (2 rank, hidden)
-    (xr = x W_down in down's dtype, as ``fused_dsla.gate_inputs`` computes it: in the kernel with
-    ``DSLA_GATE_DOWN``, else as a GEMM before it) and ``up`` (2, R, Hq F), ``gate_bias`` (2, Hq F) float32
+    (xr = x W_down in down's dtype, as ``fused_dsla.gate_inputs`` computes it: in the kernel, unless
+    the caller's GEMM gave ``xr`` (B, 2, R) float32; ``DSLA_GATE_DOWN`` says which the layers do) and ``up`` (2, R, Hq F), ``gate_bias`` (2, Hq F) float32
     (``fused_dsla.gate_weights``; R the rank padded, ``fused_dsla.padded_rank``). Returns qf, kf
     (B, Hq, 2f) and decay (B, 2, Hq, 2f), float32: the numbers of ``token_features`` and
     ``DslaAttention.decode_gates`` (tests/ops/test_fused_decode.py). One program per query head and
@@ -698,23 +703,21 @@ def dsla_decode_inputs(q: Tensor, k: Tensor, x: Tensor, down: Tensor, hedgehog_w
     decay = torch.empty(b, 2, hq, nf, device=q.device, dtype=torch.float32)
     if DSLA_INPUT_PARTS not in (1, 4):
         raise ValueError(f"fused_decode.DSLA_INPUT_PARTS must be 1 or 4, got {DSLA_INPUT_PARTS!r}")
-    if DSLA_GATE_DOWN:
-        xr = qf  # (not read)
-    else:  # the down projection as its own GEMM
-        from .fused_dsla import gate_inputs
-
-        xr = gate_inputs(x.view(b, 1, hidden), down, rank).view(b, 2, r)
+    if xr is not None:
+        _check("xr", xr, (b, 2, r), torch.float32)
+        if not xr.is_contiguous():
+            raise ValueError("xr must be contiguous")
     _kernels().inputs[(hq, -(-b // DSLA_INPUT_ROWS), DSLA_INPUT_PARTS)](
-        q, k, x, down, xr, hedgehog_weight, hedgehog_bias, up, gate_bias, qf, kf, decay,
+        q, k, x, down, qf if xr is None else xr, hedgehog_weight, hedgehog_bias, up, gate_bias, qf, kf, decay,
         b, hq // hkv, q.stride(0), q.stride(1), k.stride(0), k.stride(1), x.stride(0),
         H=hq, D=d, FH=f, R=r, RANK=rank, HID=hidden, BH=64, BB=DSLA_INPUT_ROWS, NORM=GATE_NORMALISER, IEEE=q.dtype == torch.float32,
-        PARTS=DSLA_INPUT_PARTS, DOWN=DSLA_GATE_DOWN,
+        PARTS=DSLA_INPUT_PARTS, DOWN=xr is None,
     )  # fmt: skip
     return qf, kf, decay
 
 
 @dsla_decode_inputs.register_fake
-def _(q, k, x, down, hedgehog_weight, hedgehog_bias, up, gate_bias):
+def _(q, k, x, down, hedgehog_weight, hedgehog_bias, up, gate_bias, xr=None):
     b, hq = q.shape[:2]
     nf = 2 * hedgehog_weight.shape[-1]
     return q.new_empty(b, hq, nf, dtype=torch.float32), q.new_empty(b, hq, nf, dtype=torch.float32), q.new_empty(b, 2, hq, nf, dtype=torch.float32)

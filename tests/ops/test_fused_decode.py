@@ -312,18 +312,17 @@ def test_hybrid_state_tiles_are_tuned_per_batch_size():
     assert step(33) == tuned + 1  # 132 and 160 rows: both in the bucket of 256
 
 
-@pytest.mark.parametrize("parts, down", [(4, True), (1, True), (4, False)], ids=["parts4", "parts1", "parts4-down-gemm"])
+@pytest.mark.parametrize("parts, down_in_kernel", [(4, True), (1, True), (4, False)], ids=["parts4", "parts1", "parts4-xr-given"])
 @pytest.mark.parametrize("batch, rank, dtype", [(3, 8, torch.float32), (19, 16, torch.float32), (3, 8, torch.bfloat16)],
                          ids=["b3-rank8", "b19-rank16", "bf16"])  # fmt: skip
 @torch.no_grad()
-def test_dsla_decode_inputs_equal_the_torch_maps_and_gates(batch, rank, dtype, parts, down, monkeypatch):
+def test_dsla_decode_inputs_equal_the_torch_maps_and_gates(batch, rank, dtype, parts, down_in_kernel, monkeypatch):
     """One kernel for DSLA's decode inputs: both Hedgehog maps of a token (k's for every query head of
     its KV head) and both gates, against ``hedgehog_pair`` and the low-rank gates in torch; a rank
     padded to 16, a batch over two blocks of rows; in bfloat16 the features rounded as the torch
     form rounds them; each part a program of its own, or all four in one; the gates' down
-    projection in the kernel or as a GEMM before it."""
+    projection in the kernel or given (``xr``, as a GEMM before it makes it)."""
     monkeypatch.setattr(fused_decode, "DSLA_INPUT_PARTS", parts)
-    monkeypatch.setattr(fused_decode, "DSLA_GATE_DOWN", down)
     from linearize.ops import fused_dsla
     from linearize.ops.dsla import log_gate
     from linearize.ops.feature_maps import hedgehog_pair
@@ -342,7 +341,7 @@ def test_dsla_decode_inputs_equal_the_torch_maps_and_gates(batch, rank, dtype, p
     xr = fused_dsla.gate_inputs(x, down, rank).view(b, 2, -1)
     with fused_decode.use_fused(True):
         assert fused_decode.dsla_inputs_apply(q, weight)
-        qf, kf, decay = fused_decode.dsla_decode_inputs(q, k, x.view(b, hidden), down, weight, bias, u, c)
+        qf, kf, decay = fused_decode.dsla_decode_inputs(q, k, x.view(b, hidden), down, weight, bias, u, c, None if down_in_kernel else xr)
     want_q, want_k = hedgehog_pair(q, k, weight, bias)
     z = torch.einsum("bsr,sor->bso", xr[..., :rank], up.float()) + up_bias.float()
     want_decay = log_gate(z).exp().view(b, 2, hq, nf)
@@ -355,6 +354,8 @@ def test_dsla_decode_inputs_equal_the_torch_maps_and_gates(batch, rank, dtype, p
         fused_decode.dsla_decode_inputs(q, k, x.view(b, hidden)[:, :8], down, weight, bias, u, c)
     with pytest.raises(ValueError, match=r"up must be torch.float32"):
         fused_decode.dsla_decode_inputs(q, k, x.view(b, hidden), down, weight, bias, u.double(), c)
+    with pytest.raises(ValueError, match=r"xr must have shape"):
+        fused_decode.dsla_decode_inputs(q, k, x.view(b, hidden), down, weight, bias, u, c, xr[:, :1])
     monkeypatch.setattr(fused_decode, "DSLA_INPUT_PARTS", 3)
     with pytest.raises(ValueError, match=r"DSLA_INPUT_PARTS must be 1 or 4, got 3"):
         fused_decode.dsla_decode_inputs(q, k, x.view(b, hidden), down, weight, bias, u, c)
