@@ -229,15 +229,13 @@ class DslaDecodeState:
     @classmethod
     def from_state(cls, state: DslaState, kv_heads: int, normalize: bool, align: int | None = None) -> "DslaDecodeState":
         """The decode form of ``state``: column-major where the fused kernels take it
-        (``fused_decode.state_layout``; no padding, each column's Dk floats contiguous) unless
+        (``fused_decode.column_states``; no padding, each column's Dk floats contiguous) unless
         ``align`` is given; else its rows padded to a multiple of ``align`` columns (default:
         ``ROW_ALIGN`` on CUDA, none elsewhere: the CPU kernel takes unpadded rows)."""
         width = state.history.shape[-1]
-        if align is None and state.history.dtype == torch.float32:
-            stacked = torch.stack((state.history, state.recent))  # (2, B, Hq, Dk, Dv [+ 1])
-            columns = fused_decode.state_layout(stacked)
-            if columns is not stacked:
-                return cls(columns, _value_rows(columns, columns.shape[1], kv_heads, width, normalize), width)
+        if align is None and fused_decode.column_states(state.history):
+            states = fused_decode.column_major(torch.stack((state.history, state.recent)))  # (2, B, Hq, Dk, Dv [+ 1])
+            return cls(states, _value_rows(states, states.shape[1], kv_heads, width, normalize), width)
         states = state.history.new_zeros(2, *state.history.shape[:-1], padded_columns(width, state.history, align))  # (2, B, Hq, Dk, C)
         states[0, ..., :width] = state.history
         states[1, ..., :width] = state.recent
