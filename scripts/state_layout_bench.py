@@ -1,7 +1,7 @@
-"""Time the decode state kernels' layouts: [S | z] kept as (F, C) rows (the current form: a program
+"""Time the decode state kernels' layouts: [S | z] kept as (F, C) rows (the default: a program
 reduces over feature rows, C = Dv + 1 columns, unpadded or padded to 16 bytes) against the
-transposed (C, F) form (each value column a row of F contiguous floats, the read a reduction along
-the contiguous axis), for the hybrid's linear step and DSLA's two gated states; with a plain
+column-major (C, F) form (``fused_decode.COLUMN_STATES``: each value column F contiguous floats, the
+read a reduction along them), for the hybrid's linear step and DSLA's two gated states; with a plain
 read-modify-write of the same bytes as the bandwidth reference. Every variant is checked against
 the torch step first.
 
@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 import triton
+from torch import Tensor
 
-from linearize.ops import fused_decode
+from linearize.ops import fused_decode, kernel_options
 
 DEVICE = "cuda"
 CHECK_ONLY = False
@@ -36,68 +37,64 @@ def bench(fn) -> float:
     return 1000 * triton.testing.do_bench_cudagraph(fn, rep=200)
 
 
+ROW_TILES = ((32, 64, 4), (16, 128, 4), (32, 128, 4), (64, 128, 8), (16, 256, 4), (32, 256, 8), (128, 128, 8), (8, 256, 4))
+COLUMN_TILES = ((128, 8, 4), (128, 16, 4), (128, 32, 4), (128, 64, 8), (256, 16, 4), (256, 32, 8), (256, 8, 4), (64, 64, 4), (64, 32, 4))
+"""(feature rows, value columns, warps): the tiles timed for each layout."""
+
+
+def time_tiles(out: list[dict], row: dict, step, state: Tensor, want_state: Tensor, want_read: Tensor, tiles, state_bytes: int) -> None:
+    """``step(state)`` (a state kernel's op, its layout taken from ``state``'s strides) on a copy
+    of ``state`` with the kernel held to each of ``tiles`` in turn (on the CPU, the interpreter's
+    tile from the same numbers): its first step checked against ``want_state`` and ``want_read``
+    (their first columns), then timed."""
+    cols, read_cols = want_state.shape[-1], want_read.shape[-1]
+    for bk, bv, warps in tiles:
+        if bk > state.shape[-2]:
+            continue
+        items = [f"fused_decode.STATE_TILES={((bk, bv, warps),)}", f"fused_decode.COLUMN_TILES={((bk, bv, warps),)}",
+                 f"fused_decode.BLOCK_K={bk}", f"fused_decode.BLOCK_V={bv}"]  # fmt: skip
+        with kernel_options.applied_for(items):
+            fused_decode._kernels.cache_clear()
+            work = state.clone()  # (the same strides)
+            read = step(work)
+            err = max((work[..., :cols] - want_state).abs().max().item(),
+                      (read[..., :read_cols] - want_read).abs().max().item() / want_read.abs().max().item())  # fmt: skip
+            us = bench(lambda work=work: step(work))
+        out.append(dict(**row, tile=f"{bk}x{bv} w{warps}", us=us, tbps=state_bytes / us / 1e6 if us else 0.0, err=err))
+    fused_decode._kernels.cache_clear()
+
+
+def reference_rows(out: list[dict], row: dict, x: Tensor, state_bytes: int) -> None:
+    """A read-modify-write of ``x`` in place: the bandwidth the state kernels are measured against."""
+    us = bench(lambda: x.mul_(1.0))
+    out.append(dict(**row, layout="x.mul_(1) reference", tile="", us=us, tbps=state_bytes / us / 1e6 if us else 0.0, err=0.0))
+
+
 def hybrid_rows(shape: str, batch: int, out: list[dict]) -> None:
+    """``hybrid_linear_step`` on [S | z] row-major (Dv + 1 columns, and padded to 16 bytes) and
+    column-major, per tile."""
     hq, hkv, d = SHAPES[shape]
     f, dv, w, n_rep = 2 * d, d, 64, hq // hkv
     rows, bk = batch * hq, batch * hkv
-    dev = DEVICE
-    g = torch.Generator(device=dev).manual_seed(0)
-    feats = torch.rand(bk, w, n_rep * f, device=dev, generator=g).to(torch.bfloat16) / f
-    qf = torch.rand(rows, f, device=dev, generator=g).to(torch.bfloat16) / f
-    index = torch.tensor(5, device=dev)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    feats = torch.rand(bk, w, n_rep * f, device=DEVICE, generator=g).to(torch.bfloat16) / f
+    qf = torch.rand(rows, f, device=DEVICE, generator=g).to(torch.bfloat16) / f
+    index = torch.tensor(5, device=DEVICE)
     state_bytes = rows * f * (dv + 1) * 4 * 2
-    kern = fused_decode._kernels().hybrid.fn  # the jitted kernel under its autotuner
-    for width in (dv + 1, dv + 4):  # unpadded, padded to 16 bytes
-        vals = torch.randn(bk, w, width, device=dev, generator=g).to(torch.bfloat16)
-        vals[..., dv] = 1.0
-        vals[..., dv + 1 :] = 0.0
-        lin = torch.rand(rows, f, width, device=dev, generator=g)
-        ref_lin = lin.clone()
-        ref_lin[:, :, : dv + 1] += (feats[:, 5].view(bk, n_rep, f).reshape(rows, f, 1).float() * vals[:, 5, : dv + 1].float().repeat_interleave(n_rep, 0)[:, None, :])
-        ref = torch.einsum("rf,rfc->rc", qf.float(), ref_lin)[:, : dv + 1]
-        for bk_, bv, nw in ((32, 64, 4), (16, 128, 4), (32, 128, 4), (64, 128, 8), (16, 256, 4), (32, 256, 8), (128, 128, 8), (8, 256, 4)):
-            o = torch.empty(rows, width, device=dev)
-            grid = (rows, -(-width // bv))
-
-            def run(lin=lin, o=o, grid=grid, bk_=bk_, bv=bv, nw=nw, vals=vals, width=width):
-                kern[grid](lin, feats, vals, qf, o, index, 0, rows, n_rep, feats.stride(0), feats.stride(1), vals.stride(0), vals.stride(1),
-                           qf.stride(0), F=f, V=width, SF=width, SV=1, DEVICE_INDEX=True, BK=bk_, BV=bv, num_warps=nw)  # fmt: skip
-
-            work = lin.clone()
-            kern[grid](work, feats, vals, qf, o, index, 0, rows, n_rep, feats.stride(0), feats.stride(1), vals.stride(0), vals.stride(1),
-                       qf.stride(0), F=f, V=width, SF=width, SV=1, DEVICE_INDEX=True, BK=bk_, BV=bv, num_warps=nw)  # fmt: skip
-            err = max((work - ref_lin).abs().max().item(), (o[:, : dv + 1] - ref).abs().max().item() / ref.abs().max().item())
-            us = bench(run)
-            out.append(dict(kind="hybrid", shape=shape, batch=batch, layout=f"(F, {width})", tile=f"{bk_}x{bv} w{nw}", us=us,
-                            tbps=state_bytes / us / 1e6 if us else 0.0, err=err))  # fmt: skip
-    # transposed: (C, F)
-    c = dv + 1
-    vals = torch.randn(bk, w, c, device=dev, generator=g).to(torch.bfloat16)
+    lin = torch.rand(rows, f, dv + 1, device=DEVICE, generator=g)
+    vals = torch.randn(bk, w, dv + 1, device=DEVICE, generator=g).to(torch.bfloat16)
     vals[..., dv] = 1.0
-    lin = torch.rand(rows, f, c, device=dev, generator=g)
-    ref_lin = lin + feats[:, 5].view(bk, n_rep, f).reshape(rows, f, 1).float() * vals[:, 5].float().repeat_interleave(n_rep, 0)[:, None, :]
-    ref = torch.einsum("rf,rfc->rc", qf.float(), ref_lin)
-    lin_t = lin.transpose(1, 2).contiguous()
-    for bc, bf, nw in ((8, 128, 4), (16, 128, 4), (32, 128, 4), (64, 128, 8), (16, 256, 4), (32, 256, 8), (8, 256, 4), (64, 64, 4), (32, 64, 4)):
-        if bf > f:
-            continue
-        o = torch.empty(rows, c, device=dev)
-        grid = (rows, -(-c // bc))
-        work = lin_t.clone()
-        kern[grid](work, feats, vals, qf, o, index, 0, rows, n_rep, feats.stride(0), feats.stride(1), vals.stride(0), vals.stride(1),
-                   qf.stride(0), F=f, V=c, SF=1, SV=f, BK=bf, BV=bc, DEVICE_INDEX=True, num_warps=nw)  # fmt: skip
-        err = max((work.transpose(1, 2) - ref_lin).abs().max().item(), (o - ref).abs().max().item() / ref.abs().max().item())
-
-        def run(o=o, grid=grid, bc=bc, bf=bf, nw=nw, work=work):
-            kern[grid](work, feats, vals, qf, o, index, 0, rows, n_rep, feats.stride(0), feats.stride(1), vals.stride(0), vals.stride(1),
-                       qf.stride(0), F=f, V=c, SF=1, SV=f, BK=bf, BV=bc, DEVICE_INDEX=True, num_warps=nw)  # fmt: skip
-
-        us = bench(run)
-        out.append(dict(kind="hybrid", shape=shape, batch=batch, layout=f"({c}, F)", tile=f"{bc}x{bf} w{nw}", us=us,
-                        tbps=state_bytes / us / 1e6 if us else 0.0, err=err))  # fmt: skip
-    x = torch.rand(rows, f, c, device=dev)
-    us = bench(lambda: x.mul_(1.0))
-    out.append(dict(kind="hybrid", shape=shape, batch=batch, layout="x.mul_(1) reference", tile="", us=us, tbps=state_bytes / us / 1e6 if us else 0.0, err=0.0))
+    want = lin + feats[:, 5].reshape(rows, f, 1).float() * vals[:, 5].float().repeat_interleave(n_rep, 0)[:, None, :]
+    want_read = torch.einsum("rf,rfc->rc", qf.float(), want)
+    row = dict(kind="hybrid", shape=shape, batch=batch)
+    for layout, width, tiles in (("(F, C)", dv + 1, ROW_TILES), ("(F, C) padded", dv + 4, ROW_TILES), ("(C, F)", dv + 1, COLUMN_TILES)):
+        pad = width - dv - 1
+        state = torch.nn.functional.pad(lin, (0, pad))
+        state = fused_decode.column_major(state) if layout == "(C, F)" else state
+        v = torch.nn.functional.pad(vals, (0, pad))
+        time_tiles(out, dict(row, layout=layout), lambda s, v=v: fused_decode.hybrid_linear_step(s, feats, v, qf, index, 0), state, want,
+                   want_read, tiles, state_bytes)  # fmt: skip
+    reference_rows(out, row, lin.clone(), state_bytes)
 
 
 def window_rows(shape: str, batch: int, out: list[dict]) -> None:
@@ -126,51 +123,28 @@ def window_rows(shape: str, batch: int, out: list[dict]) -> None:
 
 
 def dsla_rows(shape: str, batch: int, out: list[dict]) -> None:
+    """``dsla_state_step`` on both states row-major (padded to 16 bytes) and column-major, per tile."""
     hq, hkv, d = SHAPES[shape]
     k_, dv = 2 * d, d
     rows = batch * hq
-    dev = DEVICE
-    g = torch.Generator(device=dev).manual_seed(1)
-    qf = torch.rand(batch, hq, k_, device=dev, generator=g).to(torch.bfloat16) / k_
-    kf = torch.rand(batch, hq, k_, device=dev, generator=g).to(torch.bfloat16) / k_
-    v = torch.randn(batch, hkv, dv, device=dev, generator=g).to(torch.bfloat16)
-    decay = torch.rand(batch, 2, hq, k_, device=dev, generator=g) * 0.1 + 0.9
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    qf = torch.rand(batch, hq, k_, device=DEVICE, generator=g).to(torch.bfloat16) / k_
+    kf = torch.rand(batch, hq, k_, device=DEVICE, generator=g).to(torch.bfloat16) / k_
+    v = torch.randn(batch, hkv, dv, device=DEVICE, generator=g).to(torch.bfloat16)
+    decay = torch.rand(batch, 2, hq, k_, device=DEVICE, generator=g) * 0.1 + 0.9
     state_bytes = 2 * rows * k_ * (dv + 1) * 4 * 2
-    vn = torch.cat([v.float().repeat_interleave(hq // hkv, 1), torch.ones(batch, hq, 1, device=dev)], -1)  # (B, Hq, Dv + 1)
-    for width in (dv + 4,):
-        states = torch.rand(2, batch, hq, k_, width, device=dev, generator=g)
-        states[..., dv + 1 :] = 0
-        ref_s = states.clone()
-        for s in range(2):
-            ref_s[s, ..., : dv + 1] = decay[:, s, :, :, None] * states[s, ..., : dv + 1] + kf.float()[..., None] * vn[:, :, None, :]
-        ref = torch.einsum("bhk,sbhkc->sbhc", qf.float(), ref_s)
-        for bk_, bv, nw in ((32, 64, 4), (16, 128, 4), (32, 128, 4), (64, 128, 8), (16, 256, 4), (32, 256, 8), (8, 256, 4)):
-            fused_decode.STATE_TILES = fused_decode.COLUMN_TILES = ((bk_, bv, nw),)
-            fused_decode._kernels.cache_clear()
-            work = states.clone()
-            o = fused_decode.dsla_read(fused_decode.dsla_state_step(work, qf, kf, v, decay, True))
-            err = max((work - ref_s).abs().max().item(), (o - ref).abs().max().item() / ref.abs().max().item())
-            us = bench(lambda work=work: fused_decode.dsla_state_step(work, qf, kf, v, decay, True))
-            out.append(dict(kind="dsla", shape=shape, batch=batch, layout=f"(K, {width})", tile=f"{bk_}x{bv} w{nw}", us=us,
-                            tbps=state_bytes / us / 1e6 if us else 0.0, err=err))  # fmt: skip
-    c = dv + 1
-    states = torch.rand(2, batch, hq, k_, c, device=dev, generator=g)
-    ref_s = torch.stack([decay[:, s, :, :, None] * states[s] + kf.float()[..., None] * vn[:, :, None, :] for s in range(2)])
-    ref = torch.einsum("bhk,sbhkc->sbhc", qf.float(), ref_s)
-    for bc, bf, nw in ((8, 128, 4), (16, 128, 4), (32, 128, 4), (64, 128, 8), (16, 256, 4), (32, 256, 8), (8, 256, 4), (32, 64, 4)):
-        if bf > k_:
-            continue
-        fused_decode.STATE_TILES = fused_decode.COLUMN_TILES = ((bf, bc, nw),)
-        fused_decode._kernels.cache_clear()
-        work = fused_decode.column_major(states)
-        o = fused_decode.dsla_read(fused_decode.dsla_state_step(work, qf, kf, v, decay, True))
-        err = max((work - ref_s).abs().max().item(), (o - ref).abs().max().item() / ref.abs().max().item())
-        us = bench(lambda work=work: fused_decode.dsla_state_step(work, qf, kf, v, decay, True))
-        out.append(dict(kind="dsla", shape=shape, batch=batch, layout=f"({c}, K)", tile=f"{bc}x{bf} w{nw}", us=us,
-                        tbps=state_bytes / us / 1e6 if us else 0.0, err=err))  # fmt: skip
-    x = torch.rand(2, rows, k_, c, device=dev)
-    us = bench(lambda: x.mul_(1.0))
-    out.append(dict(kind="dsla", shape=shape, batch=batch, layout="x.mul_(1) reference", tile="", us=us, tbps=state_bytes / us / 1e6 if us else 0.0, err=0.0))
+    vn = torch.cat([v.float().repeat_interleave(hq // hkv, 1), torch.ones(batch, hq, 1, device=DEVICE)], -1)  # (B, Hq, Dv + 1)
+    states = torch.rand(2, batch, hq, k_, dv + 1, device=DEVICE, generator=g)
+    want = decay.transpose(0, 1)[..., None] * states + kf.float()[..., None] * vn[:, :, None, :]
+    want_read = torch.einsum("bhk,sbhkc->sbhc", qf.float(), want)
+
+    def step(s: Tensor) -> Tensor:
+        return fused_decode.dsla_read(fused_decode.dsla_state_step(s, qf, kf, v, decay, True))
+
+    row = dict(kind="dsla", shape=shape, batch=batch)
+    time_tiles(out, dict(row, layout="(K, C) padded"), step, torch.nn.functional.pad(states, (0, 3)), want, want_read, ROW_TILES, state_bytes)
+    time_tiles(out, dict(row, layout="(C, K)"), step, fused_decode.column_major(states), want, want_read, COLUMN_TILES, state_bytes)
+    reference_rows(out, row, states.clone(), state_bytes)
 
 
 def main() -> None:
