@@ -116,21 +116,29 @@ def test_softmax_layers_decode_with_the_flash_decoding_kernel(name, monkeypatch)
 
 @pytest.mark.skipif(not fused_decode.triton_available(), reason="needs Triton (the test extra installs it)")
 @pytest.mark.parametrize("name", ["hybrid-joint", "hybrid-gate", "hybrid-nope", "dsla", "dsla-nope"])
-@pytest.mark.parametrize("options", [False, True], ids=["defaults", "column-states-grouped-window-inputs-in-parts-gates-down"])
+@pytest.mark.parametrize("options", [False, True], ids=["defaults", "row-states-grouped-window-inputs-in-parts-gates-down"])
 @torch.no_grad()
 def test_fused_decode_kernels_match_full_forward(name, options, monkeypatch):
     """With the fused kernels (in Triton's interpreter without a GPU), the prefill's logits (the
     hybrid's fused prefill, DSLA's token-major one) and each step's still equal the full forward's
     at that position; DSLA's prefill runs its two fused kernels (the gates made inside them), and each
-    decode step its features and gates in one kernel beside its state kernel. The same with the
-    kernel options off by default on: column-major states, the window read per KV head, DSLA's
-    inputs in four programs with the gates' down projection inside them."""
+    decode step its features and gates in one kernel beside its state kernel; the states column-major
+    (the default). The same with the other kernel options: row-major states, the window read per KV
+    head, DSLA's inputs in four programs with the gates' down projection inside them."""
+    monkeypatch.setattr(fused_decode, "COLUMN_STATES", True)
     if options:
-        for name_, value in (("COLUMN_STATES", True), ("WINDOW_GROUPED", True), ("DSLA_INPUT_PARTS", 4), ("DSLA_GATE_DOWN", True)):
+        for name_, value in (("COLUMN_STATES", False), ("WINDOW_GROUPED", True), ("DSLA_INPUT_PARTS", 4), ("DSLA_GATE_DOWN", True)):
             monkeypatch.setattr(fused_decode, name_, value)
     made = []  # the decode states made column-major
-    column_major = fused_decode.column_major
-    monkeypatch.setattr(fused_decode, "column_major", lambda x: made.append(x.shape) or column_major(x))
+    new_state = fused_decode.new_state
+
+    def tracked(shape, like):
+        state = new_state(shape, like)
+        if not state.is_contiguous():
+            made.append(shape)
+        return state
+
+    monkeypatch.setattr(fused_decode, "new_state", tracked)
     calls, prefills = [], []
     for op in ("hybrid_linear_step", "hybrid_window_read", "dsla_state_step", "dsla_decode_inputs"):
         kernel = getattr(fused_decode, op)
@@ -155,7 +163,7 @@ def test_fused_decode_kernels_match_full_forward(name, options, monkeypatch):
     assert len(calls) == 6 * model.config.num_hidden_layers * len(ops)  # every layer is converted: each op once per layer and step
     fused = "dsla_prefill_fused" if name.startswith("dsla") else "hybrid_prefill"
     assert fused_prefills == [fused] * model.config.num_hidden_layers  # every layer's prefill took its fused form
-    assert len(made) == (model.config.num_hidden_layers if options else 0)  # each layer's state, once, at the prefill
+    assert len(made) == (0 if options else model.config.num_hidden_layers)  # column-major: each layer's state, once, at the prefill
 
 
 @pytest.mark.skipif(not fused_decode.triton_available(), reason="needs Triton (the test extra installs it)")

@@ -383,6 +383,16 @@ def _window_and_mix(queries, kr, vr, qf, kf, old_num, old_den, ext_valid, *, win
 # ----------------------------------------------------------------------------- per-token decoding
 
 
+def _linear_state(kv: Tensor, k_sum: Tensor) -> Tensor:
+    """[S | z] (B Hq, F, Dv + 1) of ``kv`` (B, Hq, F, Dv) and ``k_sum`` (B, Hq, F), laid out as
+    ``fused_decode.new_state`` makes a decode state: each part copied in once."""
+    b, h, f, dv = kv.shape
+    linear = fused_decode.new_state((b * h, f, dv + 1), kv)
+    linear[..., :dv].copy_(kv.reshape(b * h, f, dv))
+    linear[..., dv].copy_(k_sum.reshape(b * h, f))
+    return linear
+
+
 @dataclass
 class HybridDecodeState:
     """A ``HybridState`` in the form per-token decoding updates in place, laid out for few, batched
@@ -401,7 +411,7 @@ class HybridDecodeState:
     linear_keys: Tensor | None  # (bk, W, D) or None
     values: Tensor  # (bk, W, Dv + 1): [v, 1], zero at empty slots
     features: Tensor  # (bk, W, n_rep * F)
-    linear: Tensor  # (B * Hq, F, Dv + 1): [S | z]; column-major where the fused kernels take it (``fused_decode.state_layout``)
+    linear: Tensor  # (B * Hq, F, Dv + 1): [S | z]; column-major where the fused kernels take it (``fused_decode.new_state``)
     valid: Tensor  # (B, W)
     positions: Tensor  # (B, W): as in the state this was made from
     last: Tensor  # (B,) position of each row's last token before ``start``
@@ -448,7 +458,7 @@ class HybridDecodeState:
             linear_keys=None if ws.linear_keys is None else ws.linear_keys.reshape(b * hkv, w, d).clone(),
             values=torch.cat([ws.values, real], dim=-1).reshape(b * hkv, w, -1),
             features=features,
-            linear=fused_decode.state_layout(torch.cat([lin.kv, lin.k_sum[..., None]], dim=-1).reshape(b * heads, f, -1)),
+            linear=_linear_state(lin.kv, lin.k_sum),
             valid=ws.valid.clone(), positions=ws.positions.clone(), last=ws.positions.amax(dim=1), heads=heads,
             full=bool(ws.valid.all()),
         )  # fmt: skip

@@ -244,6 +244,28 @@ def test_use_fused_switches_the_path():
     assert fused_decode.enabled(x) == x.is_cuda
 
 
+@pytest.mark.parametrize("columns", [True, False])
+def test_decode_states_are_made_in_the_kernels_layout(columns, monkeypatch):
+    """``new_state`` lays a state out column-major where the fused kernels run and COLUMN_STATES is
+    on (float32 only), else contiguous; from_state copies the canonical state into it unchanged."""
+    monkeypatch.setattr(fused_decode, "COLUMN_STATES", columns)
+    like = torch.zeros(1, device=DEVICE)
+    with fused_decode.use_fused(True):
+        if not fused_decode.enabled(like):
+            pytest.skip("the fused kernels do not run here (no GPU, not interpreting)")
+        made = fused_decode.new_state((2, 3, 5, 7), like)
+        assert made.shape == (2, 3, 5, 7) and made.transpose(-1, -2).is_contiguous() == columns and made.is_contiguous() != columns
+        assert fused_decode.new_state((3, 5, 7), like.half()).is_contiguous()  # only float32 states change layout
+        torch.manual_seed(0)
+        _, state = dsla_attention(torch.rand(2, 4, 3, 8, device=DEVICE), torch.rand(2, 2, 3, 8, device=DEVICE),
+                                  torch.randn(2, 2, 3, 8, device=DEVICE), -torch.rand(2, 4, 3, 8, device=DEVICE),
+                                  -torch.rand(2, 4, 3, 8, device=DEVICE), torch.tensor(0.3, device=DEVICE), normalize=True)  # fmt: skip
+        ds = DslaDecodeState.from_state(state, 2, True)
+    assert ds.states.is_contiguous() != columns
+    torch.testing.assert_close(ds.states[0, ..., : ds.width], state.history, rtol=0, atol=0)
+    torch.testing.assert_close(ds.states[1, ..., : ds.width], state.recent, rtol=0, atol=0)
+
+
 @torch.no_grad()
 def test_custom_ops_pass_torch_library_checks():
     """The custom ops' registrations (in-place mutation, fake tensors for torch.compile) are consistent."""
