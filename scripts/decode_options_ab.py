@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import torch
 from linearize import convert
 from linearize.api import load_model
 from linearize.bench.efficiency import bench_decode
+from linearize.io import atomic_write_text
 from linearize.ops import kernel_options
 from linearize.teacher import teacher_modes
 
@@ -48,9 +48,8 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
 
 
 def write(out: Path, result: dict) -> None:
-    tmp = out / "options.json.tmp"
-    tmp.write_text(json.dumps(result, indent=1))
-    os.replace(tmp, out / "options.json")
+    """OUT/options.json, atomically (after every measurement)."""
+    atomic_write_text(out / "options.json", json.dumps(result, indent=1))
 
 
 def markdown(result: dict) -> str:
@@ -126,7 +125,7 @@ def main() -> None:
     out = Path(args.out)
     if args.replot:
         result = json.loads((out / "options.json").read_text())
-        (out / "options.md").write_text(markdown(result))
+        atomic_write_text(out / "options.md", markdown(result))
         plot(result, out / "options.png")
         return
     out.mkdir(parents=True, exist_ok=True)
@@ -165,7 +164,7 @@ def main() -> None:
         write(out, result)
         del model
         torch.cuda.empty_cache()
-    (out / "options.md").write_text(markdown(result))
+    atomic_write_text(out / "options.md", markdown(result))
     plot(result, out / "options.png")
     print(markdown(result), flush=True)
 

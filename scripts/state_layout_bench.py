@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 import torch
 import triton
 from torch import Tensor
 
+from linearize.io import atomic_write_text
 from linearize.ops import fused_decode, kernel_options
 
 DEVICE = "cuda"
@@ -172,9 +172,7 @@ def main() -> None:
     print("|---|---|---|---|---:|---:|---:|")
     for r in rows:
         print(f"| {r['kind']} | {r['shape']} | {r['layout']} | {r['tile']} | {r['us']:.1f} | {r['tbps']:.2f} | {r['err']:.1e} |")
-    tmp = a.out / "state_layouts.json.tmp"
-    tmp.write_text(json.dumps(dict(device=torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, rows=rows), indent=1))
-    os.replace(tmp, a.out / "state_layouts.json")
+    atomic_write_text(a.out / "state_layouts.json", json.dumps(dict(device=torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, rows=rows), indent=1))
 
 
 if __name__ == "__main__":

@@ -234,11 +234,9 @@ class DslaDecodeState:
         ``ROW_ALIGN`` on CUDA, none elsewhere: the CPU kernel takes unpadded rows)."""
         width = state.history.shape[-1]
         if align is None and fused_decode.column_states(state.history):
-            states = fused_decode.new_state((2, *state.history.shape), state.history)  # (2, B, Hq, Dk, Dv [+ 1])
-            states[0].copy_(state.history)
-            states[1].copy_(state.recent)
-            return cls(states, _value_rows(states, states.shape[1], kv_heads, width, normalize), width)
-        states = state.history.new_zeros(2, *state.history.shape[:-1], padded_columns(width, state.history, align))  # (2, B, Hq, Dk, C)
+            states = fused_decode.new_state((2, *state.history.shape), state.history)  # (2, B, Hq, Dk, Dv [+ 1]), no padding
+        else:
+            states = state.history.new_zeros(2, *state.history.shape[:-1], padded_columns(width, state.history, align))  # (2, B, Hq, Dk, C)
         states[0, ..., :width] = state.history
         states[1, ..., :width] = state.recent
         return cls(states, _value_rows(states, states.shape[1], kv_heads, width, normalize), width)

@@ -481,19 +481,23 @@ def _check_buffer(name: str, x: Tensor) -> None:
         raise ValueError(f"{name} must be a contiguous float32 tensor, got {x.dtype} with strides {x.stride()}")
 
 
+def _column_major_empty(shape: tuple[int, ...], like: Tensor) -> Tensor:
+    """An uninitialised (..., R, C) tensor like ``like`` whose columns' R entries are contiguous
+    (strides (..., 1, R))."""
+    return like.new_empty(*shape[:-2], shape[-1], shape[-2]).transpose(-1, -2)
+
+
 def column_major(x: Tensor) -> Tensor:
     """``x`` (..., R, C) as a column-major copy: the same values and shape, each column's R entries
     contiguous (strides (..., 1, R))."""
-    return x.transpose(-1, -2).contiguous().transpose(-1, -2)
+    return _column_major_empty(x.shape, x).copy_(x)
 
 
 def new_state(shape: tuple[int, ...], like: Tensor) -> Tensor:
     """An uninitialised decode state of ``shape`` (..., R, C) with ``like``'s dtype and device, laid
     out for the fused kernels: column-major (as ``column_major`` makes) where ``column_states(like)``,
     else contiguous. The caller copies the state's parts in: no intermediate copy of the whole."""
-    if column_states(like):
-        return like.new_empty(*shape[:-2], shape[-1], shape[-2]).transpose(-1, -2)
-    return like.new_empty(shape)
+    return _column_major_empty(shape, like) if column_states(like) else like.new_empty(shape)
 
 
 def column_states(x: Tensor) -> bool:
@@ -502,13 +506,12 @@ def column_states(x: Tensor) -> bool:
     return COLUMN_STATES and x.dtype == torch.float32 and enabled(x)
 
 
-def _is_column_major(name: str, x: Tensor) -> bool:
-    """Whether the float32 state ``x`` (..., R, C) is column-major (``column_major``); False for a
-    contiguous one; ValueError for any other layout or dtype."""
-    if x.dtype == torch.float32 and x.is_contiguous():
-        return False
-    if x.dtype == torch.float32 and x.transpose(-1, -2).is_contiguous():
-        return True
+def _state_strides(name: str, x: Tensor) -> dict[str, int]:
+    """The state kernels' SF and SV for the float32 state ``x`` (..., R, C): its strides between
+    feature rows and value columns (C, 1 contiguous; 1, R column-major, as ``column_major`` makes
+    it); ValueError for any other layout or dtype."""
+    if x.dtype == torch.float32 and (x.is_contiguous() or x.transpose(-1, -2).is_contiguous()):
+        return {"SF": x.stride(-2), "SV": x.stride(-1)}
     raise ValueError(f"{name} must be a contiguous float32 tensor or its column-major form (last two axes transposed), got {x.dtype} "
                      f"with strides {x.stride()}")  # fmt: skip
 
@@ -529,7 +532,7 @@ def hybrid_linear_step(linear: Tensor, features: Tensor, values: Tensor, qf: Ten
     rows, f, width = linear.shape
     bk, w = values.shape[:2]
     n_rep = rows // bk
-    columns = _is_column_major("linear", linear)
+    strides = _state_strides("linear", linear)
     _check("features", features, (bk, w, n_rep * f))
     _check("values", values, (bk, w, width))
     _check("qf", qf, (rows, f))
@@ -544,7 +547,7 @@ def hybrid_linear_step(linear: Tensor, features: Tensor, values: Tensor, qf: Ten
     kernel[grid](
         linear, features, values, qf, out, linear if index is None else index,
         slot, 1 << (rows - 1).bit_length(), n_rep, features.stride(0), features.stride(1), values.stride(0), values.stride(1),
-        qf.stride(0), F=f, V=width, SF=1 if columns else width, SV=f if columns else 1, DEVICE_INDEX=index is not None,
+        qf.stride(0), F=f, V=width, **strides, DEVICE_INDEX=index is not None,
     )  # fmt: skip
     return out
 
@@ -596,7 +599,7 @@ def dsla_state_step(states: Tensor, qf: Tensor, kf: Tensor, v: Tensor, decay: Te
     indices must be distinct)."""
     _, n, hq, dk, width = states.shape
     b, hkv, dv = v.shape[0], v.shape[1], v.shape[-1]
-    columns = _is_column_major("states", states)
+    strides = _state_strides("states", states)
     if width < dv + int(normalize):
         raise ValueError(f"states have {width} columns; v's {dv} values" + (" and the normaliser" if normalize else "") + " need "
                          f"{dv + int(normalize)}")  # fmt: skip
@@ -623,8 +626,7 @@ def dsla_state_step(states: Tensor, qf: Tensor, kf: Tensor, v: Tensor, decay: Te
         states, qf, kf, v, decay, out, index if index is not None else out,
         b * hq, n * hq, 1 << (b - 1).bit_length(), hq // hkv, qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), v.stride(0), v.stride(1),
         decay.stride(0), decay.stride(1), decay.stride(2),
-        H=hq, K=dk, V=width, DV=dv, SF=1 if columns else width, SV=dk if columns else 1, NORMALIZE=normalize, INDEXED=index is not None,
-        **split,
+        H=hq, K=dk, V=width, DV=dv, **strides, NORMALIZE=normalize, INDEXED=index is not None, **split,
     )  # fmt: skip
     return out
 
