@@ -4,7 +4,7 @@ as ``linearize bench --graphs --compile`` runs it, then the teacher again. The d
 and again last, so drift over the run shows.
 
     python scripts/decode_options_ab.py OUT --kinds dsla,hybrid --batch-size 64 --context 8000 \
-        --variant row=fused_decode.COLUMN_STATES=False --variant dsla:parts=fused_decode.DSLA_INPUT_PARTS=4
+        --variant row=fused_decode.COLUMN_STATES=False --variant dsla:parts1=fused_decode.DSLA_INPUT_PARTS=1
 
 A variant is [KIND:]NAME=ITEM[;ITEM...] (with KIND, for that kind only), each ITEM a kernel option
 (MODULE.NAME=VALUE). Writes OUT/options.json after every measurement (a run cut short keeps what it

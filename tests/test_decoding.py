@@ -116,7 +116,7 @@ def test_softmax_layers_decode_with_the_flash_decoding_kernel(name, monkeypatch)
 
 @pytest.mark.skipif(not fused_decode.triton_available(), reason="needs Triton (the test extra installs it)")
 @pytest.mark.parametrize("name", ["hybrid-joint", "hybrid-gate", "hybrid-nope", "dsla", "dsla-nope"])
-@pytest.mark.parametrize("options", [False, True], ids=["defaults", "row-states-grouped-window-inputs-in-parts-gates-down"])
+@pytest.mark.parametrize("options", [False, True], ids=["defaults", "row-states-grouped-window-inputs-in-one-blocks-per-axis"])
 @torch.no_grad()
 def test_fused_decode_kernels_match_full_forward(name, options, monkeypatch):
     """With the fused kernels (in Triton's interpreter without a GPU), the prefill's logits (the
@@ -124,10 +124,12 @@ def test_fused_decode_kernels_match_full_forward(name, options, monkeypatch):
     at that position; DSLA's prefill runs its two fused kernels (the gates made inside them), and each
     decode step its features and gates in one kernel beside its state kernel; the states column-major
     (the default). The same with the other kernel options: row-major states, the window read per KV
-    head, DSLA's inputs in four programs with the gates' down projection inside them."""
+    head, DSLA's inputs in one program per head and block of rows, and DSLA's state kernel with
+    its blocks of value columns on a grid axis of their own."""
     monkeypatch.setattr(fused_decode, "COLUMN_STATES", True)
     if options:
-        for name_, value in (("COLUMN_STATES", False), ("WINDOW_GROUPED", True), ("DSLA_INPUT_PARTS", 4), ("DSLA_GATE_DOWN", True)):
+        for name_, value in (("COLUMN_STATES", False), ("WINDOW_GROUPED", True), ("DSLA_INPUT_PARTS", 1), ("DSLA_GATE_DOWN", False),
+                             ("DSLA_BLOCKS_BY_ROW", False)):  # fmt: skip
             monkeypatch.setattr(fused_decode, name_, value)
     made = []  # the decode states made column-major
     new_state = fused_decode.new_state
@@ -164,6 +166,33 @@ def test_fused_decode_kernels_match_full_forward(name, options, monkeypatch):
     fused = "dsla_prefill_fused" if name.startswith("dsla") else "hybrid_prefill"
     assert fused_prefills == [fused] * model.config.num_hidden_layers  # every layer's prefill took its fused form
     assert len(made) == (0 if options else model.config.num_hidden_layers)  # column-major: each layer's state, once, at the prefill
+
+
+@pytest.mark.skipif(not fused_decode.triton_available(), reason="needs Triton (the test extra installs it)")
+@torch.no_grad()
+def test_bf16_dsla_steps_take_the_gates_down_projection_from_bf16_parts(monkeypatch):
+    """A bfloat16 DSLA model (its gates' weights float32): with the gates' down projection in the
+    inputs kernel, each step hands the kernel the weights' three bfloat16 parts (kept between
+    tokens), and the logits are those of the steps with the float32 GEMM before the kernel."""
+    downs = []
+    kernel = fused_decode.dsla_decode_inputs
+    monkeypatch.setattr(fused_decode, "dsla_decode_inputs", lambda *a: downs.append(a[3]) or kernel(*a))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    spec, mode = VARIANTS["dsla"]
+    model = convert(tiny().to(torch.bfloat16), spec, mode).to(device)
+    assert model.model.layers[0].self_attn.gate_history.down.weight.dtype == torch.float32
+    prompt = torch.randint(3, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(7)).to(device)
+    runs = []
+    for inside in (False, True):
+        monkeypatch.setattr(fused_decode, "DSLA_GATE_DOWN", inside)
+        downs.clear()
+        decoder = StaticDecoder(model, batch_size=2, max_length=12, graphs=False)
+        with fused_decode.use_fused(True):
+            runs.append(_prefill_and_step(decoder, prompt, 4))
+        assert {(d.dim(), d.dtype) for d in downs} == ({(3, torch.bfloat16)} if inside else {(2, torch.float32)})
+        assert len({d.data_ptr() for d in downs}) == model.config.num_hidden_layers  # each layer's kept
+    torch.testing.assert_close(torch.stack(runs[1][1]), torch.stack(runs[0][1]), atol=1e-2, rtol=0)
+    assert [t.tolist() for t in runs[1][0]] == [t.tolist() for t in runs[0][0]]
 
 
 @pytest.mark.skipif(not fused_decode.triton_available(), reason="needs Triton (the test extra installs it)")

@@ -232,8 +232,13 @@ class DslaAttention(ConvertedAttention):
             return None
         b = q.shape[0]
         down, up, gate_bias = self.fused_gate_weights()
-        # the gates' down projection in the kernel, or as one GEMM here (fused_decode.DSLA_GATE_DOWN)
-        xr = None if fused_decode.DSLA_GATE_DOWN else fused_dsla.gate_inputs(x, down, self.options.dsla_gate_rank).view(b, 2, -1)
+        xr = None
+        if fused_decode.DSLA_GATE_DOWN and x.dtype == torch.bfloat16 and down.dtype == torch.float32:
+            # the gates' down projection in the kernel, from the weights' bfloat16 parts (kept)
+            h, r = self.gate_history, self.gate_recent
+            down = derived(self, "gate_down_parts", (h.down.weight, r.down.weight), lambda: fused_decode.bf16_parts(down))
+        else:  # as one float32 GEMM here
+            xr = fused_dsla.gate_inputs(x, down, self.options.dsla_gate_rank).view(b, 2, -1)
         return fused_decode.dsla_decode_inputs(q.reshape(b, self.num_heads, -1), k.reshape(b, k.shape[1], -1), x.reshape(b, -1), down,
                                                weight, bias, up, gate_bias, xr)  # fmt: skip
 

@@ -193,22 +193,31 @@ def _kernels() -> _Kernels:
             acc += tl.sum(q[:, None] * s, axis=0)
         tl.store(out + r * V + ov, acc, mask=mv)
 
-    @tuned(["K", "V", "SV", "tune_rows", "KS"], "states")
+    @tuned(["K", "V", "SV", "tune_rows", "KS", "BY_ROW"], "states")
     @triton.jit(do_not_specialize=["rows", "state_rows", "tune_rows"])
     def dsla_kernel(
         states, qf, kf, v, decay, out, index,
         rows, state_rows, tune_rows, n_rep, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_db, s_ds, s_dh,
         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DV: tl.constexpr, KS: tl.constexpr, PAIR: tl.constexpr,
         SF: tl.constexpr, SV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NORMALIZE: tl.constexpr, INDEXED: tl.constexpr,
+        BY_ROW: tl.constexpr,
     ):  # fmt: skip
         # rows = B * H (the batch) and state_rows (the states' rows: B * H, or a pool's slots * H) are
         # run-time values, not constexprs: a new batch size compiles nothing; tune_rows (the batch
         # rounded up to a power of 2) only keys the tuning: the best tile at batch 1 is not at 40.
         # PAIR: one program takes both states (their query, key and value loaded once; a large
         # batch); else each state and each block of KS feature rows is a program of its own (a small
-        # batch), and the reads it writes are partial sums over its rows.
-        r = tl.program_id(0).to(tl.int64)  # one (batch row, query head)
-        iv = tl.program_id(1)
+        # batch), and the reads it writes are partial sums over its rows. BY_ROW: the grid's first
+        # axis runs over (row, block of value columns) with a row's blocks adjacent, so they run
+        # together and read its query, key and decay once from DRAM (else a row's blocks run a
+        # whole pass over the rows apart, and at a large batch its inputs have left L2 by then).
+        if BY_ROW:
+            blocks = tl.cdiv(V, BV)
+            r = tl.program_id(0).to(tl.int64) // blocks  # one (batch row, query head)
+            iv = tl.program_id(0) % blocks
+        else:
+            r = tl.program_id(0).to(tl.int64)
+            iv = tl.program_id(1)
         z = tl.program_id(2)  # PAIR: 0; else split * 2 + state (history 0, recent 1)
         st = z % 2
         sp = z // 2
@@ -409,6 +418,7 @@ def _kernels() -> _Kernels:
         rows, n_rep, s_qb, s_qh, s_kb, s_kh, s_x,
         H: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, R: tl.constexpr, RANK: tl.constexpr, HID: tl.constexpr,
         BH: tl.constexpr, BB: tl.constexpr, NORM: tl.constexpr, IEEE: tl.constexpr, PARTS: tl.constexpr, DOWN: tl.constexpr,
+        SPLIT: tl.constexpr,
     ):  # fmt: skip
         # one program per (query head, block of BB rows, part): the head's weights loaded once for
         # its rows; PARTS 1: the query's map, the key's and both gates in one program; 4: one each
@@ -429,15 +439,24 @@ def _kernels() -> _Kernels:
         for s in tl.static_range(2):  # history, recent: alpha = exp(logsigmoid(x W_down W_up + b) / NORM)
             if (PARTS == 1) | (part == 2 + s):
                 if DOWN:  # xr = x W_down (BB, R): the gate's rank rows of ``down``, the rest of R zero; in
-                    # float32, rounded through down's dtype as F.linear rounds it
+                    # float32, rounded through down's dtype as F.linear rounds it; SPLIT > 1: down
+                    # is a float32 weight's SPLIT bfloat16 parts and x bfloat16, each part's
+                    # products exact on the tensor cores, summed in float32
                     xr = tl.zeros([BB, R], dtype=tl.float32)
                     for h0 in range(0, HID, BH):
                         oh = h0 + tl.arange(0, BH)
                         mh = oh < HID
                         xv = tl.load(x + b[:, None] * s_x + oh[None, :], mask=mb[:, None] & mh[None, :], other=0.0)
-                        dw = tl.load(down + (s * RANK + oi[:, None]) * HID + oh[None, :], mask=(oi[:, None] < RANK) & mh[None, :], other=0.0)
-                        xr += tl.dot(xv.to(dw.dtype).to(tl.float32), tl.trans(dw.to(tl.float32)), input_precision="ieee")
-                    xr = xr.to(down.dtype.element_ty).to(tl.float32)
+                        md = (oi[:, None] < RANK) & mh[None, :]
+                        if SPLIT > 1:
+                            for p in tl.static_range(SPLIT):
+                                dw = tl.load(down + (p * 2 * RANK + s * RANK + oi[:, None]) * HID + oh[None, :], mask=md, other=0.0)
+                                xr = tl.dot(xv, tl.trans(dw), xr)
+                        else:
+                            dw = tl.load(down + (s * RANK + oi[:, None]) * HID + oh[None, :], mask=md, other=0.0)
+                            xr += tl.dot(xv.to(dw.dtype).to(tl.float32), tl.trans(dw.to(tl.float32)), input_precision="ieee")
+                    if SPLIT == 1:
+                        xr = xr.to(down.dtype.element_ty).to(tl.float32)
                 else:  # xr given: (B, 2, R) float32
                     xr = tl.load(xr_in + (b[:, None] * 2 + s) * R + oi[None, :], mask=mb[:, None], other=0.0)
                 u = tl.load(up + s * R * H * F + oi[:, None] * (H * F) + h * F + og[None, :])  # (R, F) float32
@@ -619,14 +638,17 @@ def dsla_state_step(states: Tensor, qf: Tensor, kf: Tensor, v: Tensor, decay: Te
     out = torch.empty(splits, 2, b, hq, width, device=states.device, dtype=torch.float32)
     kernel = _kernels().dsla
 
+    by_row = DSLA_BLOCKS_BY_ROW
+
     def grid(meta):
-        return (b * hq, -(-width // meta["BV"]), programs)
+        blocks = -(-width // meta["BV"])
+        return (b * hq * blocks, 1, programs) if by_row else (b * hq, blocks, programs)
 
     kernel[grid](
         states, qf, kf, v, decay, out, index if index is not None else out,
         b * hq, n * hq, 1 << (b - 1).bit_length(), hq // hkv, qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), v.stride(0), v.stride(1),
         decay.stride(0), decay.stride(1), decay.stride(2),
-        H=hq, K=dk, V=width, DV=dv, **strides, NORMALIZE=normalize, INDEXED=index is not None, **split,
+        H=hq, K=dk, V=width, DV=dv, **strides, NORMALIZE=normalize, INDEXED=index is not None, **split, BY_ROW=by_row,
     )  # fmt: skip
     return out
 
@@ -646,20 +668,51 @@ def tile_sized(*sizes: int) -> bool:
     return all(n >= 16 and n & (n - 1) == 0 for n in sizes)
 
 
+DSLA_BLOCKS_BY_ROW = True
+"""DSLA's state kernel launches its programs with each row's blocks of value columns adjacent
+(one grid axis over rows x blocks), so a row's query, key and decay are read from DRAM once and
+then from L2. At 32K and the largest batch that fits, tokens/s rose 12% at SmolLM2's shape (4,048
+rows) and 9% at the 8B shape (224), and batch 64 at 8K is no slower (H100). False: the blocks of
+value columns on a grid axis of their own, each a pass over all the rows (at a large batch a row's
+inputs have left L2 by its next block)."""
+
+
 DSLA_INPUT_ROWS = 16
 """Batch rows per program of ``dsla_decode_inputs`` (each program one query head's weights)."""
-DSLA_INPUT_PARTS = 1
+DSLA_INPUT_PARTS = 4
 """Programs per (query head, block of rows) of ``dsla_decode_inputs``: 4 makes the query's map,
 the key's map and each gate a program of its own (a large batch at a few heads otherwise runs
-fewer programs than the GPU has SMs); 1 does all four in one program. Whole SmolLM2 at batch 64
-decoded no faster with 4 (H100)."""
+fewer programs than the GPU has SMs, and each gate's program computes its down projection beside
+the maps' programs); 1 does all four in one program. With the down projection in the kernel
+(``DSLA_GATE_DOWN``), whole SmolLM2 at batch 64 and 8K decodes 11% faster with 4 than with the
+float32 GEMM and 1 (H100); with the GEMM, 4 was no faster than 1."""
 
 
-DSLA_GATE_DOWN = False
-"""DSLA layers let ``dsla_decode_inputs`` compute the gates' down projection x W_down itself (each
-gate's program for its rows, in float32: no GEMM of its own in the step); False: a float32 GEMM
-before it (``fused_dsla.gate_inputs``) gives it ``xr``. On, each query head's program computes
-x W_down again (float32 dots), and whole SmolLM2 at batch 64 decoded 0.66 ms a step slower (H100)."""
+DSLA_GATE_DOWN = True
+"""A bfloat16 model's DSLA layers (x bfloat16, the gates' weights float32) let
+``dsla_decode_inputs`` compute the gates' down projection x W_down itself, from the weight's three
+bfloat16 parts on the tensor cores (``bf16_parts``: each product exact, summed in float32, the
+float32 projection up to the order of its sum), each gate's program for its rows: no GEMM and
+split-K reduction of its own in the step. False, or any other dtypes: a float32 GEMM before the
+kernel (``fused_dsla.gate_inputs``) gives it ``xr``. The kernel's other form, float32 dots for a
+float32 x, is not used by the layers: with it whole SmolLM2 at batch 64 decoded 0.66 ms a step
+slower (H100)."""
+
+
+def bf16_parts(w: Tensor, parts: int = 3) -> Tensor:
+    """A float32 weight as ``parts`` bfloat16 tensors (parts, *w.shape) whose float32 sum is w: each
+    part the rounding of what the ones before it left. Three hold all of float32's 24 significant
+    bits (8 each), so x @ w for a bfloat16 x is three tensor-core products, each exact in float32,
+    summed in float32 (``dsla_decode_inputs``'s gates' down projection); weights too small for
+    bfloat16's exponent range (below about 1e-38) lose their last parts."""
+    if w.dtype != torch.float32:
+        raise ValueError(f"bf16_parts takes a float32 weight, got {w.dtype}")
+    out, rest = [], w
+    for _ in range(parts):
+        part = rest.to(torch.bfloat16)
+        out.append(part)
+        rest = rest - part.float()
+    return torch.stack(out)
 
 
 def dsla_inputs_apply(q: Tensor, hedgehog_weight: Tensor) -> bool:
@@ -691,10 +744,16 @@ def dsla_decode_inputs(q: Tensor, k: Tensor, x: Tensor, down: Tensor, hedgehog_w
     f = hedgehog_weight.shape[-1]
     nf = 2 * f
     r = up.shape[1]
-    rank, hidden = down.shape[0] // 2, down.shape[-1]
+    split = down.shape[0] if down.dim() == 3 else 1
+    rank, hidden = down.shape[-2] // 2, down.shape[-1]
     _check("k", k, (b, hkv, d), q.dtype)
     _check("x", x, (b, hidden))
-    _check("down", down, (2 * rank, hidden))
+    if split > 1:  # bfloat16 parts of a float32 weight (``bf16_parts``), for a bfloat16 x
+        _check("down", down, (split, 2 * rank, hidden), torch.bfloat16)
+        if x.dtype != torch.bfloat16 or xr is not None:
+            raise ValueError(f"down as bfloat16 parts takes a bfloat16 x and no xr, got x {x.dtype}" + (" and xr" if xr is not None else ""))
+    else:
+        _check("down", down, (2 * rank, hidden))
     if rank > r or down.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"down must be float32, bfloat16 or float16 with at most {r} rows per gate (up's rank axis), got "
                          f"{down.dtype} with {rank}")  # fmt: skip
@@ -719,7 +778,7 @@ def dsla_decode_inputs(q: Tensor, k: Tensor, x: Tensor, down: Tensor, hedgehog_w
         q, k, x, down, qf if xr is None else xr, hedgehog_weight, hedgehog_bias, up, gate_bias, qf, kf, decay,
         b, hq // hkv, q.stride(0), q.stride(1), k.stride(0), k.stride(1), x.stride(0),
         H=hq, D=d, FH=f, R=r, RANK=rank, HID=hidden, BH=64, BB=DSLA_INPUT_ROWS, NORM=GATE_NORMALISER, IEEE=q.dtype == torch.float32,
-        PARTS=DSLA_INPUT_PARTS, DOWN=xr is None,
+        PARTS=DSLA_INPUT_PARTS, DOWN=xr is None, SPLIT=split,
     )  # fmt: skip
     return qf, kf, decay
 

@@ -102,11 +102,15 @@ def test_lola_fused_step_equals_the_torch_step(reads, dims, monkeypatch):
 @pytest.mark.parametrize("dims", [(8, 8), (37, 70), (128, 9)], ids=["F8-D8", "F37-D70", "F128-D9"])
 @pytest.mark.parametrize("layouts", [("rows", "rows"), ("rows", "columns"), ("columns", "rows")],
                          ids=["row-major", "fused-column-major", "torch-column-major"])  # fmt: skip
+@pytest.mark.parametrize("by_row", [True, False], ids=["blocks-by-row", "blocks-on-their-own-axis"])
 @torch.no_grad()
-def test_dsla_fused_step_equals_the_torch_step(normalize, dims, layouts):
+def test_dsla_fused_step_equals_the_torch_step(normalize, dims, layouts, by_row, monkeypatch):
     """Both gated states decayed and written in one pass: outputs and states equal the torch step's
     over 6 tokens from a prefilled state, with grouped KV heads; either step on row-major or
-    column-major states."""
+    column-major states; a row's blocks of value columns adjacent in the state kernel's grid (the
+    default) or on a grid axis of their own. F8 runs both states in one program, the others split
+    their feature rows."""
+    monkeypatch.setattr(fused_decode, "DSLA_BLOCKS_BY_ROW", by_row)
     torch.manual_seed(1)
     b, hq, hkv = 2, 4, 2
     feats, dv = dims
@@ -381,6 +385,48 @@ def test_dsla_decode_inputs_equal_the_torch_maps_and_gates(batch, rank, dtype, p
     monkeypatch.setattr(fused_decode, "DSLA_INPUT_PARTS", 3)
     with pytest.raises(ValueError, match=r"DSLA_INPUT_PARTS must be 1 or 4, got 3"):
         fused_decode.dsla_decode_inputs(q, k, x.view(b, hidden), down, weight, bias, u, c)
+
+
+@pytest.mark.parametrize("parts", [4, 1], ids=["parts4", "parts1"])
+@torch.no_grad()
+def test_gates_down_projection_from_bf16_parts_is_the_float32_one(parts, monkeypatch):
+    """A bfloat16 model's float32 gate weights: three bfloat16 parts sum to the weight exactly, and
+    the inputs kernel's down projection from them (tensor-core products of a bfloat16 x) gives the
+    gates of the float32 projection (``fused_dsla.gate_inputs``); the parts take a bfloat16 x and
+    no ``xr``."""
+    monkeypatch.setattr(fused_decode, "DSLA_INPUT_PARTS", parts)
+    from linearize.ops import fused_dsla
+    from linearize.ops.dsla import log_gate
+
+    gen = torch.Generator().manual_seed(5)
+    b, hq, hkv, d, f, hidden, rank = 19, 4, 2, 16, 16, 200, 16
+    nf = 2 * f
+
+    def rand(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen)).to(DEVICE)
+
+    q, k, x = (rand(*shape).bfloat16() for shape in ((b, hq, d), (b, hkv, d), (b, 1, hidden)))
+    weight, bias = rand(2 * hq, d, f, scale=0.3).bfloat16(), rand(2 * hq, 1, f, scale=0.1).bfloat16()
+    down, up, up_bias = rand(2 * rank, hidden, scale=hidden**-0.5), rand(2, hq * nf, rank, scale=0.5), rand(2, hq * nf) - 3
+    split = fused_decode.bf16_parts(down)
+    assert split.shape == (3, 2 * rank, hidden) and split.dtype == torch.bfloat16
+    assert torch.equal(split.float().sum(0), down)  # all 24 bits
+    assert not torch.equal(split[0].float(), down)  # (one part would round)
+    u, c = fused_dsla.gate_weights(up, up_bias, rank)
+    xr = fused_dsla.gate_inputs(x, down, rank).view(b, 2, -1)  # float32, as the GEMM before the kernel makes it
+    with fused_decode.use_fused(True):
+        _, _, decay = fused_decode.dsla_decode_inputs(q, k, x.view(b, hidden), split, weight, bias, u, c)
+        _, _, given = fused_decode.dsla_decode_inputs(q, k, x.view(b, hidden), down, weight, bias, u, c, xr)
+        with pytest.raises(ValueError, match=r"down as bfloat16 parts takes a bfloat16 x and no xr, got x torch.bfloat16 and xr"):
+            fused_decode.dsla_decode_inputs(q, k, x.view(b, hidden), split, weight, bias, u, c, xr)
+        with pytest.raises(ValueError, match=r"got x torch.float32"):
+            fused_decode.dsla_decode_inputs(q, k, x.view(b, hidden).float(), split, weight, bias, u, c)
+    z = torch.einsum("bsr,sor->bso", xr[..., :rank], up.float()) + up_bias.float()
+    want = log_gate(z).exp().view(b, 2, hq, nf)
+    torch.testing.assert_close(decay, want, atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(decay, given, atol=2e-6, rtol=2e-6)
+    with pytest.raises(ValueError, match=r"bf16_parts takes a float32 weight, got torch.bfloat16"):
+        fused_decode.bf16_parts(down.bfloat16())
 
 
 def test_autotuned_choices_report_what_the_autotuner_chose(monkeypatch):
