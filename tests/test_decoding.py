@@ -125,11 +125,11 @@ def test_fused_decode_kernels_match_full_forward(name, options, monkeypatch):
     decode step its features and gates in one kernel beside its state kernel; the states column-major
     (the default). The same with the other kernel options: row-major states, the window read per KV
     head, DSLA's inputs in one program per head and block of rows, and DSLA's state kernel with
-    its blocks of value columns on a grid axis of their own."""
+    its blocks of value columns on a grid axis of their own and its tiles streamed through L2."""
     monkeypatch.setattr(fused_decode, "COLUMN_STATES", True)
     if options:
         for name_, value in (("COLUMN_STATES", False), ("WINDOW_GROUPED", True), ("DSLA_INPUT_PARTS", 1), ("DSLA_GATE_DOWN", False),
-                             ("DSLA_BLOCKS_BY_ROW", False)):  # fmt: skip
+                             ("DSLA_BLOCKS_BY_ROW", False), ("DSLA_STREAM_STATES", True)):  # fmt: skip
             monkeypatch.setattr(fused_decode, name_, value)
     made = []  # the decode states made column-major
     new_state = fused_decode.new_state
@@ -173,7 +173,8 @@ def test_fused_decode_kernels_match_full_forward(name, options, monkeypatch):
 def test_bf16_dsla_steps_take_the_gates_down_projection_from_bf16_parts(monkeypatch):
     """A bfloat16 DSLA model (its gates' weights float32): with the gates' down projection in the
     inputs kernel, each step hands the kernel the weights' three bfloat16 parts (kept between
-    tokens), and the logits are those of the steps with the float32 GEMM before the kernel."""
+    tokens), and the logits are those of the steps with the float32 GEMM before the kernel; with
+    the features written in bfloat16 as well, exactly those of the float32 features."""
     downs = []
     kernel = fused_decode.dsla_decode_inputs
     monkeypatch.setattr(fused_decode, "dsla_decode_inputs", lambda *a: downs.append(a[3]) or kernel(*a))
@@ -193,6 +194,11 @@ def test_bf16_dsla_steps_take_the_gates_down_projection_from_bf16_parts(monkeypa
         assert len({d.data_ptr() for d in downs}) == model.config.num_hidden_layers  # each layer's kept
     torch.testing.assert_close(torch.stack(runs[1][1]), torch.stack(runs[0][1]), atol=1e-2, rtol=0)
     assert [t.tolist() for t in runs[1][0]] == [t.tolist() for t in runs[0][0]]
+    monkeypatch.setattr(fused_decode, "DSLA_FEATURES_IN_MAPS_DTYPE", True)
+    decoder = StaticDecoder(model, batch_size=2, max_length=12, graphs=False)
+    with fused_decode.use_fused(True):
+        _, logits = _prefill_and_step(decoder, prompt, 4)
+    assert torch.equal(torch.stack(logits), torch.stack(runs[1][1]))
 
 
 @pytest.mark.skipif(not fused_decode.triton_available(), reason="needs Triton (the test extra installs it)")

@@ -193,14 +193,14 @@ def _kernels() -> _Kernels:
             acc += tl.sum(q[:, None] * s, axis=0)
         tl.store(out + r * V + ov, acc, mask=mv)
 
-    @tuned(["K", "V", "SV", "tune_rows", "KS", "BY_ROW"], "states")
+    @tuned(["K", "V", "SV", "tune_rows", "KS", "BY_ROW", "EVICT"], "states")
     @triton.jit(do_not_specialize=["rows", "state_rows", "tune_rows"])
     def dsla_kernel(
         states, qf, kf, v, decay, out, index,
         rows, state_rows, tune_rows, n_rep, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_db, s_ds, s_dh,
         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DV: tl.constexpr, KS: tl.constexpr, PAIR: tl.constexpr,
         SF: tl.constexpr, SV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NORMALIZE: tl.constexpr, INDEXED: tl.constexpr,
-        BY_ROW: tl.constexpr,
+        BY_ROW: tl.constexpr, EVICT: tl.constexpr, STORE: tl.constexpr,
     ):  # fmt: skip
         # rows = B * H (the batch) and state_rows (the states' rows: B * H, or a pool's slots * H) are
         # run-time values, not constexprs: a new batch size compiles nothing; tune_rows (the batch
@@ -211,6 +211,8 @@ def _kernels() -> _Kernels:
         # axis runs over (row, block of value columns) with a row's blocks adjacent, so they run
         # together and read its query, key and decay once from DRAM (else a row's blocks run a
         # whole pass over the rows apart, and at a large batch its inputs have left L2 by then).
+        # EVICT, STORE: the state tiles' load eviction policy and store cache modifier ("" or, to
+        # stream them through L2 past the inputs, "evict_first" and ".cs").
         if BY_ROW:
             blocks = tl.cdiv(V, BV)
             r = tl.program_id(0).to(tl.int64) // blocks  # one (batch row, query head)
@@ -252,15 +254,15 @@ def _kernels() -> _Kernels:
             kv = k[:, None] * vv[None, :]
             offs = ok[:, None] * SF + ov[None, :] * SV  # (SF, SV: as in hybrid_kernel)
             a0 = tl.load(d0 + ok, mask=mk, other=0.0).to(tl.float32)
-            s0 = tl.load(base0 + offs, mask=m, other=0.0)
+            s0 = tl.load(base0 + offs, mask=m, other=0.0, eviction_policy=EVICT)
             s0 = a0[:, None] * s0 + kv
-            tl.store(base0 + offs, s0, mask=m)
+            tl.store(base0 + offs, s0, mask=m, cache_modifier=STORE)
             acc0 += tl.sum(q[:, None] * s0, axis=0)
             if PAIR:
                 a1 = tl.load(d0 + s_ds + ok, mask=mk, other=0.0).to(tl.float32)
-                s1 = tl.load(base1 + offs, mask=m, other=0.0)
+                s1 = tl.load(base1 + offs, mask=m, other=0.0, eviction_policy=EVICT)
                 s1 = a1[:, None] * s1 + kv
-                tl.store(base1 + offs, s1, mask=m)
+                tl.store(base1 + offs, s1, mask=m, cache_modifier=STORE)
                 acc1 += tl.sum(q[:, None] * s1, axis=0)
         tl.store(out + (z * rows + r) * V + ov, acc0, mask=mv)
         if PAIR:
@@ -406,9 +408,9 @@ def _kernels() -> _Kernels:
         p += tl.load(hb + m * FH + of).to(tl.float32)[None, :]
         e = tl.exp(p - tl.max(p, axis=1)[:, None])
         ptr = dst + rows[:, None] * s_d + of[None, :]
-        tl.store(ptr, (e / tl.sum(e, axis=1)[:, None]).to(hw.dtype.element_ty).to(tl.float32), mask=mb[:, None])
+        tl.store(ptr, (e / tl.sum(e, axis=1)[:, None]).to(hw.dtype.element_ty).to(dst.dtype.element_ty), mask=mb[:, None])
         e = tl.exp(tl.min(p, axis=1)[:, None] - p)
-        tl.store(ptr + FH, (e / tl.sum(e, axis=1)[:, None]).to(hw.dtype.element_ty).to(tl.float32), mask=mb[:, None])
+        tl.store(ptr + FH, (e / tl.sum(e, axis=1)[:, None]).to(hw.dtype.element_ty).to(dst.dtype.element_ty), mask=mb[:, None])
 
     globals()["_hedgehog_rows"] = hedgehog_rows  # a module global: what Triton's interpreter resolves
 
@@ -649,6 +651,7 @@ def dsla_state_step(states: Tensor, qf: Tensor, kf: Tensor, v: Tensor, decay: Te
         b * hq, n * hq, 1 << (b - 1).bit_length(), hq // hkv, qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), v.stride(0), v.stride(1),
         decay.stride(0), decay.stride(1), decay.stride(2),
         H=hq, K=dk, V=width, DV=dv, **strides, NORMALIZE=normalize, INDEXED=index is not None, **split, BY_ROW=by_row,
+        EVICT="evict_first" if DSLA_STREAM_STATES else "", STORE=".cs" if DSLA_STREAM_STATES else "",
     )  # fmt: skip
     return out
 
@@ -675,6 +678,21 @@ then from L2. At 32K and the largest batch that fits, tokens/s rose 12% at SmolL
 rows) and 9% at the 8B shape (224), and batch 64 at 8K is no slower (H100). False: the blocks of
 value columns on a grid axis of their own, each a pass over all the rows (at a large batch a row's
 inputs have left L2 by its next block)."""
+
+
+DSLA_STREAM_STATES = False
+"""DSLA's state kernel loads its state tiles with the "evict_first" policy and stores them with
+the ".cs" (streaming) modifier, so at a large batch the states pass through L2 without pushing
+out the query, key and decay the next programs read; False: the default caching. Not yet timed."""
+DSLA_FEATURES_IN_MAPS_DTYPE = False
+"""``dsla_decode_inputs`` writes the query's and key's features in the feature maps' dtype
+(bfloat16 in a bfloat16 model) instead of float32: the same numbers, as they are rounded through
+that dtype either way, in half the bytes written and read again by the state kernel. Not yet timed."""
+
+
+def _features_dtype(hedgehog_weight: Tensor) -> torch.dtype:
+    """The dtype ``dsla_decode_inputs`` writes qf and kf in (``DSLA_FEATURES_IN_MAPS_DTYPE``)."""
+    return hedgehog_weight.dtype if DSLA_FEATURES_IN_MAPS_DTYPE else torch.float32
 
 
 DSLA_INPUT_ROWS = 16
@@ -734,7 +752,8 @@ def dsla_decode_inputs(q: Tensor, k: Tensor, x: Tensor, down: Tensor, hedgehog_w
     (xr = x W_down in down's dtype, as ``fused_dsla.gate_inputs`` computes it: in the kernel, unless
     the caller's GEMM gave ``xr`` (B, 2, R) float32; ``DSLA_GATE_DOWN`` says which the layers do) and ``up`` (2, R, Hq F), ``gate_bias`` (2, Hq F) float32
     (``fused_dsla.gate_weights``; R the rank padded, ``fused_dsla.padded_rank``). Returns qf, kf
-    (B, Hq, 2f) and decay (B, 2, Hq, 2f), float32: the numbers of ``token_features`` and
+    (B, Hq, 2f), float32 (or the maps' dtype: ``DSLA_FEATURES_IN_MAPS_DTYPE``), and decay
+    (B, 2, Hq, 2f), float32: the numbers of ``token_features`` and
     ``DslaAttention.decode_gates`` (tests/ops/test_fused_decode.py). One program per query head and
     block of ``DSLA_INPUT_ROWS`` rows, so each head's weights are read once per block."""
     from .dsla import GATE_NORMALISER  # (ops.dsla imports this module)
@@ -765,7 +784,7 @@ def dsla_decode_inputs(q: Tensor, k: Tensor, x: Tensor, down: Tensor, hedgehog_w
         raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv}), and the rank axis ({r}) a power of two from 16")
     if any(t.stride(-1) != 1 for t in (q, k, x)) or not all(t.is_contiguous() for t in (down, hedgehog_weight, hedgehog_bias, up, gate_bias)):
         raise ValueError("q, k and x must be contiguous in their last axis, the weights contiguous")
-    qf = torch.empty(b, hq, nf, device=q.device, dtype=torch.float32)
+    qf = torch.empty(b, hq, nf, device=q.device, dtype=_features_dtype(hedgehog_weight))
     kf = torch.empty_like(qf)
     decay = torch.empty(b, 2, hq, nf, device=q.device, dtype=torch.float32)
     if DSLA_INPUT_PARTS not in (1, 4):
@@ -787,7 +806,8 @@ def dsla_decode_inputs(q: Tensor, k: Tensor, x: Tensor, down: Tensor, hedgehog_w
 def _(q, k, x, down, hedgehog_weight, hedgehog_bias, up, gate_bias, xr=None):
     b, hq = q.shape[:2]
     nf = 2 * hedgehog_weight.shape[-1]
-    return q.new_empty(b, hq, nf, dtype=torch.float32), q.new_empty(b, hq, nf, dtype=torch.float32), q.new_empty(b, 2, hq, nf, dtype=torch.float32)
+    dtype = _features_dtype(hedgehog_weight)
+    return q.new_empty(b, hq, nf, dtype=dtype), q.new_empty(b, hq, nf, dtype=dtype), q.new_empty(b, 2, hq, nf, dtype=torch.float32)
 
 
 WINDOW_GROUPED = False

@@ -102,15 +102,16 @@ def test_lola_fused_step_equals_the_torch_step(reads, dims, monkeypatch):
 @pytest.mark.parametrize("dims", [(8, 8), (37, 70), (128, 9)], ids=["F8-D8", "F37-D70", "F128-D9"])
 @pytest.mark.parametrize("layouts", [("rows", "rows"), ("rows", "columns"), ("columns", "rows")],
                          ids=["row-major", "fused-column-major", "torch-column-major"])  # fmt: skip
-@pytest.mark.parametrize("by_row", [True, False], ids=["blocks-by-row", "blocks-on-their-own-axis"])
+@pytest.mark.parametrize("by_row", [True, False], ids=["blocks-by-row", "blocks-on-their-own-axis-streamed"])
 @torch.no_grad()
 def test_dsla_fused_step_equals_the_torch_step(normalize, dims, layouts, by_row, monkeypatch):
     """Both gated states decayed and written in one pass: outputs and states equal the torch step's
     over 6 tokens from a prefilled state, with grouped KV heads; either step on row-major or
     column-major states; a row's blocks of value columns adjacent in the state kernel's grid (the
-    default) or on a grid axis of their own. F8 runs both states in one program, the others split
-    their feature rows."""
+    default) or on a grid axis of their own with the state tiles streamed through L2 (cache hints).
+    F8 runs both states in one program, the others split their feature rows."""
     monkeypatch.setattr(fused_decode, "DSLA_BLOCKS_BY_ROW", by_row)
+    monkeypatch.setattr(fused_decode, "DSLA_STREAM_STATES", not by_row)
     torch.manual_seed(1)
     b, hq, hkv = 2, 4, 2
     feats, dv = dims
@@ -427,6 +428,33 @@ def test_gates_down_projection_from_bf16_parts_is_the_float32_one(parts, monkeyp
     torch.testing.assert_close(decay, given, atol=2e-6, rtol=2e-6)
     with pytest.raises(ValueError, match=r"bf16_parts takes a float32 weight, got torch.bfloat16"):
         fused_decode.bf16_parts(down.bfloat16())
+
+
+@torch.no_grad()
+def test_dsla_decode_inputs_write_features_in_the_maps_dtype(monkeypatch):
+    """With ``DSLA_FEATURES_IN_MAPS_DTYPE`` the inputs kernel writes a bfloat16 model's query and key
+    features in bfloat16, the same numbers as the float32 ones (they are rounded through the maps'
+    dtype either way); the gates stay float32."""
+    from linearize.ops import fused_dsla
+
+    gen = torch.Generator().manual_seed(6)
+    b, hq, hkv, d, f, hidden, rank = 5, 4, 2, 16, 16, 40, 16
+
+    def rand(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen)).to(DEVICE)
+
+    q, k, x = (rand(*shape).bfloat16() for shape in ((b, hq, d), (b, hkv, d), (b, hidden)))
+    weight, bias = rand(2 * hq, d, f, scale=0.3).bfloat16(), rand(2 * hq, 1, f, scale=0.1).bfloat16()
+    down = rand(2 * rank, hidden, scale=hidden**-0.5)
+    u, c = fused_dsla.gate_weights(rand(2, hq * 2 * f, rank, scale=0.5), rand(2, hq * 2 * f) - 3, rank)
+    runs = []
+    for narrow in (False, True):
+        monkeypatch.setattr(fused_decode, "DSLA_FEATURES_IN_MAPS_DTYPE", narrow)
+        with fused_decode.use_fused(True):
+            runs.append(fused_decode.dsla_decode_inputs(q, k, x, fused_decode.bf16_parts(down), weight, bias, u, c))
+    (qf, kf, decay), (qn, kn, dn) = runs
+    assert qn.dtype == kn.dtype == torch.bfloat16 and dn.dtype == qf.dtype == torch.float32
+    assert torch.equal(qn.float(), qf) and torch.equal(kn.float(), kf) and torch.equal(dn, decay)
 
 
 def test_autotuned_choices_report_what_the_autotuner_chose(monkeypatch):
