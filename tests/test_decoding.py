@@ -187,17 +187,17 @@ def test_bf16_dsla_steps_take_the_gates_down_projection_from_bf16_parts(monkeypa
     for inside in (False, True):
         monkeypatch.setattr(fused_decode, "DSLA_GATE_DOWN", inside)
         downs.clear()
-        decoder = StaticDecoder(model, batch_size=2, max_length=12, graphs=False)
+        decoder = StaticDecoder(model, batch_size=2, max_length=8, graphs=False)
         with fused_decode.use_fused(True):
-            runs.append(_prefill_and_step(decoder, prompt, 4))
+            runs.append(_prefill_and_step(decoder, prompt, 2))
         assert {(d.dim(), d.dtype) for d in downs} == ({(3, torch.bfloat16)} if inside else {(2, torch.float32)})
         assert len({d.data_ptr() for d in downs}) == model.config.num_hidden_layers  # each layer's kept
     torch.testing.assert_close(torch.stack(runs[1][1]), torch.stack(runs[0][1]), atol=1e-2, rtol=0)
     assert [t.tolist() for t in runs[1][0]] == [t.tolist() for t in runs[0][0]]
     monkeypatch.setattr(fused_decode, "DSLA_FEATURES_IN_MAPS_DTYPE", True)
-    decoder = StaticDecoder(model, batch_size=2, max_length=12, graphs=False)
+    decoder = StaticDecoder(model, batch_size=2, max_length=8, graphs=False)
     with fused_decode.use_fused(True):
-        _, logits = _prefill_and_step(decoder, prompt, 4)
+        _, logits = _prefill_and_step(decoder, prompt, 2)
     assert torch.equal(torch.stack(logits), torch.stack(runs[1][1]))
 
 
