@@ -306,9 +306,9 @@ def dsla_decode_step(
     else:
         rows = s if state.index is None else s.index_select(1, state.index)  # a pool's rows: gathered, written back below
         state.values[..., :dv] = v.view(b, hkv, dv)
-        write = kf.reshape(b, hkv, hq // hkv, dk, 1).to(rows.dtype) * state.values.view(b, hkv, 1, 1, width)  # (B, Hkv, n_rep, Dk, Dv [+ 1]): k v^T
+        write = kf.reshape(b, hkv, hq // hkv, dk, 1) * state.values.view(b, hkv, 1, 1, width)  # (B, Hkv, n_rep, Dk, Dv [+ 1]): k v^T
         torch.addcmul(write.view(b, hq, dk, width), decay.transpose(0, 1)[..., None], rows, out=rows)  # S = diag(alpha) S + k v^T, both
-        o = torch.matmul(qf.reshape(1, b, hq, 1, dk).to(rows.dtype), rows)  # (2, B, Hq, 1, Dv [+ 1]): both states' reads
+        o = torch.matmul(qf.reshape(1, b, hq, 1, dk), rows)  # (2, B, Hq, 1, Dv [+ 1]): both states' reads
         if state.index is not None:
             s.index_copy_(1, state.index, rows)
     out = _mix_reads(o, weights.view(2, 1, 1, 1, 1), dv, normalize)  # (B, Hq, 1, Dv)
