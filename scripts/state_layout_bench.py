@@ -5,7 +5,8 @@ read a reduction along them), for the hybrid's linear step and DSLA's two gated 
 read-modify-write of the same bytes as the bandwidth reference. Every variant is checked against
 the torch step first.
 
-    python scripts/state_layout_bench.py OUT [--shapes smollm2-135m,llama3-8b] [--batch 64]
+    python scripts/state_layout_bench.py OUT [--shapes smollm2-135m,llama3-8b] [--batch 64] [--kinds hybrid,window,dsla]
+        [--kernel-option fused_decode.DSLA_STREAM_STATES=True ...]
 
 Writes OUT/state_layouts.json and prints a table.
 """
@@ -153,26 +154,31 @@ def main() -> None:
     p.add_argument("--shapes", default="smollm2-135m,llama3-8b")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--kinds", default="hybrid,window,dsla")
+    p.add_argument("--kernel-option", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                   help="a kernel option held for the whole run (repeatable), e.g. fused_decode.DSLA_STREAM_STATES=True")
     p.add_argument("--check-only", action="store_true", help="check the variants, time nothing (runs on the CPU under TRITON_INTERPRET=1)")
     a = p.parse_args()
     global DEVICE, CHECK_ONLY
     CHECK_ONLY = a.check_only
     DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
     a.out.mkdir(parents=True, exist_ok=True)
+    kernel_options.check(a.kernel_option)
     rows: list[dict] = []
-    for shape in a.shapes.split(","):
-        if "hybrid" in a.kinds:
-            hybrid_rows(shape, a.batch, rows)
-        if "window" in a.kinds:
-            window_rows(shape, a.batch, rows)
-        if "dsla" in a.kinds:
-            dsla_rows(shape, a.batch, rows)
-    print(f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else DEVICE} batch {a.batch}; TB/s = state bytes read and written / time")
+    with kernel_options.applied_for(a.kernel_option):
+        for shape in a.shapes.split(","):
+            if "hybrid" in a.kinds:
+                hybrid_rows(shape, a.batch, rows)
+            if "window" in a.kinds:
+                window_rows(shape, a.batch, rows)
+            if "dsla" in a.kinds:
+                dsla_rows(shape, a.batch, rows)
+    options = f"; options {', '.join(a.kernel_option)}" if a.kernel_option else ""
+    print(f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else DEVICE} batch {a.batch}{options}; TB/s = state bytes read and written / time")
     print("| kind | shape | layout | tile | us | TB/s | max error |")
     print("|---|---|---|---|---:|---:|---:|")
     for r in rows:
         print(f"| {r['kind']} | {r['shape']} | {r['layout']} | {r['tile']} | {r['us']:.1f} | {r['tbps']:.2f} | {r['err']:.1e} |")
-    atomic_write_text(a.out / "state_layouts.json", json.dumps(dict(device=torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, rows=rows), indent=1))
+    atomic_write_text(a.out / "state_layouts.json", json.dumps(dict(device=torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, kernel_options=a.kernel_option, rows=rows), indent=1))
 
 
 if __name__ == "__main__":

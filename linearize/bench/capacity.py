@@ -12,7 +12,10 @@ alike, each with ``linearize.decoding.StaticDecoder`` (on CUDA each step one CUD
 - batch: the memory budget // bytes per request, at most ``max_batch``. On CUDA a batch that runs
   out of memory is retried at 7/8 of its size, and the row records the batch that ran;
 - tokens/s: batch / the median step time over ``steps`` steps after the decoder's warm-up, after
-  a one-row prompt of ``context`` random tokens repeated to the batch.
+  a one-row prompt of ``context`` random tokens repeated to the batch;
+- with ``profile``: each side's step at that batch once more, without CUDA graphs, under
+  ``torch.profiler`` (``linearize.bench.profile.profile_step``): device time, launches and the
+  kernels that take the most time, the profile a missed throughput target names as its cause.
 
 The budget is ``memory_bytes``, or on CUDA ``memory_fraction`` of the memory free once the model is
 loaded. A model whose position limit is below ``context + steps`` has it lifted for the benchmark
@@ -40,6 +43,7 @@ from ..runtime import max_positions
 from ..spec import ConversionSpec
 from ..teacher import teacher_modes
 from .efficiency import _decode_tokens, _random_ids, time_calls, decode_warmup
+from .profile import kernel_table, profile_step
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +87,8 @@ def _budget(device: torch.device, memory_bytes: int | None, memory_fraction: flo
 
 
 @torch.inference_mode()
-def _measure(model, side: str, *, context: int, steps: int, budget: int, max_batch: int, compile: bool, seed: int) -> dict[str, Any]:
+def _measure(model, side: str, *, context: int, steps: int, budget: int, max_batch: int, compile: bool, seed: int,
+             profile: bool = False) -> dict[str, Any]:
     device = next(model.parameters()).device
     max_length = _decode_tokens(context, 0, steps, True)
     per_request = request_bytes(model, max_length) + working_bytes_per_row(model)
@@ -119,7 +124,24 @@ def _measure(model, side: str, *, context: int, steps: int, budget: int, max_bat
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     logger.info("%s: %d bytes per request, batch %d, %.0f tokens/s", side, per_request, batch, row["tokens_per_s"])
+    if profile:
+        _profile(model, row, context=context, compile=compile, seed=seed)
     return row
+
+
+def _profile(model, row: dict[str, Any], *, context: int, compile: bool, seed: int) -> None:
+    """``row["profile"]``: the side's decode step at its measured batch under ``torch.profiler``
+    (``row["profile_error"]`` instead where that batch runs out of memory without CUDA graphs)."""
+    device = next(model.parameters()).device
+    try:
+        row["profile"] = profile_step(model, context=context, batch_size=row["batch_size"], steps=3, warmup=2, compile=compile,
+                                      fuse_projections=False, seed=seed)  # fmt: skip
+    except torch.OutOfMemoryError as e:
+        row["profile_error"] = f"out of memory at batch {row['batch_size']} without CUDA graphs: {e}".splitlines()[0]
+        logger.warning("%s: %s", row["side"], row["profile_error"])
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def bench_capacity(
@@ -134,9 +156,11 @@ def bench_capacity(
     compile: bool = False,
     device: str | torch.device | None = None,
     seed: int = 0,
+    profile: bool = False,
 ) -> dict[str, Any]:
     """The teacher and the conversion (``model`` converted in place with ``spec``; an already converted
-    model with ``spec`` None is measured as it is) at their largest batch within one memory budget."""
+    model with ``spec`` None is measured as it is) at their largest batch within one memory budget;
+    ``profile``: each side's step profiled at that batch as well."""
     check_int("context", context, 1)
     check_int("steps", steps, 1)
     check_int("max_batch", max_batch, 1)
@@ -154,7 +178,7 @@ def bench_capacity(
         convert(model, spec)
     model.eval()
     budget = _budget(device, memory_bytes, memory_fraction)
-    kw = dict(context=context, steps=steps, budget=budget, max_batch=max_batch, compile=compile, seed=seed)
+    kw = dict(context=context, steps=steps, budget=budget, max_batch=max_batch, compile=compile, seed=seed, profile=profile)
     with teacher_modes(model):
         teacher = _measure(model, "teacher", **kw)
     converted = _measure(model, "converted", **kw)
@@ -165,7 +189,7 @@ def bench_capacity(
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__}, "kernel_options": kernel_options.applied(),
         "spec": getattr(model.config, "linearize", None),
         "settings": dict(context=context, steps=steps, memory_bytes=memory_bytes, memory_fraction=memory_fraction, budget_bytes=budget,
-                         max_batch=max_batch, compile=compile, position_limit_lifted_from=lifted),  # fmt: skip
+                         max_batch=max_batch, compile=compile, position_limit_lifted_from=lifted, profile=profile),  # fmt: skip
         "teacher": teacher,
         "converted": converted,
     }
@@ -195,6 +219,14 @@ def capacity_markdown(result: dict[str, Any]) -> str:
                          f"| {row['step_s'] * 1e6 / row['batch_size']:.1f} | {row['tokens_per_s']:.0f} |")  # fmt: skip
     if "throughput_ratio" in result:
         lines += ["", f"Converted / teacher tokens/s: **{result['throughput_ratio']:.2f}x**"]
+    for row in (result["teacher"], result["converted"]):
+        if "profile" in row:
+            prof = row["profile"]
+            lines += ["", f"### {row['side']}: one step at batch {prof['batch_size']} without CUDA graphs"
+                      f"{' (compiled)' if prof['compiled'] else ''}: {prof['device_ms_per_step']:.2f} ms of device time, "
+                      f"{prof['launches_per_step']:.0f} launches", "", *kernel_table(prof)]  # fmt: skip
+        elif "profile_error" in row:
+            lines += ["", f"### {row['side']}: not profiled: {row['profile_error']}"]
     return "\n".join(lines) + "\n"
 
 

@@ -84,13 +84,15 @@ def profile_calls(fn: Callable[[], Any], *, calls: int, device: torch.device, to
 
 @torch.inference_mode()
 def profile_step(model, *, context: int, batch_size: int, steps: int = 5, warmup: int = 3, compile: bool = False,
-                 device: str | torch.device | None = None, top: int = 25, seed: int = 0) -> dict[str, Any]:
+                 device: str | torch.device | None = None, top: int = 25, seed: int = 0, fuse_projections: bool = True) -> dict[str, Any]:
     """One model's static decode step at ``context`` tokens: device time and launches per step, and
-    its ``top`` kernels by device time (name, calls and microseconds per step)."""
+    its ``top`` kernels by device time (name, calls and microseconds per step). ``fuse_projections``
+    as ``StaticDecoder`` takes it."""
     from ..decoding import StaticDecoder
 
     device = _place(model, device)
-    decoder = StaticDecoder(model, batch_size=batch_size, max_length=context + warmup + steps + 1, graphs=False, compile=compile)
+    decoder = StaticDecoder(model, batch_size=batch_size, max_length=context + warmup + steps + 1, graphs=False, compile=compile,
+                            fuse_projections=fuse_projections)
     decoder.prefill(_random_ids(model, 1, context, device, seed))
     for _ in range(warmup):
         decoder.step()

@@ -223,7 +223,8 @@ def _add_eval_commands(sub) -> None:
                    help="instead of timing: profile one static decode step of the teacher and the conversion at the first "
                         "--decode-contexts context and --batch-size (kernels by device time, launches per step; --compile "
                         "profiles the compiled step; --out: profile.json/md); with --layer: each prefill case is also profiled, "
-                        "both sides, and layer.md lists the converted prefill's kernels")
+                        "both sides, and layer.md lists the converted prefill's kernels; with --capacity: each side's step is also "
+                        "profiled at its largest batch (capacity.md lists the kernels)")
     p.add_argument("--capacity", type=POSITIVE, metavar="CONTEXT",
                    help="throughput at equal memory: the teacher's and the conversion's largest batch at CONTEXT tokens within "
                         "one memory budget, and their decode tokens/s there (StaticDecoder; --out: capacity.json/md)")

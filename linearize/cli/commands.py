@@ -336,8 +336,6 @@ def cmd_bench(args) -> int:
     kernel_options.apply(args.kernel_option)  # a bad one fails before anything loads
     if args.compile and not (args.graphs or args.capacity or args.profile or args.layer):
         raise ValueError("--compile applies to static decoding: give --graphs, --capacity, --profile or --layer")
-    if args.profile and args.capacity:
-        raise ValueError("--profile profiles a model's decode step or, with --layer, the layer's prefills; it does not go with --capacity")
     if (args.stack or args.memory_gib is not None) and not args.capacity:
         raise ValueError("--stack and --memory-gib go with --capacity CONTEXT")
     if args.capacity:
@@ -392,7 +390,8 @@ def _bench_capacity(args) -> int:
         model = args.model
     memory = None if args.memory_gib is None else int(args.memory_gib * 2**30)
     result = run_capacity(model, spec, out_dir=args.out, context=args.capacity, steps=args.decode_steps, memory_bytes=memory,
-                          memory_fraction=args.memory_fraction, max_batch=args.max_batch, compile=args.compile, device=device)  # fmt: skip
+                          memory_fraction=args.memory_fraction, max_batch=args.max_batch, compile=args.compile, device=device,
+                          profile=args.profile)  # fmt: skip
     print(capacity_markdown(result))
     return 0
 

@@ -64,6 +64,24 @@ def test_cli_capacity(tmp_path, capsys):
     assert "--stack and --memory-gib go with --capacity" in capsys.readouterr().err
 
 
+def test_capacity_profiles_each_side_at_its_batch(tmp_path, capsys):
+    """--capacity --profile: each side's step is profiled at the batch it was timed at, and capacity.md
+    lists its kernels (on the CPU: operators)."""
+    path = tmp_path / "tiny"
+    build_tiny_llama(num_hidden_layers=2).save_pretrained(path)
+    assert main(["bench", "--capacity", "32", "--profile", "--model", str(path), "--attention", "dsla", "--memory-gib", "0.001",
+                 "--decode-steps", "2", "--max-batch", "6", "--out", str(tmp_path / "cap")]) == 0  # fmt: skip
+    saved = json.loads((tmp_path / "cap" / "capacity.json").read_text())
+    for side in ("teacher", "converted"):
+        prof = saved[side]["profile"]
+        assert prof["batch_size"] == saved[side]["batch_size"] and prof["launches_per_step"] > 0 and prof["top"]
+    assert saved["converted"]["batch_size"] == 6 and saved["settings"]["profile"] is True
+    md = (tmp_path / "cap" / "capacity.md").read_text()
+    assert "### teacher: one step at batch" in md and "### converted: one step at batch 6 without CUDA graphs" in md
+    assert "| kernel | calls / step |" in md
+    assert "profile" not in run_capacity(build_tiny_llama(), {"attention": "dsla"}, context=16, steps=1, memory_bytes=2**20)["teacher"]
+
+
 def test_random_models_are_built_in_the_asked_dtype_and_seeded():
     import torch
 

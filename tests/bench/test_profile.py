@@ -29,8 +29,6 @@ def test_cli_profile(tmp_path, capsys):
     build_tiny_llama(num_hidden_layers=2).save_pretrained(path)
     assert main(["bench", "--profile", "--model", str(path), "--attention", "dsla", "--decode-contexts", "8", "--out", str(tmp_path / "p")]) == 0
     assert "Decode step profile: batch 1 at 8 tokens" in capsys.readouterr().out and (tmp_path / "p" / "profile.json").is_file()
-    assert main(["bench", "--profile", "--capacity", "64"]) == 2
-    assert "it does not go with --capacity" in capsys.readouterr().err
     assert main(["bench", "--profile", "--layer", "smollm2-135m", "--attention", "hybrid", "--prefill-lengths", "32", "--decode-contexts",
                  "none", "--repeats", "1", "--out", str(tmp_path / "l")]) == 0  # fmt: skip
     assert "### prefill kernels: hybrid window 64" in (tmp_path / "l" / "layer.md").read_text()
