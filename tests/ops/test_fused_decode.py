@@ -4,6 +4,8 @@ interpreter on the CPU)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -340,6 +342,24 @@ def test_hybrid_state_tiles_are_tuned_per_batch_size():
     assert step(33) == tuned + 1  # 132 and 160 rows: both in the bucket of 256
 
 
+def dsla_inputs_case(seed: int, *, b: int, hidden: int, rank: int, dtype: torch.dtype, down_dtype: torch.dtype, hq: int = 4, hkv: int = 2,
+                     d: int = 16, f: int = 16) -> SimpleNamespace:  # fmt: skip
+    """Random inputs of ``dsla_decode_inputs``: q (b, hq, d), k (b, hkv, d), x (b, hidden) and both
+    Hedgehog maps' weight (2 hq, d, f) and bias in ``dtype``; the gates' down projection (2 rank,
+    hidden) in ``down_dtype``; their up projection (2, hq 2f, rank) and its bias in float32."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen)).to(DEVICE)
+
+    q, k, x = rand(b, hq, d).to(dtype), rand(b, hkv, d).to(dtype), rand(b, hidden).to(dtype)
+    weight, bias = rand(2 * hq, d, f, scale=0.3).to(dtype), rand(2 * hq, 1, f, scale=0.1).to(dtype)
+    down = rand(2 * rank, hidden, scale=hidden**-0.5).to(down_dtype)
+    up, up_bias = rand(2, hq * 2 * f, rank, scale=0.5), rand(2, hq * 2 * f) - 3
+    return SimpleNamespace(q=q, k=k, x=x, weight=weight, bias=bias, down=down, up=up, up_bias=up_bias, b=b, hq=hq, nf=2 * f, hidden=hidden,
+                           rank=rank)  # fmt: skip
+
+
 @pytest.mark.parametrize("parts, down_in_kernel", [(4, True), (1, True), (4, False)], ids=["parts4", "parts1", "parts4-xr-given"])
 @pytest.mark.parametrize("batch, rank, dtype", [(3, 8, torch.float32), (19, 16, torch.float32), (3, 8, torch.bfloat16)],
                          ids=["b3-rank8", "b19-rank16", "bf16"])  # fmt: skip
@@ -355,16 +375,9 @@ def test_dsla_decode_inputs_equal_the_torch_maps_and_gates(batch, rank, dtype, p
     from linearize.ops.dsla import log_gate
     from linearize.ops.feature_maps import hedgehog_pair
 
-    gen = torch.Generator().manual_seed(batch + rank)
-    b, hq, hkv, d, f, hidden = batch, 4, 2, 16, 16, 72
-    nf = 2 * f
-
-    def rand(*shape, scale=1.0):
-        return (scale * torch.randn(*shape, generator=gen)).to(DEVICE)
-
-    q, k, x = rand(b, hq, d).to(dtype), rand(b, hkv, d).to(dtype), rand(b, 1, hidden).to(dtype)
-    weight, bias = rand(2 * hq, d, f, scale=0.3).to(dtype), rand(2 * hq, 1, f, scale=0.1).to(dtype)
-    down, up, up_bias = rand(2 * rank, hidden, scale=hidden**-0.5).to(dtype), rand(2, hq * nf, rank, scale=0.5), rand(2, hq * nf) - 3
+    case = dsla_inputs_case(batch + rank, b=batch, hidden=72, rank=rank, dtype=dtype, down_dtype=dtype)
+    b, hq, nf, hidden = case.b, case.hq, case.nf, case.hidden
+    q, k, x, weight, bias, down, up, up_bias = case.q, case.k, case.x.view(b, 1, hidden), case.weight, case.bias, case.down, case.up, case.up_bias
     u, c = fused_dsla.gate_weights(up, up_bias, rank)
     xr = fused_dsla.gate_inputs(x, down, rank).view(b, 2, -1)
     with fused_decode.use_fused(True):
@@ -400,16 +413,9 @@ def test_gates_down_projection_from_bf16_parts_is_the_float32_one(parts, monkeyp
     from linearize.ops import fused_dsla
     from linearize.ops.dsla import log_gate
 
-    gen = torch.Generator().manual_seed(5)
-    b, hq, hkv, d, f, hidden, rank = 19, 4, 2, 16, 16, 200, 16
-    nf = 2 * f
-
-    def rand(*shape, scale=1.0):
-        return (scale * torch.randn(*shape, generator=gen)).to(DEVICE)
-
-    q, k, x = (rand(*shape).bfloat16() for shape in ((b, hq, d), (b, hkv, d), (b, 1, hidden)))
-    weight, bias = rand(2 * hq, d, f, scale=0.3).bfloat16(), rand(2 * hq, 1, f, scale=0.1).bfloat16()
-    down, up, up_bias = rand(2 * rank, hidden, scale=hidden**-0.5), rand(2, hq * nf, rank, scale=0.5), rand(2, hq * nf) - 3
+    case = dsla_inputs_case(5, b=19, hidden=200, rank=16, dtype=torch.bfloat16, down_dtype=torch.float32)
+    b, hq, nf, hidden, rank = case.b, case.hq, case.nf, case.hidden, case.rank
+    q, k, x, weight, bias, down, up, up_bias = case.q, case.k, case.x.view(b, 1, hidden), case.weight, case.bias, case.down, case.up, case.up_bias
     split = fused_decode.bf16_parts(down)
     assert split.shape == (3, 2 * rank, hidden) and split.dtype == torch.bfloat16
     assert torch.equal(split.float().sum(0), down)  # all 24 bits
@@ -438,16 +444,9 @@ def test_dsla_decode_inputs_write_features_in_the_maps_dtype(monkeypatch):
     dtype either way); the gates stay float32."""
     from linearize.ops import fused_dsla
 
-    gen = torch.Generator().manual_seed(6)
-    b, hq, hkv, d, f, hidden, rank = 5, 4, 2, 16, 16, 40, 16
-
-    def rand(*shape, scale=1.0):
-        return (scale * torch.randn(*shape, generator=gen)).to(DEVICE)
-
-    q, k, x = (rand(*shape).bfloat16() for shape in ((b, hq, d), (b, hkv, d), (b, hidden)))
-    weight, bias = rand(2 * hq, d, f, scale=0.3).bfloat16(), rand(2 * hq, 1, f, scale=0.1).bfloat16()
-    down = rand(2 * rank, hidden, scale=hidden**-0.5)
-    u, c = fused_dsla.gate_weights(rand(2, hq * 2 * f, rank, scale=0.5), rand(2, hq * 2 * f) - 3, rank)
+    case = dsla_inputs_case(6, b=5, hidden=40, rank=16, dtype=torch.bfloat16, down_dtype=torch.float32)
+    q, k, x, weight, bias, down = case.q, case.k, case.x, case.weight, case.bias, case.down
+    u, c = fused_dsla.gate_weights(case.up, case.up_bias, case.rank)
     runs = []
     for narrow in (False, True):
         monkeypatch.setattr(fused_decode, "DSLA_FEATURES_IN_MAPS_DTYPE", narrow)
