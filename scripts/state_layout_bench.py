@@ -26,6 +26,7 @@ from linearize.ops import fused_decode, kernel_options
 
 DEVICE = "cuda"
 CHECK_ONLY = False
+LAYOUTS = ("rows", "columns")
 SHAPES = {"smollm2-135m": (9, 3, 64), "llama3-8b": (32, 8, 128)}  # query heads, KV heads, head dim
 
 
@@ -143,8 +144,11 @@ def dsla_rows(shape: str, batch: int, out: list[dict]) -> None:
         return fused_decode.dsla_read(fused_decode.dsla_state_step(s, qf, kf, v, decay, True))
 
     row = dict(kind="dsla", shape=shape, batch=batch)
-    time_tiles(out, dict(row, layout="(K, C) padded"), step, torch.nn.functional.pad(states, (0, 3)), want, want_read, ROW_TILES, state_bytes)
-    time_tiles(out, dict(row, layout="(C, K)"), step, fused_decode.column_major(states), want, want_read, COLUMN_TILES, state_bytes)
+    if "rows" in LAYOUTS:
+        time_tiles(out, dict(row, layout="(K, C) padded"), step, torch.nn.functional.pad(states, (0, 3)), want, want_read, ROW_TILES,
+                   state_bytes)  # fmt: skip
+    if "columns" in LAYOUTS:
+        time_tiles(out, dict(row, layout="(C, K)"), step, fused_decode.column_major(states), want, want_read, COLUMN_TILES, state_bytes)
     reference_rows(out, row, states.clone(), state_bytes)
 
 
@@ -154,12 +158,14 @@ def main() -> None:
     p.add_argument("--shapes", default="smollm2-135m,llama3-8b")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--kinds", default="hybrid,window,dsla")
+    p.add_argument("--layouts", default="rows,columns", help="dsla: the state layouts timed (rows: (K, C) padded; columns: (C, K))")
     p.add_argument("--kernel-option", action="append", default=[], metavar="MODULE.NAME=VALUE",
                    help="a kernel option held for the whole run (repeatable), e.g. fused_decode.DSLA_STREAM_STATES=True")
     p.add_argument("--check-only", action="store_true", help="check the variants, time nothing (runs on the CPU under TRITON_INTERPRET=1)")
     a = p.parse_args()
-    global DEVICE, CHECK_ONLY
+    global DEVICE, CHECK_ONLY, LAYOUTS
     CHECK_ONLY = a.check_only
+    LAYOUTS = tuple(a.layouts.split(","))
     DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
     a.out.mkdir(parents=True, exist_ok=True)
     kernel_options.check(a.kernel_option)
