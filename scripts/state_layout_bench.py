@@ -6,7 +6,7 @@ read-modify-write of the same bytes as the bandwidth reference. Every variant is
 the torch step first.
 
     python scripts/state_layout_bench.py OUT [--shapes smollm2-135m,llama3-8b] [--batch 64] [--kinds hybrid,window,dsla]
-        [--kernel-option fused_decode.DSLA_STREAM_STATES=True ...]
+        [--kernel-option fused_decode.DSLA_BLOCKS_BY_ROW=False ...]
 
 Writes OUT/state_layouts.json and prints a table.
 """
@@ -160,7 +160,7 @@ def main() -> None:
     p.add_argument("--kinds", default="hybrid,window,dsla")
     p.add_argument("--layouts", default="rows,columns", help="dsla: the state layouts timed (rows: (K, C) padded; columns: (C, K))")
     p.add_argument("--kernel-option", action="append", default=[], metavar="MODULE.NAME=VALUE",
-                   help="a kernel option held for the whole run (repeatable), e.g. fused_decode.DSLA_STREAM_STATES=True")
+                   help="a kernel option held for the whole run (repeatable), e.g. fused_decode.DSLA_BLOCKS_BY_ROW=False")
     p.add_argument("--check-only", action="store_true", help="check the variants, time nothing (runs on the CPU under TRITON_INTERPRET=1)")
     a = p.parse_args()
     global DEVICE, CHECK_ONLY, LAYOUTS

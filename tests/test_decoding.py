@@ -125,11 +125,11 @@ def test_fused_decode_kernels_match_full_forward(name, options, monkeypatch):
     decode step its features and gates in one kernel beside its state kernel; the states column-major
     (the default). The same with the other kernel options: row-major states, the window read per KV
     head, DSLA's inputs in one program per head and block of rows, and DSLA's state kernel with
-    its blocks of value columns on a grid axis of their own and its tiles streamed through L2."""
+    its blocks of value columns on a grid axis of their own."""
     monkeypatch.setattr(fused_decode, "COLUMN_STATES", True)
     if options:
         for name_, value in (("COLUMN_STATES", False), ("WINDOW_GROUPED", True), ("DSLA_INPUT_PARTS", 1), ("DSLA_GATE_DOWN", False),
-                             ("DSLA_BLOCKS_BY_ROW", False), ("DSLA_STREAM_STATES", True)):  # fmt: skip
+                             ("DSLA_BLOCKS_BY_ROW", False)):  # fmt: skip
             monkeypatch.setattr(fused_decode, name_, value)
     made = []  # the decode states made column-major
     new_state = fused_decode.new_state

@@ -137,10 +137,6 @@ class _Kernels(NamedTuple):
 
 _hedgehog_rows: Any = None
 """Rows' Hedgehog features for one map, stored: a Triton function made by ``_kernels``."""
-_dsla_item: Any = None
-"""DSLA's state step for one row's block of value columns: a Triton function made by ``_kernels``."""
-_dsla_block: Any = None
-"""DSLA's state step for one block of feature rows: a Triton function made by ``_kernels``."""
 
 
 @functools.cache
@@ -197,16 +193,32 @@ def _kernels() -> _Kernels:
             acc += tl.sum(q[:, None] * s, axis=0)
         tl.store(out + r * V + ov, acc, mask=mv)
 
-    @triton.jit
-    def dsla_item(
-        states, qf, kf, v, decay, out, index, r, iv, z, rows, state_rows, n_rep, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_db, s_ds, s_dh,
+    @tuned(["K", "V", "SV", "tune_rows", "KS", "BY_ROW"], "states")
+    @triton.jit(do_not_specialize=["rows", "state_rows", "tune_rows"])
+    def dsla_kernel(
+        states, qf, kf, v, decay, out, index,
+        rows, state_rows, tune_rows, n_rep, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_db, s_ds, s_dh,
         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DV: tl.constexpr, KS: tl.constexpr, PAIR: tl.constexpr,
         SF: tl.constexpr, SV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NORMALIZE: tl.constexpr, INDEXED: tl.constexpr,
-        EVICT: tl.constexpr, STORE: tl.constexpr, UNROLLED: tl.constexpr,
+        BY_ROW: tl.constexpr,
     ):  # fmt: skip
-        # One (batch row, query head) r's block iv of value columns, state(s) z: the update in place
-        # and the read. UNROLLED: the blocks of feature rows as a static loop (a persistent
-        # program's loop over items is then the innermost, which Triton software-pipelines).
+        # rows = B * H (the batch) and state_rows (the states' rows: B * H, or a pool's slots * H) are
+        # run-time values, not constexprs: a new batch size compiles nothing; tune_rows (the batch
+        # rounded up to a power of 2) only keys the tuning: the best tile at batch 1 is not at 40.
+        # PAIR: one program takes both states (their query, key and value loaded once; a large
+        # batch); else each state and each block of KS feature rows is a program of its own (a small
+        # batch), and the reads it writes are partial sums over its rows. BY_ROW: the grid's first
+        # axis runs over (row, block of value columns) with a row's blocks adjacent, so they run
+        # together and read its query, key and decay once from DRAM (else a row's blocks run a
+        # whole pass over the rows apart, and at a large batch its inputs have left L2 by then).
+        if BY_ROW:
+            blocks = tl.cdiv(V, BV)
+            r = tl.program_id(0).to(tl.int64) // blocks  # one (batch row, query head)
+            iv = tl.program_id(0) % blocks
+        else:
+            r = tl.program_id(0).to(tl.int64)
+            iv = tl.program_id(1)
+        z = tl.program_id(2)  # PAIR: 0; else split * 2 + state (history 0, recent 1)
         st = z % 2
         sp = z // 2
         b = r // H
@@ -230,99 +242,29 @@ def _kernels() -> _Kernels:
             base0 = states + (st * state_rows + sr) * K * V
             base1 = base0
             d0 = decay + b * s_db + st * s_ds + h * s_dh
-        if UNROLLED:
-            for k0 in tl.static_range(0, KS, BK):
-                acc0, acc1 = _dsla_block(acc0, acc1, k0, sp, qf, kf, base0, base1, d0, b, h, ov, mv, vv, s_qb, s_qh, s_kb, s_kh, s_ds,
-                                         K=K, KS=KS, PAIR=PAIR, SF=SF, SV=SV, BK=BK, EVICT=EVICT, STORE=STORE)  # fmt: skip
-        else:
-            for k0 in range(0, KS, BK):
-                acc0, acc1 = _dsla_block(acc0, acc1, k0, sp, qf, kf, base0, base1, d0, b, h, ov, mv, vv, s_qb, s_qh, s_kb, s_kh, s_ds,
-                                         K=K, KS=KS, PAIR=PAIR, SF=SF, SV=SV, BK=BK, EVICT=EVICT, STORE=STORE)  # fmt: skip
+        for k0 in range(0, KS, BK):
+            kk = k0 + tl.arange(0, BK)
+            ok = sp * KS + kk
+            mk = (kk < KS) & (ok < K)
+            q = tl.load(qf + b * s_qb + h * s_qh + ok, mask=mk, other=0.0).to(tl.float32)
+            k = tl.load(kf + b * s_kb + h * s_kh + ok, mask=mk, other=0.0).to(tl.float32)
+            m = mk[:, None] & mv[None, :]
+            kv = k[:, None] * vv[None, :]
+            offs = ok[:, None] * SF + ov[None, :] * SV  # (SF, SV: as in hybrid_kernel)
+            a0 = tl.load(d0 + ok, mask=mk, other=0.0).to(tl.float32)
+            s0 = tl.load(base0 + offs, mask=m, other=0.0)
+            s0 = a0[:, None] * s0 + kv
+            tl.store(base0 + offs, s0, mask=m)
+            acc0 += tl.sum(q[:, None] * s0, axis=0)
+            if PAIR:
+                a1 = tl.load(d0 + s_ds + ok, mask=mk, other=0.0).to(tl.float32)
+                s1 = tl.load(base1 + offs, mask=m, other=0.0)
+                s1 = a1[:, None] * s1 + kv
+                tl.store(base1 + offs, s1, mask=m)
+                acc1 += tl.sum(q[:, None] * s1, axis=0)
         tl.store(out + (z * rows + r) * V + ov, acc0, mask=mv)
         if PAIR:
             tl.store(out + (rows + r) * V + ov, acc1, mask=mv)
-
-    @triton.jit
-    def dsla_block(
-        acc0, acc1, k0, sp, qf, kf, base0, base1, d0, b, h, ov, mv, vv, s_qb, s_qh, s_kb, s_kh, s_ds,
-        K: tl.constexpr, KS: tl.constexpr, PAIR: tl.constexpr, SF: tl.constexpr, SV: tl.constexpr, BK: tl.constexpr,
-        EVICT: tl.constexpr, STORE: tl.constexpr,
-    ):  # fmt: skip
-        # BK feature rows from k0 of the split sp: S <- alpha S + phi(k) v^T; acc += phi(q) S.
-        kk = k0 + tl.arange(0, BK)
-        ok = sp * KS + kk
-        mk = (kk < KS) & (ok < K)
-        q = tl.load(qf + b * s_qb + h * s_qh + ok, mask=mk, other=0.0).to(tl.float32)
-        k = tl.load(kf + b * s_kb + h * s_kh + ok, mask=mk, other=0.0).to(tl.float32)
-        m = mk[:, None] & mv[None, :]
-        kv = k[:, None] * vv[None, :]
-        offs = ok[:, None] * SF + ov[None, :] * SV  # (SF, SV: as in hybrid_kernel)
-        a0 = tl.load(d0 + ok, mask=mk, other=0.0).to(tl.float32)
-        s0 = tl.load(base0 + offs, mask=m, other=0.0, eviction_policy=EVICT)
-        s0 = a0[:, None] * s0 + kv
-        tl.store(base0 + offs, s0, mask=m, cache_modifier=STORE)
-        acc0 += tl.sum(q[:, None] * s0, axis=0)
-        if PAIR:
-            a1 = tl.load(d0 + s_ds + ok, mask=mk, other=0.0).to(tl.float32)
-            s1 = tl.load(base1 + offs, mask=m, other=0.0, eviction_policy=EVICT)
-            s1 = a1[:, None] * s1 + kv
-            tl.store(base1 + offs, s1, mask=m, cache_modifier=STORE)
-            acc1 += tl.sum(q[:, None] * s1, axis=0)
-        return acc0, acc1
-
-    globals()["_dsla_item"] = dsla_item  # module globals: what Triton's interpreter resolves
-    globals()["_dsla_block"] = dsla_block
-
-    @tuned(["K", "V", "SV", "tune_rows", "KS", "BY_ROW", "EVICT", "PERSIST"], "states")
-    @triton.jit(do_not_specialize=["rows", "state_rows", "tune_rows"])
-    def dsla_kernel(
-        states, qf, kf, v, decay, out, index,
-        rows, state_rows, tune_rows, n_rep, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_db, s_ds, s_dh,
-        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DV: tl.constexpr, KS: tl.constexpr, PAIR: tl.constexpr,
-        SF: tl.constexpr, SV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NORMALIZE: tl.constexpr, INDEXED: tl.constexpr,
-        BY_ROW: tl.constexpr, EVICT: tl.constexpr, STORE: tl.constexpr, PERSIST: tl.constexpr, STAGES: tl.constexpr,
-    ):  # fmt: skip
-        # rows = B * H (the batch) and state_rows (the states' rows: B * H, or a pool's slots * H) are
-        # run-time values, not constexprs: a new batch size compiles nothing; tune_rows (the batch
-        # rounded up to a power of 2) only keys the tuning: the best tile at batch 1 is not at 40.
-        # PAIR: one program takes both states (their query, key and value loaded once; a large
-        # batch); else each state and each block of KS feature rows is a program of its own (a small
-        # batch), and the reads it writes are partial sums over its rows. BY_ROW: the grid's first
-        # axis runs over (row, block of value columns) with a row's blocks adjacent, so they run
-        # together and read its query, key and decay once from DRAM (else a row's blocks run a
-        # whole pass over the rows apart, and at a large batch its inputs have left L2 by then).
-        # EVICT, STORE: the state tiles' load eviction policy and store cache modifier ("" or, to
-        # stream them through L2 past the inputs, "evict_first" and ".cs"). PERSIST (with PAIR and
-        # BY_ROW): a fixed grid of programs, each looping over the (row, block) items from its own
-        # id in steps of the grid, the loop software-pipelined over STAGES items (the next
-        # items' loads in flight while one is updated and stored); STAGES 0: a plain loop (Triton's
-        # interpreter takes no range() over a run-time bound).
-        if PERSIST:
-            blocks = tl.cdiv(V, BV)
-            total = rows * blocks
-            if STAGES > 0:
-                for w in tl.range(tl.program_id(0), total, tl.num_programs(0), num_stages=STAGES):
-                    _dsla_item(states, qf, kf, v, decay, out, index, w.to(tl.int64) // blocks, w % blocks, 0, rows, state_rows, n_rep,
-                               s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_db, s_ds, s_dh, H=H, K=K, V=V, DV=DV, KS=KS, PAIR=PAIR, SF=SF, SV=SV,
-                               BK=BK, BV=BV, NORMALIZE=NORMALIZE, INDEXED=INDEXED, EVICT=EVICT, STORE=STORE, UNROLLED=True)  # fmt: skip
-            else:
-                w = tl.program_id(0)
-                while w < total:
-                    _dsla_item(states, qf, kf, v, decay, out, index, w.to(tl.int64) // blocks, w % blocks, 0, rows, state_rows, n_rep,
-                               s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_db, s_ds, s_dh, H=H, K=K, V=V, DV=DV, KS=KS, PAIR=PAIR, SF=SF, SV=SV,
-                               BK=BK, BV=BV, NORMALIZE=NORMALIZE, INDEXED=INDEXED, EVICT=EVICT, STORE=STORE, UNROLLED=True)  # fmt: skip
-                    w += tl.num_programs(0)
-        else:
-            if BY_ROW:
-                blocks = tl.cdiv(V, BV)
-                r = tl.program_id(0).to(tl.int64) // blocks  # one (batch row, query head)
-                iv = tl.program_id(0) % blocks
-            else:
-                r = tl.program_id(0).to(tl.int64)
-                iv = tl.program_id(1)
-            _dsla_item(states, qf, kf, v, decay, out, index, r, iv, tl.program_id(2), rows, state_rows, n_rep,
-                       s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_db, s_ds, s_dh, H=H, K=K, V=V, DV=DV, KS=KS, PAIR=PAIR, SF=SF, SV=SV,
-                       BK=BK, BV=BV, NORMALIZE=NORMALIZE, INDEXED=INDEXED, EVICT=EVICT, STORE=STORE, UNROLLED=False)  # fmt: skip
 
     @triton.jit
     def window_kernel(
@@ -697,13 +639,9 @@ def dsla_state_step(states: Tensor, qf: Tensor, kf: Tensor, v: Tensor, decay: Te
     kernel = _kernels().dsla
 
     by_row = DSLA_BLOCKS_BY_ROW
-    persist = DSLA_PERSISTENT > 0 and split["PAIR"] and by_row
-    slots = DSLA_PERSISTENT * _multiprocessors(states.device) if persist else 0
 
     def grid(meta):
         blocks = -(-width // meta["BV"])
-        if persist:
-            return (min(b * hq * blocks, slots), 1, 1)
         return (b * hq * blocks, 1, programs) if by_row else (b * hq, blocks, programs)
 
     kernel[grid](
@@ -711,16 +649,8 @@ def dsla_state_step(states: Tensor, qf: Tensor, kf: Tensor, v: Tensor, decay: Te
         b * hq, n * hq, 1 << (b - 1).bit_length(), hq // hkv, qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), v.stride(0), v.stride(1),
         decay.stride(0), decay.stride(1), decay.stride(2),
         H=hq, K=dk, V=width, DV=dv, **strides, NORMALIZE=normalize, INDEXED=index is not None, **split, BY_ROW=by_row,
-        EVICT="evict_first" if DSLA_STREAM_STATES else "", STORE=".cs" if DSLA_STREAM_STATES else "", PERSIST=persist,
-        STAGES=0 if interpreting() else DSLA_PERSISTENT_STAGES,
     )  # fmt: skip
     return out
-
-
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    """The device's streaming multiprocessors (one for a CPU: Triton's interpreter)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 @dsla_state_step.register_fake
@@ -747,19 +677,6 @@ value columns on a grid axis of their own, each a pass over all the rows (at a l
 inputs have left L2 by its next block)."""
 
 
-DSLA_PERSISTENT = 0
-"""Programs per streaming multiprocessor for a persistent DSLA state kernel at a large batch (both
-states in one program, a row's blocks by row): a fixed grid whose programs each loop over the
-(row, block of value columns) items, the loop software-pipelined over ``DSLA_PERSISTENT_STAGES``
-items so the next items' state tiles are loading while one is updated and stored; 0: a program per
-item (the default). Not yet timed."""
-DSLA_PERSISTENT_STAGES = 2
-
-
-DSLA_STREAM_STATES = False
-"""DSLA's state kernel loads its state tiles with the "evict_first" policy and stores them with
-the ".cs" (streaming) modifier, so at a large batch the states pass through L2 without pushing
-out the query, key and decay the next programs read; False: the default caching. Not yet timed."""
 DSLA_FEATURES_IN_MAPS_DTYPE = False
 """``dsla_decode_inputs`` writes the query's and key's features in the feature maps' dtype
 (bfloat16 in a bfloat16 model) instead of float32: the same numbers, as they are rounded through

@@ -102,26 +102,17 @@ def test_lola_fused_step_equals_the_torch_step(reads, dims, monkeypatch):
 
 @pytest.mark.parametrize("normalize", [True, False], ids=["normalised", "plain"])
 @pytest.mark.parametrize("dims", [(8, 8), (37, 70), (128, 9)], ids=["F8-D8", "F37-D70", "F128-D9"])
-@pytest.mark.parametrize("layouts, grid", [(("rows", "rows"), "by-row"), (("rows", "columns"), "by-row"), (("columns", "rows"), "by-row"),
-                                           (("rows", "rows"), "per-axis"), (("rows", "columns"), "per-axis"),
-                                           (("rows", "rows"), "persistent"), (("rows", "columns"), "persistent")],
-                         ids=["row-major", "fused-column-major", "torch-column-major", "row-major-options", "fused-column-major-options",
-                              "row-major-persistent", "fused-column-major-persistent"])  # fmt: skip
+@pytest.mark.parametrize("layouts, by_row", [(("rows", "rows"), True), (("rows", "columns"), True), (("columns", "rows"), True),
+                                             (("rows", "rows"), False), (("rows", "columns"), False)],
+                         ids=["row-major", "fused-column-major", "torch-column-major", "row-major-options", "fused-column-major-options"])  # fmt: skip
 @torch.no_grad()
-def test_dsla_fused_step_equals_the_torch_step(normalize, dims, layouts, grid, monkeypatch):
+def test_dsla_fused_step_equals_the_torch_step(normalize, dims, layouts, by_row, monkeypatch):
     """Both gated states decayed and written in one pass: outputs and states equal the torch step's
     over 6 tokens from a prefilled state, with grouped KV heads; either step on row-major or
     column-major states; a row's blocks of value columns adjacent in the state kernel's grid (the
-    default), or, with the fused step on either layout, on a grid axis of their own with the state
-    tiles streamed through L2 (cache hints), or as a persistent kernel: 2 programs, each looping
-    over its share of the (row, block) items with both states (no split of the feature rows). By
-    default F8 runs both states in one program, the others split their feature rows."""
-    monkeypatch.setattr(fused_decode, "DSLA_BLOCKS_BY_ROW", grid != "per-axis")
-    monkeypatch.setattr(fused_decode, "DSLA_STREAM_STATES", grid == "per-axis")
-    if grid == "persistent":
-        monkeypatch.setattr(fused_decode, "DSLA_PERSISTENT", 2)
-        monkeypatch.setattr(fused_decode, "SPLIT_PROGRAMS", 0)  # one program takes both states at any batch
-        monkeypatch.setattr(fused_decode, "_multiprocessors", lambda device: 1)  # 2 programs in all, several items each
+    default) or, with the fused step on either layout, on a grid axis of their own. F8 runs both
+    states in one program, the others split their feature rows."""
+    monkeypatch.setattr(fused_decode, "DSLA_BLOCKS_BY_ROW", by_row)
     torch.manual_seed(1)
     b, hq, hkv = 2, 4, 2
     feats, dv = dims
