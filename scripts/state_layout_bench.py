@@ -167,8 +167,8 @@ def main() -> None:
     CHECK_ONLY = a.check_only
     LAYOUTS = tuple(a.layouts.split(","))
     DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+    kernel_options.check(a.kernel_option)  # a bad option fails before OUT is made
     a.out.mkdir(parents=True, exist_ok=True)
-    kernel_options.check(a.kernel_option)
     rows: list[dict] = []
     with kernel_options.applied_for(a.kernel_option):
         for shape in a.shapes.split(","):

@@ -110,8 +110,7 @@ def _measure(model, side: str, *, context: int, steps: int, budget: int, max_bat
             if device.type != "cuda" or batch == 1:
                 raise
             decoder = None
-            gc.collect()
-            torch.cuda.empty_cache()
+            _release_memory(device)
             logger.warning("%s: batch %d ran out of memory; trying %d", side, batch, batch * 7 // 8)
             batch = max(1, batch * 7 // 8)
     row.update(batch_size=batch, step_s=median, tokens_per_s=batch / median, compiled=decoder.compiled, graphs=decoder.graphs,
@@ -119,9 +118,8 @@ def _measure(model, side: str, *, context: int, steps: int, budget: int, max_bat
     if device.type == "cuda":
         row["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
     del decoder
-    gc.collect()
+    _release_memory(device)
     if device.type == "cuda":
-        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     logger.info("%s: %d bytes per request, batch %d, %.0f tokens/s", side, per_request, batch, row["tokens_per_s"])
     if profile:
@@ -132,13 +130,17 @@ def _measure(model, side: str, *, context: int, steps: int, budget: int, max_bat
 def _profile(model, row: dict[str, Any], *, context: int, compile: bool, seed: int) -> None:
     """``row["profile"]``: the side's decode step at its measured batch under ``torch.profiler``
     (``row["profile_error"]`` instead where that batch runs out of memory without CUDA graphs)."""
-    device = next(model.parameters()).device
     try:
         row["profile"] = profile_step(model, context=context, batch_size=row["batch_size"], steps=3, warmup=2, compile=compile,
                                       fuse_projections=False, seed=seed)  # fmt: skip
     except torch.OutOfMemoryError as e:
         row["profile_error"] = f"out of memory at batch {row['batch_size']} without CUDA graphs: {e}".splitlines()[0]
         logger.warning("%s: %s", row["side"], row["profile_error"])
+    _release_memory(next(model.parameters()).device)
+
+
+def _release_memory(device: torch.device) -> None:
+    """Free what a dropped decoder held: collect it and, on CUDA, return the cached blocks."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
