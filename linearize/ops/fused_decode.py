@@ -418,10 +418,12 @@ def _kernels() -> _Kernels:
         rows, n_rep, s_qb, s_qh, s_kb, s_kh, s_x,
         H: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, R: tl.constexpr, RANK: tl.constexpr, HID: tl.constexpr,
         BH: tl.constexpr, BB: tl.constexpr, NORM: tl.constexpr, IEEE: tl.constexpr, PARTS: tl.constexpr, DOWN: tl.constexpr,
-        SPLIT: tl.constexpr,
+        SPLIT: tl.constexpr, GH: tl.constexpr,
     ):  # fmt: skip
         # one program per (query head, block of BB rows, part): the head's weights loaded once for
-        # its rows; PARTS 1: the query's map, the key's and both gates in one program; 4: one each
+        # its rows; PARTS 1: the query's map, the key's and both gates in one program; 4: one each,
+        # a gate's program h computing its down projection once for the GH query heads from h GH
+        # (programs past the last group do nothing); PARTS 1 takes GH 1
         h = tl.program_id(0)
         ob = tl.program_id(1) * BB + tl.arange(0, BB)
         part = tl.program_id(2)
@@ -437,7 +439,7 @@ def _kernels() -> _Kernels:
             _hedgehog_rows(kv, hw, hb, H + h, kf + h * F, b, mb, H * F, D=D, FH=FH, IEEE=IEEE)  # the key's map for query head h: H + h
         oi, og = tl.arange(0, R), tl.arange(0, F)
         for s in tl.static_range(2):  # history, recent: alpha = exp(logsigmoid(x W_down W_up + b) / NORM)
-            if (PARTS == 1) | (part == 2 + s):
+            if ((PARTS == 1) | (part == 2 + s)) & (h * GH < H):
                 if DOWN:  # xr = x W_down (BB, R): the gate's rank rows of ``down``, the rest of R zero; in
                     # float32, rounded through down's dtype as F.linear rounds it; SPLIT > 1: down
                     # is a float32 weight's SPLIT bfloat16 parts and x bfloat16, each part's
@@ -459,10 +461,13 @@ def _kernels() -> _Kernels:
                         xr = xr.to(down.dtype.element_ty).to(tl.float32)
                 else:  # xr given: (B, 2, R) float32
                     xr = tl.load(xr_in + (b[:, None] * 2 + s) * R + oi[None, :], mask=mb[:, None], other=0.0)
-                u = tl.load(up + s * R * H * F + oi[:, None] * (H * F) + h * F + og[None, :])  # (R, F) float32
-                z = tl.dot(xr, u, input_precision="ieee") + tl.load(gb + s * H * F + h * F + og)[None, :]
-                ls = tl.minimum(z, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(z)))  # logsigmoid
-                tl.store(decay + (b[:, None] * 2 + s) * (H * F) + h * F + og[None, :], tl.exp(ls / NORM), mask=mb[:, None])
+                for j in tl.static_range(GH):  # the group's heads, each its slice of the up projection
+                    g = h * GH + j
+                    if g < H:
+                        u = tl.load(up + s * R * H * F + oi[:, None] * (H * F) + g * F + og[None, :])  # (R, F) float32
+                        z = tl.dot(xr, u, input_precision="ieee") + tl.load(gb + s * H * F + g * F + og)[None, :]
+                        ls = tl.minimum(z, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(z)))  # logsigmoid
+                        tl.store(decay + (b[:, None] * 2 + s) * (H * F) + g * F + og[None, :], tl.exp(ls / NORM), mask=mb[:, None])
 
     return _Kernels(hybrid=hybrid_kernel, dsla=dsla_kernel, window=window_kernel, slots=slot_kernel, prefill=slot_prefill_kernel,
                     inputs=dsla_inputs_kernel)  # fmt: skip
@@ -710,6 +715,26 @@ float32 x, is not used by the layers: with it whole SmolLM2 at batch 64 decoded 
 slower (H100)."""
 
 
+DSLA_GATE_HEADS = 1
+"""Query heads per gate program of ``dsla_decode_inputs`` (with ``DSLA_INPUT_PARTS`` 4): the
+program computes its rows' down projection x W_down once and each of its heads' gates from it, so
+the projection (a pass over the hidden size) runs once per this many heads instead of once per head.
+The heads are split into ceil(Hq / DSLA_GATE_HEADS) groups of equal size (the last may be smaller).
+1: a program per head (the form timed so far); larger values are exact (the same numbers) but not
+yet timed."""
+
+
+def dsla_gate_heads(heads: int) -> int:
+    """The query heads each gate program of ``dsla_decode_inputs`` takes, of ``heads`` (``DSLA_GATE_HEADS``
+    split evenly; 1 when the four parts run in one program)."""
+    if not isinstance(DSLA_GATE_HEADS, int) or isinstance(DSLA_GATE_HEADS, bool) or DSLA_GATE_HEADS < 1:
+        raise ValueError(f"fused_decode.DSLA_GATE_HEADS must be a positive int, got {DSLA_GATE_HEADS!r}")
+    if DSLA_INPUT_PARTS == 1:
+        return 1
+    groups = -(-heads // DSLA_GATE_HEADS)
+    return -(-heads // groups)
+
+
 def bf16_parts(w: Tensor, parts: int = 3) -> Tensor:
     """A float32 weight as ``parts`` bfloat16 tensors (parts, *w.shape) whose float32 sum is w: each
     part the rounding of what the ones before it left. Three hold all of float32's 24 significant
@@ -748,7 +773,8 @@ def dsla_decode_inputs(q: Tensor, k: Tensor, x: Tensor, down: Tensor, hedgehog_w
     (B, Hq, 2f), float32 (or the maps' dtype: ``DSLA_FEATURES_IN_MAPS_DTYPE``), and decay
     (B, 2, Hq, 2f), float32: the numbers of ``token_features`` and
     ``DslaAttention.decode_gates`` (tests/ops/test_fused_decode.py). One program per query head and
-    block of ``DSLA_INPUT_ROWS`` rows, so each head's weights are read once per block."""
+    block of ``DSLA_INPUT_ROWS`` rows, so each head's weights are read once per block; a gate's
+    program takes ``dsla_gate_heads`` heads, its rows' down projection computed once for them."""
     from .dsla import GATE_NORMALISER  # (ops.dsla imports this module)
 
     b, hq, d = q.shape
@@ -790,7 +816,7 @@ def dsla_decode_inputs(q: Tensor, k: Tensor, x: Tensor, down: Tensor, hedgehog_w
         q, k, x, down, qf if xr is None else xr, hedgehog_weight, hedgehog_bias, up, gate_bias, qf, kf, decay,
         b, hq // hkv, q.stride(0), q.stride(1), k.stride(0), k.stride(1), x.stride(0),
         H=hq, D=d, FH=f, R=r, RANK=rank, HID=hidden, BH=64, BB=DSLA_INPUT_ROWS, NORM=GATE_NORMALISER, IEEE=q.dtype == torch.float32,
-        PARTS=DSLA_INPUT_PARTS, DOWN=xr is None, SPLIT=split,
+        PARTS=DSLA_INPUT_PARTS, DOWN=xr is None, SPLIT=split, GH=dsla_gate_heads(hq),
     )  # fmt: skip
     return qf, kf, decay
 

@@ -400,6 +400,38 @@ def test_dsla_decode_inputs_equal_the_torch_maps_and_gates(batch, rank, dtype, p
         fused_decode.dsla_decode_inputs(q, k, x.view(b, hidden), down, weight, bias, u, c)
 
 
+@pytest.mark.parametrize("gate_heads, groups", [(1, 5), (2, 3), (4, 2), (8, 1)])
+@torch.no_grad()
+def test_dsla_gate_programs_share_the_down_projection_across_heads(gate_heads, groups, monkeypatch):
+    """Each gate program computes its rows' down projection once for a group of query heads
+    (``DSLA_GATE_HEADS``, split evenly: 5 heads in groups of 1, 2 (the last of one), 3 or 5): every
+    grouping gives the gates of a program per head, bitwise, from the float32 weight's bfloat16
+    parts and from a given ``xr``."""
+    from linearize.ops import fused_dsla
+
+    case = dsla_inputs_case(7, b=19, hidden=200, rank=16, dtype=torch.bfloat16, down_dtype=torch.float32, hq=5, hkv=1)
+    b, hidden = case.b, case.hidden
+    u, c = fused_dsla.gate_weights(case.up, case.up_bias, case.rank)
+    xr = fused_dsla.gate_inputs(case.x.view(b, 1, hidden), case.down, case.rank).view(b, 2, -1)
+    split = fused_decode.bf16_parts(case.down)
+    runs = {}
+    for heads in (1, gate_heads):
+        monkeypatch.setattr(fused_decode, "DSLA_GATE_HEADS", heads)
+        assert -(-case.hq // fused_decode.dsla_gate_heads(case.hq)) == (5 if heads == 1 else groups)
+        with fused_decode.use_fused(True):
+            runs[heads] = [fused_decode.dsla_decode_inputs(case.q, case.k, case.x, split, case.weight, case.bias, u, c),
+                           fused_decode.dsla_decode_inputs(case.q, case.k, case.x, case.down, case.weight, case.bias, u, c, xr)]  # fmt: skip
+    for one, grouped in zip(runs[1], runs[gate_heads], strict=True):
+        for want, got in zip(one, grouped, strict=True):
+            assert torch.equal(want, got)
+    monkeypatch.setattr(fused_decode, "DSLA_INPUT_PARTS", 1)
+    assert fused_decode.dsla_gate_heads(case.hq) == 1
+    for bad in (0, 2.0, True):
+        monkeypatch.setattr(fused_decode, "DSLA_GATE_HEADS", bad)
+        with pytest.raises(ValueError, match=rf"DSLA_GATE_HEADS must be a positive int, got {bad!r}"):
+            fused_decode.dsla_gate_heads(case.hq)
+
+
 @pytest.mark.parametrize("parts", [4, 1], ids=["parts4", "parts1"])
 @torch.no_grad()
 def test_gates_down_projection_from_bf16_parts_is_the_float32_one(parts, monkeypatch):

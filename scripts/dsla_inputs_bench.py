@@ -1,0 +1,93 @@
+"""Time DSLA's decode inputs kernel (``fused_decode.dsla_decode_inputs``: both Hedgehog maps and
+both gates of one token, the gates' down projection from the float32 weight's bfloat16 parts) at
+a model's shape and batch, for each number of query heads a gate program takes
+(``fused_decode.DSLA_GATE_HEADS``) and each block of rows (``DSLA_INPUT_ROWS``); every grouping is
+checked bitwise against the first one listed at the same block of rows (by default one head per
+gate program), and its largest difference from the very first variant is given (a block of rows
+of another size may sum the maps' products in another order).
+
+    python scripts/dsla_inputs_bench.py OUT [--shapes smollm2-135m,llama3-8b] [--batches 64,224]
+        [--gate-heads 1,4,8,32] [--rows 16,32]
+
+Writes OUT/dsla_inputs.json and prints a table (TB/s: the bytes the kernel must read and write, the
+weights once, over its time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import triton
+
+from linearize.io import atomic_write_text
+from linearize.ops import fused_decode, fused_dsla
+
+SHAPES = {"smollm2-135m": (9, 3, 64, 576), "llama3-8b": (32, 8, 128, 4096)}  # query heads, KV heads, head dim, hidden
+RANK = 16
+
+
+def inputs(shape: str, batch: int, device: str) -> tuple:
+    """Random bfloat16 q, k, x and maps, float32 gate weights (down as its bfloat16 parts) at ``shape``."""
+    hq, hkv, d, hidden = SHAPES[shape]
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*s, scale=1.0, dtype=torch.bfloat16):
+        return (scale * torch.randn(*s, device=device, generator=g)).to(dtype)
+
+    q, k, x = rand(batch, hq, d), rand(batch, hkv, d), rand(batch, hidden)
+    weight, bias = rand(2 * hq, d, d, scale=d**-0.5), rand(2 * hq, 1, d, scale=0.1)
+    down = rand(2 * RANK, hidden, scale=hidden**-0.5, dtype=torch.float32)
+    u, c = fused_dsla.gate_weights(rand(2, hq * 2 * d, RANK, scale=0.5, dtype=torch.float32), rand(2, hq * 2 * d, dtype=torch.float32) - 3, RANK)
+    return q, k, x, fused_decode.bf16_parts(down), weight, bias, u, c
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out", type=Path)
+    p.add_argument("--shapes", default="smollm2-135m,llama3-8b")
+    p.add_argument("--batches", default="64,224", help="batch sizes, each timed at every shape")
+    p.add_argument("--gate-heads", default="1,4,8,32", help="values of fused_decode.DSLA_GATE_HEADS")
+    p.add_argument("--rows", default="16,32", help="values of fused_decode.DSLA_INPUT_ROWS")
+    a = p.parse_args()
+    unknown = sorted(set(a.shapes.split(",")) - set(SHAPES))
+    if unknown:
+        raise SystemExit(f"unknown shape(s) {unknown}; choose from {sorted(SHAPES)}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    a.out.mkdir(parents=True, exist_ok=True)
+    before = fused_decode.DSLA_GATE_HEADS, fused_decode.DSLA_INPUT_ROWS
+    rows = []
+    try:
+        for shape in a.shapes.split(","):
+            for batch in map(int, a.batches.split(",")):
+                args = inputs(shape, batch, device)
+                nbytes = sum(t.numel() * t.element_size() for t in args) + batch * SHAPES[shape][0] * 2 * SHAPES[shape][2] * 4 * 4
+                first = None
+                for block in map(int, a.rows.split(",")):
+                    want = None
+                    for heads in map(int, a.gate_heads.split(",")):
+                        fused_decode.DSLA_GATE_HEADS, fused_decode.DSLA_INPUT_ROWS = heads, block
+                        with fused_decode.use_fused(True):
+                            got = fused_decode.dsla_decode_inputs(*args)
+                            want = got if want is None else want
+                            first = got if first is None else first
+                            exact = all(torch.equal(w, o) for w, o in zip(want, got, strict=True))
+                            diff = max((w.float() - o.float()).abs().max().item() for w, o in zip(first, got, strict=True))
+                            us = 1000 * triton.testing.do_bench_cudagraph(lambda args=args: fused_decode.dsla_decode_inputs(*args), rep=100) if device == "cuda" else 0.0
+                        rows.append(dict(shape=shape, batch=batch, rows=block, gate_heads=heads, used=fused_decode.dsla_gate_heads(SHAPES[shape][0]),
+                                         us=us, tbps=nbytes / us / 1e6 if us else 0.0, exact=exact, max_diff=diff))  # fmt: skip
+    finally:
+        fused_decode.DSLA_GATE_HEADS, fused_decode.DSLA_INPUT_ROWS = before
+    print(f"{torch.cuda.get_device_name() if device == 'cuda' else device}; exact: bitwise equal to gate heads {a.gate_heads.split(',')[0]} "
+          f"at the same rows; max diff: from the first variant")
+    print("| shape | batch | rows per program | gate heads (used) | us | TB/s | exact | max diff |")
+    print("|---|---:|---:|---:|---:|---:|---|---:|")
+    for r in rows:
+        print(f"| {r['shape']} | {r['batch']} | {r['rows']} | {r['gate_heads']} ({r['used']}) | {r['us']:.1f} | {r['tbps']:.2f} | {r['exact']} | {r['max_diff']:.1e} |")
+    atomic_write_text(a.out / "dsla_inputs.json", json.dumps(dict(device=torch.cuda.get_device_name() if device == "cuda" else device, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
