@@ -720,8 +720,11 @@ DSLA_GATE_HEADS = 1
 program computes its rows' down projection x W_down once and each of its heads' gates from it, so
 the projection (a pass over the hidden size) runs once per this many heads instead of once per head.
 The heads are split into ceil(Hq / DSLA_GATE_HEADS) groups of equal size (the last may be smaller).
-1: a program per head (the form timed so far); larger values are exact (the same numbers) but not
-yet timed."""
+1 (a program per head) is the default: the kernel alone at the 8B shape, batch 224, took 105.8 us
+with 1, 141.1 with 8 and 434.6 with 32, and at SmolLM2's shape, batch 64, 7.3 us with 1 and 8.9 with
+3 (H100). Only SmolLM2's largest batch at 32K (4,048) gains: 75.9 us with 3 against 104.3. A gate
+program is bound by the latency of its serial loop over the hidden size, not by how often the
+projection is recomputed, so fewer, longer programs are slower. Every grouping gives the same numbers."""
 
 
 def dsla_gate_heads(heads: int) -> int:
