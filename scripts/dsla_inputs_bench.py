@@ -4,10 +4,12 @@ a model's shape and batch, for each number of query heads a gate program takes
 (``fused_decode.DSLA_GATE_HEADS``) and each block of rows (``DSLA_INPUT_ROWS``); every grouping is
 checked bitwise against the first one listed at the same block of rows (by default one head per
 gate program), and its largest difference from the very first variant is given (a block of rows
-of another size may sum the maps' products in another order).
+of another size may sum the maps' products in another order). ``--gemm`` adds the layers' other
+form: the down projection as a float32 GEMM before the kernel (``DSLA_GATE_DOWN=False``; gate
+heads "gemm", compared by its difference only).
 
     python scripts/dsla_inputs_bench.py OUT [--shapes smollm2-135m,llama3-8b] [--batches 64,224]
-        [--gate-heads 1,4,8,32] [--rows 16,32]
+        [--gate-heads 1,4,8,32] [--rows 16,32] [--gemm]
 
 Writes OUT/dsla_inputs.json and prints a table (TB/s: the bytes the kernel must read and write, the
 weights once, over its time).
@@ -41,7 +43,20 @@ def inputs(shape: str, batch: int, device: str) -> tuple:
     weight, bias = rand(2 * hq, d, d, scale=d**-0.5), rand(2 * hq, 1, d, scale=0.1)
     down = rand(2 * RANK, hidden, scale=hidden**-0.5, dtype=torch.float32)
     u, c = fused_dsla.gate_weights(rand(2, hq * 2 * d, RANK, scale=0.5, dtype=torch.float32), rand(2, hq * 2 * d, dtype=torch.float32) - 3, RANK)
-    return q, k, x, fused_decode.bf16_parts(down), weight, bias, u, c
+    return (q, k, x, fused_decode.bf16_parts(down), weight, bias, u, c), down
+
+
+def gemm_step(args: tuple, down: torch.Tensor):
+    """The layers' other form (``fused_decode.DSLA_GATE_DOWN=False``): the gates' down projection as
+    a float32 GEMM (``fused_dsla.gate_inputs``), then the kernel with it given."""
+    q, k, x, _, weight, bias, u, c = args
+    b = x.shape[0]
+
+    def step():
+        xr = fused_dsla.gate_inputs(x.view(b, 1, -1), down, RANK).view(b, 2, -1)
+        return fused_decode.dsla_decode_inputs(q, k, x, down, weight, bias, u, c, xr)
+
+    return step
 
 
 def main() -> None:
@@ -51,6 +66,8 @@ def main() -> None:
     p.add_argument("--batches", default="64,224", help="batch sizes, each timed at every shape")
     p.add_argument("--gate-heads", default="1,4,8,32", help="values of fused_decode.DSLA_GATE_HEADS")
     p.add_argument("--rows", default="16,32", help="values of fused_decode.DSLA_INPUT_ROWS")
+    p.add_argument("--gemm", action="store_true", help="also time the down projection as a float32 GEMM before the kernel "
+                   "(fused_decode.DSLA_GATE_DOWN=False), at each block of rows with one head per gate program")
     a = p.parse_args()
     unknown = sorted(set(a.shapes.split(",")) - set(SHAPES))
     if unknown:
@@ -62,7 +79,7 @@ def main() -> None:
     try:
         for shape in a.shapes.split(","):
             for batch in map(int, a.batches.split(",")):
-                args = inputs(shape, batch, device)
+                args, down = inputs(shape, batch, device)
                 nbytes = sum(t.numel() * t.element_size() for t in args) + batch * SHAPES[shape][0] * 2 * SHAPES[shape][2] * 4 * 4
                 first = None
                 for block in map(int, a.rows.split(",")):
@@ -78,6 +95,15 @@ def main() -> None:
                             us = 1000 * triton.testing.do_bench_cudagraph(lambda args=args: fused_decode.dsla_decode_inputs(*args), rep=100) if device == "cuda" else 0.0
                         rows.append(dict(shape=shape, batch=batch, rows=block, gate_heads=heads, used=fused_decode.dsla_gate_heads(SHAPES[shape][0]),
                                          us=us, tbps=nbytes / us / 1e6 if us else 0.0, exact=exact, max_diff=diff))  # fmt: skip
+                    if a.gemm:
+                        fused_decode.DSLA_GATE_HEADS = 1
+                        step = gemm_step(args, down)
+                        with fused_decode.use_fused(True):
+                            got = step()
+                            diff = max((w.float() - o.float()).abs().max().item() for w, o in zip(first, got, strict=True))
+                            us = 1000 * triton.testing.do_bench_cudagraph(step, rep=100) if device == "cuda" else 0.0
+                        rows.append(dict(shape=shape, batch=batch, rows=block, gate_heads="gemm", used=1, us=us, tbps=nbytes / us / 1e6 if us else 0.0,
+                                         exact=None, max_diff=diff))  # fmt: skip
     finally:
         fused_decode.DSLA_GATE_HEADS, fused_decode.DSLA_INPUT_ROWS = before
     print(f"{torch.cuda.get_device_name() if device == 'cuda' else device}; exact: bitwise equal to gate heads {a.gate_heads.split(',')[0]} "
@@ -85,7 +111,7 @@ def main() -> None:
     print("| shape | batch | rows per program | gate heads (used) | us | TB/s | exact | max diff |")
     print("|---|---:|---:|---:|---:|---:|---|---:|")
     for r in rows:
-        print(f"| {r['shape']} | {r['batch']} | {r['rows']} | {r['gate_heads']} ({r['used']}) | {r['us']:.1f} | {r['tbps']:.2f} | {r['exact']} | {r['max_diff']:.1e} |")
+        print(f"| {r['shape']} | {r['batch']} | {r['rows']} | {r['gate_heads']} ({r['used']}) | {r['us']:.1f} | {r['tbps']:.2f} | {'' if r['exact'] is None else r['exact']} | {r['max_diff']:.1e} |")
     atomic_write_text(a.out / "dsla_inputs.json", json.dumps(dict(device=torch.cuda.get_device_name() if device == "cuda" else device, rows=rows), indent=1))
 
 
