@@ -24,16 +24,29 @@ from pathlib import Path
 import torch
 import triton
 
+from linearize.bench.shapes import SHAPES
 from linearize.io import atomic_write_text
+from linearize.layers.dsla import DslaOptions
 from linearize.ops import fused_decode, fused_dsla
 
-SHAPES = {"smollm2-135m": (9, 3, 64, 576), "llama3-8b": (32, 8, 128, 4096)}  # query heads, KV heads, head dim, hidden
-RANK = 16
+RANK = DslaOptions().dsla_gate_rank  # the gates' rank the conversions use
+
+
+def max_diff(want: tuple, got: tuple) -> float:
+    """The largest absolute difference between two results of ``dsla_decode_inputs``."""
+    return max((w.float() - o.float()).abs().max().item() for w, o in zip(want, got, strict=True))
+
+
+def output_bytes(shape: str, batch: int) -> int:
+    """What the kernel writes: qf and kf (B, Hq, 2d) and both gates' decay (B, 2, Hq, 2d), float32."""
+    dims = SHAPES[shape]
+    return 4 * batch * dims.heads * 2 * dims.head_dim * 4
 
 
 def inputs(shape: str, batch: int, device: str) -> tuple:
     """Random bfloat16 q, k, x and maps, float32 gate weights (down as its bfloat16 parts) at ``shape``."""
-    hq, hkv, d, hidden = SHAPES[shape]
+    dims = SHAPES[shape]
+    hq, hkv, d, hidden = dims.heads, dims.kv_heads, dims.head_dim, dims.hidden
     g = torch.Generator(device=device).manual_seed(0)
 
     def rand(*s, scale=1.0, dtype=torch.bfloat16):
@@ -80,7 +93,7 @@ def main() -> None:
         for shape in a.shapes.split(","):
             for batch in map(int, a.batches.split(",")):
                 args, down = inputs(shape, batch, device)
-                nbytes = sum(t.numel() * t.element_size() for t in args) + batch * SHAPES[shape][0] * 2 * SHAPES[shape][2] * 4 * 4
+                nbytes = sum(t.numel() * t.element_size() for t in args) + output_bytes(shape, batch)
                 first = None
                 for block in map(int, a.rows.split(",")):
                     want = None
@@ -91,16 +104,16 @@ def main() -> None:
                             want = got if want is None else want
                             first = got if first is None else first
                             exact = all(torch.equal(w, o) for w, o in zip(want, got, strict=True))
-                            diff = max((w.float() - o.float()).abs().max().item() for w, o in zip(first, got, strict=True))
+                            diff = max_diff(first, got)
                             us = 1000 * triton.testing.do_bench_cudagraph(lambda args=args: fused_decode.dsla_decode_inputs(*args), rep=100) if device == "cuda" else 0.0
-                        rows.append(dict(shape=shape, batch=batch, rows=block, gate_heads=heads, used=fused_decode.dsla_gate_heads(SHAPES[shape][0]),
+                        rows.append(dict(shape=shape, batch=batch, rows=block, gate_heads=heads, used=fused_decode.dsla_gate_heads(SHAPES[shape].heads),
                                          us=us, tbps=nbytes / us / 1e6 if us else 0.0, exact=exact, max_diff=diff))  # fmt: skip
                     if a.gemm:
                         fused_decode.DSLA_GATE_HEADS = 1
                         step = gemm_step(args, down)
                         with fused_decode.use_fused(True):
                             got = step()
-                            diff = max((w.float() - o.float()).abs().max().item() for w, o in zip(first, got, strict=True))
+                            diff = max_diff(first, got)
                             us = 1000 * triton.testing.do_bench_cudagraph(step, rep=100) if device == "cuda" else 0.0
                         rows.append(dict(shape=shape, batch=batch, rows=block, gate_heads="gemm", used=1, us=us, tbps=nbytes / us / 1e6 if us else 0.0,
                                          exact=None, max_diff=diff))  # fmt: skip

@@ -21,13 +21,13 @@ import torch
 import triton
 from torch import Tensor
 
+from linearize.bench.shapes import SHAPES
 from linearize.io import atomic_write_text
 from linearize.ops import fused_decode, kernel_options
 
 DEVICE = "cuda"
 CHECK_ONLY = False
 LAYOUTS = ("rows", "columns")
-SHAPES = {"smollm2-135m": (9, 3, 64), "llama3-8b": (32, 8, 128)}  # query heads, KV heads, head dim
 
 
 def bench(fn) -> float:
@@ -75,7 +75,7 @@ def reference_rows(out: list[dict], row: dict, x: Tensor, state_bytes: int) -> N
 def hybrid_rows(shape: str, batch: int, out: list[dict]) -> None:
     """``hybrid_linear_step`` on [S | z] row-major (Dv + 1 columns, and padded to 16 bytes) and
     column-major, per tile."""
-    hq, hkv, d = SHAPES[shape]
+    hq, hkv, d = SHAPES[shape].heads, SHAPES[shape].kv_heads, SHAPES[shape].head_dim
     f, dv, w, n_rep = 2 * d, d, 64, hq // hkv
     rows, bk = batch * hq, batch * hkv
     g = torch.Generator(device=DEVICE).manual_seed(0)
@@ -101,7 +101,7 @@ def hybrid_rows(shape: str, batch: int, out: list[dict]) -> None:
 
 def window_rows(shape: str, batch: int, out: list[dict]) -> None:
     """``hybrid_window_read`` with a program per query head or per KV head, at 4 and 8 warps."""
-    hq, hkv, d = SHAPES[shape]
+    hq, hkv, d = SHAPES[shape].heads, SHAPES[shape].kv_heads, SHAPES[shape].head_dim
     w, dev = 64, DEVICE
     g = torch.Generator(device=dev).manual_seed(2)
     q = torch.randn(batch, hq, d, device=dev, generator=g)
@@ -126,7 +126,7 @@ def window_rows(shape: str, batch: int, out: list[dict]) -> None:
 
 def dsla_rows(shape: str, batch: int, out: list[dict]) -> None:
     """``dsla_state_step`` on both states row-major (padded to 16 bytes) and column-major, per tile."""
-    hq, hkv, d = SHAPES[shape]
+    hq, hkv, d = SHAPES[shape].heads, SHAPES[shape].kv_heads, SHAPES[shape].head_dim
     k_, dv = 2 * d, d
     rows = batch * hq
     g = torch.Generator(device=DEVICE).manual_seed(1)
