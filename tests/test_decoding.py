@@ -125,11 +125,12 @@ def test_fused_decode_kernels_match_full_forward(name, options, monkeypatch):
     decode step its features and gates in one kernel beside its state kernel; the states column-major
     (the default). The same with the other kernel options: row-major states, the window read per KV
     head, DSLA's inputs in one program per head and block of rows, and DSLA's state kernel with
-    its blocks of value columns on a grid axis of their own."""
+    its blocks of value columns on a grid axis of their own, and RoPE applied before DSLA's inputs
+    kernel instead of in it."""
     monkeypatch.setattr(fused_decode, "COLUMN_STATES", True)
     if options:
         for name_, value in (("COLUMN_STATES", False), ("WINDOW_GROUPED", True), ("DSLA_INPUT_PARTS", 1), ("DSLA_GATE_DOWN", False),
-                             ("DSLA_BLOCKS_BY_ROW", False)):  # fmt: skip
+                             ("DSLA_BLOCKS_BY_ROW", False), ("DSLA_ROPE_IN_KERNEL", False)):  # fmt: skip
             monkeypatch.setattr(fused_decode, name_, value)
     made = []  # the decode states made column-major
     new_state = fused_decode.new_state
@@ -194,6 +195,17 @@ def test_bf16_dsla_steps_take_the_gates_down_projection_from_bf16_parts(monkeypa
         assert len({d.data_ptr() for d in downs}) == model.config.num_hidden_layers  # each layer's kept
     torch.testing.assert_close(torch.stack(runs[1][1]), torch.stack(runs[0][1]), atol=1e-2, rtol=0)
     assert [t.tolist() for t in runs[1][0]] == [t.tolist() for t in runs[0][0]]
+    monkeypatch.setattr(fused_decode, "DSLA_DOWN_SPLIT_ROWS", 1)  # the projection in a kernel of its own, split over the hidden size
+    split = fused_decode.dsla_gate_down
+    monkeypatch.setattr(fused_decode, "dsla_gate_down", lambda *a: downs.append(a[1]) or split(*a))
+    downs.clear()
+    decoder = StaticDecoder(model, batch_size=2, max_length=8, graphs=False)
+    with fused_decode.use_fused(True):
+        tokens, logits = _prefill_and_step(decoder, prompt, 2)
+    assert len(downs) == 2 * 2 * model.config.num_hidden_layers  # each layer's step: the inputs kernel and the split projection
+    torch.testing.assert_close(torch.stack(logits), torch.stack(runs[1][1]), atol=1e-2, rtol=0)
+    assert [t.tolist() for t in tokens] == [t.tolist() for t in runs[1][0]]
+    monkeypatch.setattr(fused_decode, "DSLA_DOWN_SPLIT_ROWS", None)
     monkeypatch.setattr(fused_decode, "DSLA_FEATURES_IN_MAPS_DTYPE", True)
     decoder = StaticDecoder(model, batch_size=2, max_length=8, graphs=False)
     with fused_decode.use_fused(True):

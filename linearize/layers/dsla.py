@@ -15,7 +15,7 @@ from ..ops.dsla import DslaDecodeState, dsla_attention, dsla_decode_step, dsla_p
 from ..ops.fused_prefill import for_inference, token_major_features
 from ..ops.states import DslaState
 from .base import (KERNELS, STATE_BYTES, AttentionKind, Attend, ConvertedAttention, SpecError, derived, expect_state, head_sizes,
-                   resolve_kernel, stacked_hedgehog, tensors_at, token_features)
+                   qkv_heads, resolve_kernel, stacked_hedgehog, tensors_at, token_features)
 from .feature_map import FeatureMapOptions, HedgehogFeatureMap, feature_map_pair
 
 
@@ -198,13 +198,17 @@ class DslaAttention(ConvertedAttention):
             weights = self._kernel_weights()
             if weights is not None:
                 return self._kernel_step(lib, weights, x, position_embeddings, slot)
-        q, k, v = self.project_linear(x, position_embeddings)  # (B, Hq|Hkv, 1, D): no RoPE unless linear_rope
-        b, hkv = k.shape[:2]
-        ds = self._decode_state(slot, b, q.device, q.dtype)
+        ds = self._decode_state(slot, x.shape[0], x.device, x.dtype)
         dt = ds.states.dtype
-        fused = self._fused_inputs(x, q, k, dt)
-        if fused is not None:  # features and gates in one kernel
-            qf, kf, decay = fused
+        maps = self._fused_maps(x, dt)
+        rope = self._kernel_rope(x, position_embeddings) if maps is not None else None
+        if rope is not None:  # q, k before RoPE: the inputs kernel rotates them
+            q, k, v = qkv_heads(self, x)
+        else:
+            q, k, v = self.project_linear(x, position_embeddings)  # (B, Hq|Hkv, 1, D): no RoPE unless linear_rope
+        b, hkv = k.shape[:2]
+        if maps is not None:  # features and gates in one kernel
+            qf, kf, decay = self._fused_inputs(x, q, k, maps, rope)
         else:
             if self.normalize:
                 qf, kf = token_features(self, self.feature_map_q, self.feature_map_k, q, k)  # (B, Hq, F) each
@@ -218,18 +222,34 @@ class DslaAttention(ConvertedAttention):
         slot.advance(ds, 1)
         return out
 
-    def _fused_inputs(self, x: Tensor, q: Tensor, k: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor] | None:
-        """(qf, kf, decay) of one token from ``fused_decode.dsla_decode_inputs`` (one kernel for both
-        Hedgehog maps and both gates) where it applies: Hedgehog maps, float32 states, the fused
-        kernels on for q's device and sizes; else None."""
-        if not (self.normalize and dtype == torch.float32 and fused_decode.enabled(q)):
+    def _fused_maps(self, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor] | None:
+        """Both Hedgehog maps stacked (weight, bias) where ``fused_decode.dsla_decode_inputs`` takes
+        the step's features and gates (one kernel for both maps and both gates): Hedgehog maps,
+        float32 states, the fused kernels on for x's device and the maps' sizes; else None."""
+        if not (self.normalize and dtype == torch.float32 and fused_decode.enabled(x)):
             return None
         phi_q, phi_k = self._modules.get("feature_map_q"), self._modules.get("feature_map_k")  # none without feature maps
         if not (isinstance(phi_q, HedgehogFeatureMap) and isinstance(phi_k, HedgehogFeatureMap)):
             return None
-        weight, bias = stacked_hedgehog(self, phi_q, phi_k, q.dtype)
-        if not fused_decode.dsla_inputs_apply(q, weight):
+        weight, bias = stacked_hedgehog(self, phi_q, phi_k, x.dtype)
+        return (weight, bias) if fused_decode.dsla_inputs_apply(x, weight) else None
+
+    def _kernel_rope(self, x: Tensor, position_embeddings: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor] | None:
+        """The token's (cos, sin) (B or 1, D) for the inputs kernel to rotate q and k itself, where the
+        maps see q and k after RoPE (``linear_rope``), ``fused_decode.DSLA_ROPE_IN_KERNEL`` is on and
+        the rotary embedding is one position per row in x's dtype; else None (RoPE applied before)."""
+        if not (self.options.linear_rope and fused_decode.DSLA_ROPE_IN_KERNEL):
             return None
+        cos, sin = position_embeddings
+        b = x.shape[0]
+        if cos.shape != sin.shape or cos.dim() != 3 or cos.shape[0] not in (1, b) or cos.shape[1:] != (1, self.head_dim) or cos.dtype != x.dtype:
+            return None
+        return cos[:, 0], sin[:, 0]
+
+    def _fused_inputs(self, x: Tensor, q: Tensor, k: Tensor, maps: tuple[Tensor, Tensor],
+                      rope: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        """(qf, kf, decay) of one token from ``fused_decode.dsla_decode_inputs``, with the Hedgehog
+        ``maps`` of ``_fused_maps``; ``rope``: q and k come before RoPE, rotated in the kernel."""
         b = q.shape[0]
         down, up, gate_bias = self.fused_gate_weights()
         xr = None
@@ -239,8 +259,9 @@ class DslaAttention(ConvertedAttention):
             down = derived(self, "gate_down_parts", (h.down.weight, r.down.weight), lambda: fused_decode.bf16_parts(down))
         else:  # as one float32 GEMM here
             xr = fused_dsla.gate_inputs(x, down, self.options.dsla_gate_rank).view(b, 2, -1)
+        cos, sin = rope if rope is not None else (None, None)
         return fused_decode.dsla_decode_inputs(q.reshape(b, self.num_heads, -1), k.reshape(b, k.shape[1], -1), x.reshape(b, -1), down,
-                                               weight, bias, up, gate_bias, xr)  # fmt: skip
+                                               *maps, up, gate_bias, xr, cos, sin)  # fmt: skip
 
     def has_static_decoding(self) -> bool:
         return self.mode in self.GAMMA

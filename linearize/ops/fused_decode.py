@@ -133,10 +133,13 @@ class _Kernels(NamedTuple):
     slots: Any
     prefill: Any
     inputs: Any
+    down: Any
 
 
 _hedgehog_rows: Any = None
 """Rows' Hedgehog features for one map, stored: a Triton function made by ``_kernels``."""
+_rope_rows: Any = None
+"""Rows of q or k rotated by RoPE: a Triton function made by ``_kernels``."""
 
 
 @functools.cache
@@ -413,12 +416,28 @@ def _kernels() -> _Kernels:
     globals()["_hedgehog_rows"] = hedgehog_rows  # a module global: what Triton's interpreter resolves
 
     @triton.jit
+    def rope_rows(base, cos, sin, rows, mb, s_c, s_s, D: tl.constexpr):
+        """The rows (BB, D) at ``base`` (a (BB, 1) block of row pointers) rotated by their batch rows'
+        ``cos`` and ``sin`` (row stride ``s_c``, ``s_s``): x cos + rotate_half(x) sin in float32,
+        rounded once to x's dtype, as ``ops.rope.rope`` computes it."""
+        HALF: tl.constexpr = D // 2
+        od = tl.arange(0, D)
+        x = tl.load(base + od[None, :], mask=mb[:, None], other=0.0)
+        xs = tl.load(base + ((od + HALF) % D)[None, :], mask=mb[:, None], other=0.0).to(tl.float32)  # (x2, x1)
+        c = tl.load(cos + rows[:, None] * s_c + od[None, :], mask=mb[:, None], other=0.0).to(tl.float32)
+        sn = tl.load(sin + rows[:, None] * s_s + od[None, :], mask=mb[:, None], other=0.0).to(tl.float32)
+        sign = tl.where(od < HALF, -1.0, 1.0)[None, :]
+        return (x.to(tl.float32) * c + (sign * xs) * sn).to(x.dtype)
+
+    globals()["_rope_rows"] = rope_rows
+
+    @triton.jit
     def dsla_inputs_kernel(
-        q, k, x, down, xr_in, hw, hb, up, gb, qf, kf, decay,
-        rows, n_rep, s_qb, s_qh, s_kb, s_kh, s_x,
+        q, k, x, down, xr_in, hw, hb, up, gb, qf, kf, decay, cos, sin,
+        rows, n_rep, s_qb, s_qh, s_kb, s_kh, s_x, s_cb, s_sb,
         H: tl.constexpr, D: tl.constexpr, FH: tl.constexpr, R: tl.constexpr, RANK: tl.constexpr, HID: tl.constexpr,
         BH: tl.constexpr, BB: tl.constexpr, NORM: tl.constexpr, IEEE: tl.constexpr, PARTS: tl.constexpr, DOWN: tl.constexpr,
-        SPLIT: tl.constexpr, GH: tl.constexpr,
+        SPLIT: tl.constexpr, GH: tl.constexpr, XS: tl.constexpr, ROPE: tl.constexpr,
     ):  # fmt: skip
         # one program per (query head, block of BB rows, part): the head's weights loaded once for
         # its rows; PARTS 1: the query's map, the key's and both gates in one program; 4: one each,
@@ -432,10 +451,16 @@ def _kernels() -> _Kernels:
         F: tl.constexpr = 2 * FH
         od = tl.arange(0, D)
         if (PARTS == 1) | (part == 0):
-            qv = tl.load(q + b[:, None] * s_qb + h * s_qh + od[None, :], mask=mb[:, None], other=0.0)
+            if ROPE:  # q and k before RoPE, rotated here by their rows' cos and sin (B, D)
+                qv = _rope_rows(q + b[:, None] * s_qb + h * s_qh, cos, sin, b, mb, s_cb, s_sb, D=D)
+            else:
+                qv = tl.load(q + b[:, None] * s_qb + h * s_qh + od[None, :], mask=mb[:, None], other=0.0)
             _hedgehog_rows(qv, hw, hb, h, qf + h * F, b, mb, H * F, D=D, FH=FH, IEEE=IEEE)  # the query's map: h
         if (PARTS == 1) | (part == 1):
-            kv = tl.load(k + b[:, None] * s_kb + (h // n_rep) * s_kh + od[None, :], mask=mb[:, None], other=0.0)
+            if ROPE:
+                kv = _rope_rows(k + b[:, None] * s_kb + (h // n_rep) * s_kh, cos, sin, b, mb, s_cb, s_sb, D=D)
+            else:
+                kv = tl.load(k + b[:, None] * s_kb + (h // n_rep) * s_kh + od[None, :], mask=mb[:, None], other=0.0)
             _hedgehog_rows(kv, hw, hb, H + h, kf + h * F, b, mb, H * F, D=D, FH=FH, IEEE=IEEE)  # the key's map for query head h: H + h
         oi, og = tl.arange(0, R), tl.arange(0, F)
         for s in tl.static_range(2):  # history, recent: alpha = exp(logsigmoid(x W_down W_up + b) / NORM)
@@ -459,8 +484,10 @@ def _kernels() -> _Kernels:
                             xr += tl.dot(xv.to(dw.dtype).to(tl.float32), tl.trans(dw.to(tl.float32)), input_precision="ieee")
                     if SPLIT == 1:
                         xr = xr.to(down.dtype.element_ty).to(tl.float32)
-                else:  # xr given: (B, 2, R) float32
+                else:  # xr given: (XS, B, 2, R) float32, XS partial sums (of ``dsla_down_kernel``) added in order
                     xr = tl.load(xr_in + (b[:, None] * 2 + s) * R + oi[None, :], mask=mb[:, None], other=0.0)
+                    for p in tl.static_range(1, XS):
+                        xr += tl.load(xr_in + ((p * rows + b[:, None]) * 2 + s) * R + oi[None, :], mask=mb[:, None], other=0.0)
                 for j in tl.static_range(GH):  # the group's heads, each its slice of the up projection
                     g = h * GH + j
                     if g < H:
@@ -469,8 +496,31 @@ def _kernels() -> _Kernels:
                         ls = tl.minimum(z, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(z)))  # logsigmoid
                         tl.store(decay + (b[:, None] * 2 + s) * (H * F) + g * F + og[None, :], tl.exp(ls / NORM), mask=mb[:, None])
 
+    @triton.jit
+    def dsla_down_kernel(x, down, out, rows, s_x, R: tl.constexpr, RANK: tl.constexpr, HID: tl.constexpr, BH: tl.constexpr,
+                         BB: tl.constexpr, SPLIT: tl.constexpr, STEPS: tl.constexpr):  # fmt: skip
+        # one program per (block of BB rows, slice of STEPS x BH hidden units): both gates' partial
+        # x W_down (BB, 2 R) over its slice, from the float32 weight's SPLIT bfloat16 parts (each
+        # product exact on the tensor cores, summed in float32), stored at out[slice] (S, B, 2, R)
+        ob = tl.program_id(0) * BB + tl.arange(0, BB)
+        ks = tl.program_id(1)
+        mb = ob < rows
+        b = ob.to(tl.int64)
+        oc = tl.arange(0, 2 * R)  # column c: gate c // R, rank row c % R (zero past RANK)
+        wr = (oc // R) * RANK + oc % R
+        mr = oc % R < RANK
+        xr = tl.zeros([BB, 2 * R], dtype=tl.float32)
+        for st in range(STEPS):
+            oh = (ks * STEPS + st) * BH + tl.arange(0, BH)
+            mh = oh < HID
+            xv = tl.load(x + b[:, None] * s_x + oh[None, :], mask=mb[:, None] & mh[None, :], other=0.0)
+            for p in tl.static_range(SPLIT):
+                dw = tl.load(down + (p * 2 * RANK + wr[:, None]) * HID + oh[None, :], mask=mr[:, None] & mh[None, :], other=0.0)
+                xr = tl.dot(xv, tl.trans(dw), xr)
+        tl.store(out + (ks * rows + b[:, None]) * (2 * R) + oc[None, :], xr, mask=mb[:, None])
+
     return _Kernels(hybrid=hybrid_kernel, dsla=dsla_kernel, window=window_kernel, slots=slot_kernel, prefill=slot_prefill_kernel,
-                    inputs=dsla_inputs_kernel)  # fmt: skip
+                    inputs=dsla_inputs_kernel, down=dsla_down_kernel)  # fmt: skip
 
 
 BLOCK_K = 32
@@ -727,6 +777,52 @@ program is bound by the latency of its serial loop over the hidden size, not by 
 projection is recomputed, so fewer, longer programs are slower. Every grouping gives the same numbers."""
 
 
+DSLA_ROPE_IN_KERNEL = True
+"""DSLA layers whose feature maps see q and k after RoPE hand ``dsla_decode_inputs`` the token's cos
+and sin with q and k before it, so the kernel rotates them as it loads them: no RoPE kernel and no
+pass over q and k of their own in the step. False: RoPE applied before the kernel (``ops.rope``)."""
+
+
+DSLA_DOWN_SPLIT_ROWS: int | None = 128
+"""From this many batch rows, ``dsla_decode_inputs`` computes the gates' down projection (from the
+float32 weight's bfloat16 parts) in a kernel of its own before the inputs kernel, split over the
+hidden size (``dsla_gate_down``: a program per block of rows and ``DSLA_DOWN_STEPS`` x 64 hidden
+units), the gate programs adding its partial sums in a fixed order. Below it (None: always), each
+gate program computes the projection for its rows in a serial loop over the whole hidden size, once
+per query head: one launch fewer, which is what a small batch is bound by."""
+DSLA_DOWN_STEPS = 4
+"""Steps of 64 hidden units per program of ``dsla_gate_down``."""
+
+
+def dsla_down_splits(rows: int, hidden: int) -> int:
+    """The partial sums of the gates' down projection ``dsla_decode_inputs`` takes for ``rows`` batch
+    rows and ``hidden`` units: 0 (the gate programs compute it) below ``DSLA_DOWN_SPLIT_ROWS``, else
+    the slices of ``DSLA_DOWN_STEPS`` x 64 units covering ``hidden``."""
+    if DSLA_DOWN_SPLIT_ROWS is not None and (not isinstance(DSLA_DOWN_SPLIT_ROWS, int) or isinstance(DSLA_DOWN_SPLIT_ROWS, bool)
+                                             or DSLA_DOWN_SPLIT_ROWS < 1):  # fmt: skip
+        raise ValueError(f"fused_decode.DSLA_DOWN_SPLIT_ROWS must be a positive int or None, got {DSLA_DOWN_SPLIT_ROWS!r}")
+    if not isinstance(DSLA_DOWN_STEPS, int) or isinstance(DSLA_DOWN_STEPS, bool) or DSLA_DOWN_STEPS < 1:
+        raise ValueError(f"fused_decode.DSLA_DOWN_STEPS must be a positive int, got {DSLA_DOWN_STEPS!r}")
+    if DSLA_DOWN_SPLIT_ROWS is None or rows < DSLA_DOWN_SPLIT_ROWS:
+        return 0
+    return -(-hidden // (64 * DSLA_DOWN_STEPS))
+
+
+def dsla_gate_down(x: Tensor, down: Tensor, r: int, splits: int) -> Tensor:
+    """Both gates' down projection x W_down of ``x`` (B, hidden) bfloat16 from ``down`` (parts, 2
+    rank, hidden), the float32 weight's bfloat16 parts (``bf16_parts``), as ``splits`` partial sums
+    over consecutive slices of the hidden units: (splits, B, 2, r) float32, rank rows past the
+    weight's zero. Their sum (in order) is the float32 projection up to the order of its sum."""
+    parts, rows2, hidden = down.shape
+    b = x.shape[0]
+    steps = -(-hidden // (64 * splits))
+    out = torch.empty(splits, b, 2, r, device=x.device, dtype=torch.float32)
+    _kernels().down[(-(-b // DSLA_INPUT_ROWS), splits)](
+        x, down, out, b, x.stride(0), R=r, RANK=rows2 // 2, HID=hidden, BH=64, BB=DSLA_INPUT_ROWS, SPLIT=parts, STEPS=steps,
+    )  # fmt: skip
+    return out
+
+
 def dsla_gate_heads(heads: int) -> int:
     """The query heads each gate program of ``dsla_decode_inputs`` takes, of ``heads`` (``DSLA_GATE_HEADS``
     split evenly; 1 when the four parts run in one program)."""
@@ -764,7 +860,8 @@ def dsla_inputs_apply(q: Tensor, hedgehog_weight: Tensor) -> bool:
 
 @torch.library.custom_op("linearize::dsla_decode_inputs", mutates_args=())
 def dsla_decode_inputs(q: Tensor, k: Tensor, x: Tensor, down: Tensor, hedgehog_weight: Tensor, hedgehog_bias: Tensor, up: Tensor,
-                       gate_bias: Tensor, xr: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+                       gate_bias: Tensor, xr: Tensor | None = None, cos: Tensor | None = None,
+                       sin: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """What DSLA's decode step reads of one token, in one kernel: the Hedgehog features of q (B, Hq, D)
     and of k (B, Hkv, D) for every query head of its KV head (maps ``hedgehog_weight`` (2 Hq, D, f)
     and ``hedgehog_bias`` (2 Hq, 1, f), queries' first, as ``layers.base.token_features`` stacks them),
@@ -777,7 +874,10 @@ def dsla_decode_inputs(q: Tensor, k: Tensor, x: Tensor, down: Tensor, hedgehog_w
     (B, 2, Hq, 2f), float32: the numbers of ``token_features`` and
     ``DslaAttention.decode_gates`` (tests/ops/test_fused_decode.py). One program per query head and
     block of ``DSLA_INPUT_ROWS`` rows, so each head's weights are read once per block; a gate's
-    program takes ``dsla_gate_heads`` heads, its rows' down projection computed once for them."""
+    program takes ``dsla_gate_heads`` heads, its rows' down projection computed once for them (from
+    ``DSLA_DOWN_SPLIT_ROWS`` rows, by ``dsla_gate_down`` before the kernel). With ``cos`` and ``sin``
+    ((B or 1, D) in q's dtype, the token's rotary embedding), q and k come before RoPE and the
+    kernel rotates them as ``ops.rope.rope`` does (no launch and no pass over q and k of their own)."""
     from .dsla import GATE_NORMALISER  # (ops.dsla imports this module)
 
     b, hq, d = q.shape
@@ -815,17 +915,28 @@ def dsla_decode_inputs(q: Tensor, k: Tensor, x: Tensor, down: Tensor, hedgehog_w
         _check("xr", xr, (b, 2, r), torch.float32)
         if not xr.is_contiguous():
             raise ValueError("xr must be contiguous")
+    if (cos is None) != (sin is None):
+        raise ValueError("cos and sin come together (RoPE in the kernel) or not at all")
+    if cos is not None:
+        for name, t in (("cos", cos), ("sin", sin)):
+            if t.dim() != 2 or t.shape[0] not in (1, b) or t.shape[1] != d or t.dtype != q.dtype or t.stride(-1) != 1:
+                raise ValueError(f"{name} must be ({b} or 1, {d}) {q.dtype} with its last axis contiguous, got {tuple(t.shape)} {t.dtype}")
+    splits = dsla_down_splits(b, hidden) if split > 1 else 0
+    if splits:  # the projection's partial sums from a kernel of their own
+        xr = dsla_gate_down(x, down, r, splits)
     _kernels().inputs[(hq, -(-b // DSLA_INPUT_ROWS), DSLA_INPUT_PARTS)](
         q, k, x, down, qf if xr is None else xr, hedgehog_weight, hedgehog_bias, up, gate_bias, qf, kf, decay,
+        q if cos is None else cos, q if sin is None else sin,
         b, hq // hkv, q.stride(0), q.stride(1), k.stride(0), k.stride(1), x.stride(0),
+        0 if cos is None or cos.shape[0] == 1 else cos.stride(0), 0 if sin is None or sin.shape[0] == 1 else sin.stride(0),
         H=hq, D=d, FH=f, R=r, RANK=rank, HID=hidden, BH=64, BB=DSLA_INPUT_ROWS, NORM=GATE_NORMALISER, IEEE=q.dtype == torch.float32,
-        PARTS=DSLA_INPUT_PARTS, DOWN=xr is None, SPLIT=split, GH=dsla_gate_heads(hq),
+        PARTS=DSLA_INPUT_PARTS, DOWN=xr is None, SPLIT=split, GH=dsla_gate_heads(hq), XS=max(splits, 1), ROPE=cos is not None,
     )  # fmt: skip
     return qf, kf, decay
 
 
 @dsla_decode_inputs.register_fake
-def _(q, k, x, down, hedgehog_weight, hedgehog_bias, up, gate_bias, xr=None):
+def _(q, k, x, down, hedgehog_weight, hedgehog_bias, up, gate_bias, xr=None, cos=None, sin=None):
     b, hq = q.shape[:2]
     nf = 2 * hedgehog_weight.shape[-1]
     dtype = _features_dtype(hedgehog_weight)

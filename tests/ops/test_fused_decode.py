@@ -467,6 +467,80 @@ def test_gates_down_projection_from_bf16_parts_is_the_float32_one(parts, monkeyp
         fused_decode.bf16_parts(down.bfloat16())
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["per-row", "one-position"])
+@torch.no_grad()
+def test_dsla_decode_inputs_rotate_q_and_k_by_rope(shared):
+    """Given the token's cos and sin, the inputs kernel takes q and k before RoPE and rotates them
+    itself: the features of the kernel given ``ops.rope.rope``'s q and k (exactly in Triton's
+    interpreter, which contracts no products; to a unit of bfloat16 rounding on a GPU), gates
+    unchanged; cos and sin per row or one for all rows; bad shapes named."""
+    from linearize.ops import fused_dsla
+    from linearize.ops.rope import rope
+
+    case = dsla_inputs_case(13, b=19, hidden=64, rank=16, dtype=torch.bfloat16, down_dtype=torch.float32, hq=4, hkv=2, d=32)
+    b, d = case.b, 32
+    u, c = fused_dsla.gate_weights(case.up, case.up_bias, case.rank)
+    gen = torch.Generator().manual_seed(3)
+    angle = torch.rand(1 if shared else b, 1, d // 2, generator=gen).mul(40.0).repeat(1, 1, 2)
+    cos, sin = angle.cos().to(DEVICE, torch.bfloat16), angle.sin().to(DEVICE, torch.bfloat16)
+    parts = fused_decode.bf16_parts(case.down)
+    with fused_decode.use_fused(True):
+        q_rot, k_rot = (rope(t.unsqueeze(2), cos, sin).squeeze(2) for t in (case.q, case.k))
+        want = fused_decode.dsla_decode_inputs(q_rot, k_rot, case.x, parts, case.weight, case.bias, u, c)
+        got = fused_decode.dsla_decode_inputs(case.q, case.k, case.x, parts, case.weight, case.bias, u, c, cos=cos[:, 0], sin=sin[:, 0])
+        plain = fused_decode.dsla_decode_inputs(case.q, case.k, case.x, parts, case.weight, case.bias, u, c)
+        with pytest.raises(ValueError, match=r"cos and sin come together"):
+            fused_decode.dsla_decode_inputs(case.q, case.k, case.x, parts, case.weight, case.bias, u, c, cos=cos[:, 0])
+        with pytest.raises(ValueError, match=rf"sin must be \({b} or 1, {d}\) torch.bfloat16"):
+            fused_decode.dsla_decode_inputs(case.q, case.k, case.x, parts, case.weight, case.bias, u, c, cos=cos[:, 0], sin=sin[:, 0, :8])
+    assert not torch.equal(plain[0], want[0])  # RoPE moved the features
+    assert torch.equal(got[2], want[2])
+    for w, g in zip(want[:2], got[:2], strict=True):
+        if fused_decode.interpreting():
+            assert torch.equal(w, g)
+        else:
+            torch.testing.assert_close(g, w, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("steps, splits", [(1, 4), (2, 2), (4, 1)])
+@torch.no_grad()
+def test_gates_down_projection_split_over_the_hidden_size(steps, splits, monkeypatch):
+    """From ``DSLA_DOWN_SPLIT_ROWS`` rows the gates' down projection runs in a kernel of its own,
+    split over the hidden size (200 units in slices of ``DSLA_DOWN_STEPS`` x 64: 4, 2 or 1 partial
+    sums): the partials add up to the float32 projection (zero past the rank), and the gates and
+    features equal those of the gate programs' own loop; below the threshold nothing is split."""
+    from linearize.ops import fused_dsla
+
+    case = dsla_inputs_case(11, b=19, hidden=200, rank=12, dtype=torch.bfloat16, down_dtype=torch.float32, hq=4, hkv=2)
+    b, hidden, rank = case.b, case.hidden, case.rank
+    u, c = fused_dsla.gate_weights(case.up, case.up_bias, rank)
+    parts = fused_decode.bf16_parts(case.down)
+    want_xr = fused_dsla.gate_inputs(case.x.view(b, 1, hidden), case.down, rank).view(b, 2, -1)
+    monkeypatch.setattr(fused_decode, "DSLA_DOWN_STEPS", steps)
+    runs = {}
+    for threshold in (None, 1):
+        monkeypatch.setattr(fused_decode, "DSLA_DOWN_SPLIT_ROWS", threshold)
+        assert fused_decode.dsla_down_splits(b, hidden) == (0 if threshold is None else splits)
+        with fused_decode.use_fused(True):
+            runs[threshold] = fused_decode.dsla_decode_inputs(case.q, case.k, case.x, parts, case.weight, case.bias, u, c)
+            if threshold:
+                partial = fused_decode.dsla_gate_down(case.x, parts, u.shape[1], splits)
+    assert partial.shape == (splits, b, 2, 16) and partial.dtype == torch.float32
+    assert torch.equal(partial[..., rank:], torch.zeros_like(partial[..., rank:]))
+    torch.testing.assert_close(partial.sum(0), want_xr, atol=1e-6, rtol=1e-5)
+    (q0, k0, d0), (q1, k1, d1) = runs[None], runs[1]
+    assert torch.equal(q0, q1) and torch.equal(k0, k1)  # the maps' programs are untouched
+    torch.testing.assert_close(d1, d0, atol=2e-6, rtol=2e-6)
+    monkeypatch.setattr(fused_decode, "DSLA_DOWN_SPLIT_ROWS", 20)
+    assert fused_decode.dsla_down_splits(b, hidden) == 0
+    for name, bad, valid in (("DSLA_DOWN_SPLIT_ROWS", 0, "a positive int or None"), ("DSLA_DOWN_SPLIT_ROWS", True, "a positive int or None"),
+                             ("DSLA_DOWN_STEPS", 0, "a positive int"), ("DSLA_DOWN_STEPS", 2.0, "a positive int")):  # fmt: skip
+        with monkeypatch.context() as m:
+            m.setattr(fused_decode, name, bad)
+            with pytest.raises(ValueError, match=rf"fused_decode.{name} must be {valid}, got {bad!r}"):
+                fused_decode.dsla_down_splits(b, hidden)
+
+
 @torch.no_grad()
 def test_dsla_decode_inputs_write_features_in_the_maps_dtype(monkeypatch):
     """With ``DSLA_FEATURES_IN_MAPS_DTYPE`` the inputs kernel writes a bfloat16 model's query and key
