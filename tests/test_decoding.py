@@ -125,12 +125,12 @@ def test_fused_decode_kernels_match_full_forward(name, options, monkeypatch):
     decode step its features and gates in one kernel beside its state kernel; the states column-major
     (the default). The same with the other kernel options: row-major states, the window read per KV
     head, DSLA's inputs in one program per head and block of rows, and DSLA's state kernel with
-    its blocks of value columns on a grid axis of their own, and RoPE applied before DSLA's inputs
-    kernel instead of in it."""
+    its blocks of value columns on a grid axis of their own, RoPE applied before DSLA's inputs
+    kernel instead of in it, and DSLA's two reads mixed elementwise instead of in one kernel."""
     monkeypatch.setattr(fused_decode, "COLUMN_STATES", True)
     if options:
         for name_, value in (("COLUMN_STATES", False), ("WINDOW_GROUPED", True), ("DSLA_INPUT_PARTS", 1), ("DSLA_GATE_DOWN", False),
-                             ("DSLA_BLOCKS_BY_ROW", False), ("DSLA_ROPE_IN_KERNEL", False)):  # fmt: skip
+                             ("DSLA_BLOCKS_BY_ROW", False), ("DSLA_ROPE_IN_KERNEL", False), ("DSLA_MIX_KERNEL", False)):  # fmt: skip
             monkeypatch.setattr(fused_decode, name_, value)
     made = []  # the decode states made column-major
     new_state = fused_decode.new_state

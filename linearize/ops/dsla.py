@@ -302,6 +302,8 @@ def dsla_decode_step(
     if fused_decode.enabled(s) and s.dtype == torch.float32:  # one pass over both states
         o = fused_decode.dsla_state_step(s, qf.reshape(b, hq, dk), kf.reshape(b, hq, dk), v.reshape(b, hkv, dv), decay, normalize,
                                          state.index)  # fmt: skip
+        if fused_decode.DSLA_MIX_KERNEL and weights.dtype == torch.float32 and not torch.compiler.is_compiling():
+            return fused_decode.dsla_mix(o, weights.reshape(2), dv, normalize, v.dtype).view(b, hq, 1, dv)  # the mix in one kernel
         o = fused_decode.dsla_read(o).view(2, b, hq, 1, width)
     else:
         rows = s if state.index is None else s.index_select(1, state.index)  # a pool's rows: gathered, written back below

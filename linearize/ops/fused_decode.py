@@ -134,6 +134,7 @@ class _Kernels(NamedTuple):
     prefill: Any
     inputs: Any
     down: Any
+    mix: Any
 
 
 _hedgehog_rows: Any = None
@@ -519,8 +520,35 @@ def _kernels() -> _Kernels:
                 xr = tl.dot(xv, tl.trans(dw), xr)
         tl.store(out + (ks * rows + b[:, None]) * (2 * R) + oc[None, :], xr, mask=mb[:, None])
 
+    @triton.jit
+    def dsla_mix_kernel(o, w, out, rows, s_split, s_state, S: tl.constexpr, C: tl.constexpr, DV: tl.constexpr, BC: tl.constexpr,
+                        BR: tl.constexpr, NORMALIZE: tl.constexpr, EMPTY: tl.constexpr):  # fmt: skip
+        # one program per BR (batch row, query head) rows: both states' reads summed over their S
+        # partial sums (in order), each divided by its normaliser (column DV; 0 where empty) with
+        # NORMALIZE, mixed by w (2,), the first DV columns stored in out's dtype
+        r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+        oc = tl.arange(0, BC)
+        m = (r < rows)[:, None] & (oc < C)[None, :]
+        base = o + r[:, None] * C + oc[None, :]
+        h = tl.load(base, mask=m, other=0.0)
+        n = tl.load(base + s_state, mask=m, other=0.0)
+        for p in tl.static_range(1, S):
+            h += tl.load(base + p * s_split, mask=m, other=0.0)
+            n += tl.load(base + p * s_split + s_state, mask=m, other=0.0)
+        w0 = tl.load(w)
+        w1 = tl.load(w + 1)
+        if NORMALIZE:
+            dh = tl.sum(tl.where(oc[None, :] == DV, h, 0.0), axis=1)
+            dn = tl.sum(tl.where(oc[None, :] == DV, n, 0.0), axis=1)
+            gh = tl.where(dh > EMPTY, w0 / dh, 0.0)[:, None]
+            gn = tl.where(dn > EMPTY, w1 / dn, 0.0)[:, None]
+        else:
+            gh = w0
+            gn = w1
+        tl.store(out + r[:, None] * DV + oc[None, :], (n * gn + h * gh).to(out.dtype.element_ty), mask=(r < rows)[:, None] & (oc < DV)[None, :])
+
     return _Kernels(hybrid=hybrid_kernel, dsla=dsla_kernel, window=window_kernel, slots=slot_kernel, prefill=slot_prefill_kernel,
-                    inputs=dsla_inputs_kernel, down=dsla_down_kernel)  # fmt: skip
+                    inputs=dsla_inputs_kernel, down=dsla_down_kernel, mix=dsla_mix_kernel)  # fmt: skip
 
 
 BLOCK_K = 32
@@ -711,6 +739,47 @@ def dsla_state_step(states: Tensor, qf: Tensor, kf: Tensor, v: Tensor, decay: Te
 @dsla_state_step.register_fake
 def _(states, qf, kf, v, decay, normalize, index=None):
     return states.new_empty(dsla_splits(v.shape[0] * states.shape[2], states.shape[3]), 2, v.shape[0], states.shape[2], states.shape[4])
+
+
+DSLA_MIX_KERNEL = True
+"""``ops.dsla.dsla_decode_step`` mixes the two states' reads with ``dsla_mix`` (one kernel: the
+partial sums added, each read divided by its normaliser, mixed, rounded to the output's dtype)
+outside ``torch.compile``, where it would take six elementwise kernels (a compiled step fuses them
+itself). False: the elementwise form everywhere."""
+DSLA_MIX_ROWS = 16
+"""(Batch row, query head) rows per program of ``dsla_mix``."""
+
+
+@torch.library.custom_op("linearize::dsla_mix", mutates_args=())
+def dsla_mix(partials: Tensor, weights: Tensor, dv: int, normalize: bool, dtype: torch.dtype) -> Tensor:
+    """DSLA's decode output from ``dsla_state_step``'s ``partials`` (S, 2, B, Hq, C) float32 in one
+    kernel: each state's read summed over S, divided by its normaliser (column ``dv``, 0 where at or
+    below ``common.EMPTY_DENOMINATOR``) with ``normalize``, then weights[0] history + weights[1]
+    recent (``weights`` (2,) float32): (B, Hq, dv) in ``dtype``, the numbers of ``dsla_read`` and
+    ``ops.dsla``'s elementwise mix."""
+    from triton import next_power_of_2 as pow2
+
+    from .common import EMPTY_DENOMINATOR
+
+    splits, two, b, hq, width = partials.shape
+    if two != 2 or partials.dtype != torch.float32 or not partials.is_contiguous():
+        raise ValueError(f"partials must be a contiguous (splits, 2, B, Hq, C) float32 tensor, got {tuple(partials.shape)} {partials.dtype}")
+    if width < dv + int(normalize):
+        raise ValueError(f"partials have {width} columns; {dv} values" + (" and the normaliser" if normalize else "") + " need "
+                         f"{dv + int(normalize)}")  # fmt: skip
+    _check("weights", weights, (2,), torch.float32)
+    out = torch.empty(b, hq, dv, device=partials.device, dtype=dtype)
+    rows = b * hq
+    _kernels().mix[(-(-rows // DSLA_MIX_ROWS),)](
+        partials, weights, out, rows, partials.stride(0), partials.stride(1), S=splits, C=width, DV=dv, BC=pow2(dv + 1), BR=DSLA_MIX_ROWS,
+        NORMALIZE=normalize, EMPTY=EMPTY_DENOMINATOR,
+    )  # fmt: skip
+    return out
+
+
+@dsla_mix.register_fake
+def _(partials, weights, dv, normalize, dtype):
+    return partials.new_empty(partials.shape[2], partials.shape[3], dv, dtype=dtype)
 
 
 def dsla_read(partials: Tensor) -> Tensor:

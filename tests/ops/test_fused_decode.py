@@ -467,6 +467,38 @@ def test_gates_down_projection_from_bf16_parts_is_the_float32_one(parts, monkeyp
         fused_decode.bf16_parts(down.bfloat16())
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("normalize, dtype", [(True, torch.bfloat16), (True, torch.float32), (False, torch.float32)],
+                         ids=["normalised-bf16", "normalised-fp32", "raw-fp32"])  # fmt: skip
+@torch.no_grad()
+def test_dsla_mix_equals_the_elementwise_mix(splits, normalize, dtype):
+    """DSLA's decode output in one kernel (``dsla_mix``): the state reads' partial sums added, each
+    divided by its normaliser (0 where it is empty, as for a row with no keys yet), mixed by the
+    layer's weights and rounded to the output's dtype: the numbers of ``dsla_read`` and the
+    elementwise mix (``ops.dsla._mix_reads``), with padded columns past the normaliser ignored."""
+    from linearize.ops.dsla import _mix_reads
+
+    b, hq, dv, width = 5, 3, 24, 32  # columns past dv + 1: the rows' alignment padding
+    gen = torch.Generator().manual_seed(splits)
+    partials = torch.rand(splits, 2, b, hq, width, generator=gen).to(DEVICE)
+    partials[:, 0, 1, 2, dv] = 0.0  # an empty normaliser in the history read
+    weights = torch.tensor([0.3, 0.7], device=DEVICE)
+    with fused_decode.use_fused(True):
+        got = fused_decode.dsla_mix(partials, weights, dv, normalize, dtype)
+        with pytest.raises(ValueError, match=r"partials have 32 columns; 40 values and the normaliser need 41"):
+            fused_decode.dsla_mix(partials, weights, 40, True, dtype)
+        with pytest.raises(ValueError, match=r"weights must have shape \(2,\)"):
+            fused_decode.dsla_mix(partials, weights[:1], dv, normalize, dtype)
+    o = fused_decode.dsla_read(partials).view(2, b, hq, 1, width)
+    want = _mix_reads(o, weights.view(2, 1, 1, 1, 1), dv, normalize).to(dtype).view(b, hq, dv)
+    assert got.shape == (b, hq, dv) and got.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    if normalize:  # the empty history read counted as 0: the recent read's share alone
+        recent = o[1, 1, 2, 0]
+        torch.testing.assert_close(got[1, 2], (recent[:dv] * (0.7 / recent[dv])).to(dtype), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("shared", [False, True], ids=["per-row", "one-position"])
 @torch.no_grad()
 def test_dsla_decode_inputs_rotate_q_and_k_by_rope(shared):
