@@ -41,6 +41,8 @@ from typing import Any, Iterator, NamedTuple
 import torch
 from torch import Tensor
 
+from ..checks import check_int
+
 _FORCED: list[bool] = []
 _TRITON = importlib.util.find_spec("triton") is not None
 
@@ -875,11 +877,8 @@ def dsla_down_splits(rows: int, hidden: int) -> int:
     """The partial sums of the gates' down projection ``dsla_decode_inputs`` takes for ``rows`` batch
     rows and ``hidden`` units: 0 (the gate programs compute it) below ``DSLA_DOWN_SPLIT_ROWS``, else
     the slices of ``DSLA_DOWN_STEPS`` x 64 units covering ``hidden``."""
-    if DSLA_DOWN_SPLIT_ROWS is not None and (not isinstance(DSLA_DOWN_SPLIT_ROWS, int) or isinstance(DSLA_DOWN_SPLIT_ROWS, bool)
-                                             or DSLA_DOWN_SPLIT_ROWS < 1):  # fmt: skip
-        raise ValueError(f"fused_decode.DSLA_DOWN_SPLIT_ROWS must be a positive int or None, got {DSLA_DOWN_SPLIT_ROWS!r}")
-    if not isinstance(DSLA_DOWN_STEPS, int) or isinstance(DSLA_DOWN_STEPS, bool) or DSLA_DOWN_STEPS < 1:
-        raise ValueError(f"fused_decode.DSLA_DOWN_STEPS must be a positive int, got {DSLA_DOWN_STEPS!r}")
+    check_int("fused_decode.DSLA_DOWN_SPLIT_ROWS", DSLA_DOWN_SPLIT_ROWS, 1, allow_none=True)
+    check_int("fused_decode.DSLA_DOWN_STEPS", DSLA_DOWN_STEPS, 1)
     if DSLA_DOWN_SPLIT_ROWS is None or rows < DSLA_DOWN_SPLIT_ROWS:
         return 0
     return -(-hidden // (64 * DSLA_DOWN_STEPS))
@@ -903,8 +902,7 @@ def dsla_gate_down(x: Tensor, down: Tensor, r: int, splits: int) -> Tensor:
 def dsla_gate_heads(heads: int) -> int:
     """The query heads each gate program of ``dsla_decode_inputs`` takes, of ``heads`` (``DSLA_GATE_HEADS``
     split evenly; 1 when the four parts run in one program)."""
-    if not isinstance(DSLA_GATE_HEADS, int) or isinstance(DSLA_GATE_HEADS, bool) or DSLA_GATE_HEADS < 1:
-        raise ValueError(f"fused_decode.DSLA_GATE_HEADS must be a positive int, got {DSLA_GATE_HEADS!r}")
+    check_int("fused_decode.DSLA_GATE_HEADS", DSLA_GATE_HEADS, 1)
     if DSLA_INPUT_PARTS == 1:
         return 1
     groups = -(-heads // DSLA_GATE_HEADS)

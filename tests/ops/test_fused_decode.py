@@ -428,7 +428,7 @@ def test_dsla_gate_programs_share_the_down_projection_across_heads(gate_heads, g
     assert fused_decode.dsla_gate_heads(case.hq) == 1
     for bad in (0, 2.0, True):
         monkeypatch.setattr(fused_decode, "DSLA_GATE_HEADS", bad)
-        with pytest.raises(ValueError, match=rf"DSLA_GATE_HEADS must be a positive int, got {bad!r}"):
+        with pytest.raises(ValueError, match=rf"DSLA_GATE_HEADS must be an integer >= 1, got {bad!r}"):
             fused_decode.dsla_gate_heads(case.hq)
 
 
@@ -565,8 +565,8 @@ def test_gates_down_projection_split_over_the_hidden_size(steps, splits, monkeyp
     torch.testing.assert_close(d1, d0, atol=2e-6, rtol=2e-6)
     monkeypatch.setattr(fused_decode, "DSLA_DOWN_SPLIT_ROWS", 20)
     assert fused_decode.dsla_down_splits(b, hidden) == 0
-    for name, bad, valid in (("DSLA_DOWN_SPLIT_ROWS", 0, "a positive int or None"), ("DSLA_DOWN_SPLIT_ROWS", True, "a positive int or None"),
-                             ("DSLA_DOWN_STEPS", 0, "a positive int"), ("DSLA_DOWN_STEPS", 2.0, "a positive int")):  # fmt: skip
+    for name, bad, valid in (("DSLA_DOWN_SPLIT_ROWS", 0, "an integer >= 1 or None"), ("DSLA_DOWN_SPLIT_ROWS", True, "an integer >= 1 or None"),
+                             ("DSLA_DOWN_STEPS", 0, "an integer >= 1"), ("DSLA_DOWN_STEPS", 2.0, "an integer >= 1")):  # fmt: skip
         with monkeypatch.context() as m:
             m.setattr(fused_decode, name, bad)
             with pytest.raises(ValueError, match=rf"fused_decode.{name} must be {valid}, got {bad!r}"):
