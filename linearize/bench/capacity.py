@@ -10,7 +10,10 @@ alike, each with ``linearize.decoding.StaticDecoder`` (on CUDA each step one CUD
   layers' keys and values; converted layers' decode states; the row's logits), measured on a
   one-row decoder, plus the step's working memory per row (``working_bytes_per_row``);
 - batch: the memory budget // bytes per request, at most ``max_batch``. On CUDA a batch that runs
-  out of memory is retried at 7/8 of its size, and the row records the batch that ran;
+  out of memory is retried at 7/8 of its size, and once one has run, halfway between the largest
+  that ran and the smallest that did not, to within 1/64 (``largest_batch``); the row records the
+  batch, every attempt (where one ran out of memory: the stage, buffers, prefill, warm-up and
+  capture or timing, and the error) and the chosen batch's memory after its prefill and at its peak;
 - tokens/s: batch / the median step time over ``steps`` steps after the decoder's warm-up, after
   a one-row prompt of ``context`` random tokens repeated to the batch;
 - with ``profile``: each side's step at that batch once more, without CUDA graphs, under
@@ -28,7 +31,9 @@ from __future__ import annotations
 import gc
 import logging
 import statistics
+import traceback
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -86,6 +91,45 @@ def _budget(device: torch.device, memory_bytes: int | None, memory_fraction: flo
     return int(free * memory_fraction)
 
 
+def largest_batch(attempt: Callable[[int], Any], start: int, *, retry: float = 7 / 8,
+                  tolerance: float = 1 / 64, label: str = "") -> tuple[int, Any, list[dict[str, Any]]]:
+    """The largest batch from ``start`` down for which ``attempt(batch)`` returns instead of raising
+    ``torch.OutOfMemoryError``: ``start`` first; while none has run, ``retry`` x the last batch that
+    ran out of memory; once one has, halfway between the largest that ran and the smallest that did
+    not, until they are at most ``max(1, tolerance x the largest that ran)`` apart. Returns the batch,
+    its ``attempt``'s result and every attempt (``batch``, ``ran``, and where it ran out of memory,
+    ``stage`` (an attribute the error may carry), the error's first line and the innermost frames it
+    was raised from); ``label`` prefixes the warnings. Raises the error when a batch of 1 does not fit."""
+    check_int("start", start, 1)
+    if not 0 < retry < 1 or not 0 <= tolerance < 1:
+        raise ValueError(f"retry must lie in (0, 1) and tolerance in [0, 1), got {retry!r} and {tolerance!r}")
+    attempts: list[dict[str, Any]] = []
+    ran, result, failed, batch = 0, None, None, start
+    while True:
+        try:
+            out = attempt(batch)
+        except torch.OutOfMemoryError as e:
+            where = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_tb(e.__traceback__)[-4:]]
+            attempts.append({"batch": batch, "ran": False, "stage": getattr(e, "stage", None), "error": str(e).splitlines()[0],
+                             "where": where})  # fmt: skip
+            logger.warning("%sbatch %d ran out of memory%s: %s", f"{label}: " if label else "", batch, f" in its {attempts[-1]['stage']}" if attempts[-1]["stage"] else "",
+                           attempts[-1]["error"])  # fmt: skip
+            if batch == 1:
+                raise
+            failed = batch
+        else:
+            attempts.append({"batch": batch, "ran": True})
+            ran, result = batch, out
+        if failed is None:
+            return ran, result, attempts
+        if ran:
+            if failed - ran <= max(1, int(tolerance * ran)):
+                return ran, result, attempts
+            batch = (ran + failed) // 2
+        else:
+            batch = max(1, min(failed - 1, int(failed * retry)))
+
+
 @torch.inference_mode()
 def _measure(model, side: str, *, context: int, steps: int, budget: int, max_batch: int, compile: bool, seed: int,
              profile: bool = False) -> dict[str, Any]:
@@ -98,28 +142,43 @@ def _measure(model, side: str, *, context: int, steps: int, budget: int, max_bat
         row["error"] = f"one request ({per_request} bytes) does not fit in {budget} bytes"
         return row
     ids = _random_ids(model, 1, context, device, seed)
-    while True:
+    cuda = device.type == "cuda"
+
+    def attempt(b: int) -> dict[str, Any]:
+        """Time a batch of ``b``: its step's median and what the decoder ran with; on CUDA the memory
+        it held after its prefill and at its peak. An out-of-memory error carries the stage it hit."""
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        stage, decoder = "buffers", None
+        _release_memory(device)  # what an attempt before left in the cache
         try:
             # the largest batch is memory-bound: no stacked copies of the projections' weights beside it
-            decoder = StaticDecoder(model, batch_size=batch, max_length=max_length, compile=compile, fuse_projections=False)
+            decoder = StaticDecoder(model, batch_size=b, max_length=max_length, compile=compile, fuse_projections=False)
+            stage = "prefill"
             decoder.prefill(ids)
+            out = {"allocated_after_prefill_bytes": torch.cuda.memory_allocated(device)} if cuda else {}
+            stage = "warm-up and capture"
             time_calls(decoder.step, decode_warmup(0, True), device)  # eager steps, then the capture
-            median = statistics.median(time_calls(decoder.step, steps, device))
-            break
-        except torch.OutOfMemoryError:
-            if device.type != "cuda" or batch == 1:
-                raise
+            stage = "timing"
+            out["median"] = statistics.median(time_calls(decoder.step, steps, device))
+            out.update(compiled=decoder.compiled, graphs=decoder.graphs, softmax_path=decoder.softmax_path)
+            if cuda:
+                out["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+            return out
+        except torch.OutOfMemoryError as e:
+            e.stage = stage
+            raise
+        finally:
             decoder = None
             _release_memory(device)
-            logger.warning("%s: batch %d ran out of memory; trying %d", side, batch, batch * 7 // 8)
-            batch = max(1, batch * 7 // 8)
-    row.update(batch_size=batch, step_s=median, tokens_per_s=batch / median, compiled=decoder.compiled, graphs=decoder.graphs,
-               held_bytes=batch * per_request, softmax_path=decoder.softmax_path)  # fmt: skip
-    if device.type == "cuda":
-        row["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
-    del decoder
-    _release_memory(device)
-    if device.type == "cuda":
+
+    if cuda:
+        batch, out, attempts = largest_batch(attempt, batch, label=side)
+    else:  # no out-of-memory error to search by: the budget's batch
+        out, attempts = attempt(batch), [{"batch": batch, "ran": True}]
+    median = out.pop("median")
+    row.update(batch_size=batch, step_s=median, tokens_per_s=batch / median, held_bytes=batch * per_request, attempts=attempts, **out)
+    if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     logger.info("%s: %d bytes per request, batch %d, %.0f tokens/s", side, per_request, batch, row["tokens_per_s"])
     if profile:
@@ -221,6 +280,10 @@ def capacity_markdown(result: dict[str, Any]) -> str:
                          f"| {row['step_s'] * 1e6 / row['batch_size']:.1f} | {row['tokens_per_s']:.0f} |")  # fmt: skip
     if "throughput_ratio" in result:
         lines += ["", f"Converted / teacher tokens/s: **{result['throughput_ratio']:.2f}x**"]
+    for row in (result["teacher"], result["converted"]):
+        if any(not a["ran"] for a in row.get("attempts", ())):
+            tried = ", ".join(str(a["batch"]) if a["ran"] else f"{a['batch']} (out of memory in its {a['stage'] or 'step'})" for a in row["attempts"])
+            lines += ["", f"{row['side']}: batches tried {tried}"]
     for row in (result["teacher"], result["converted"]):
         if "profile" in row:
             prof = row["profile"]

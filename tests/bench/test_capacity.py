@@ -5,7 +5,9 @@ import json
 import pytest
 
 import linearize
-from linearize.bench.capacity import capacity_markdown, request_bytes, run_capacity, working_bytes_per_row
+import torch
+
+from linearize.bench.capacity import capacity_markdown, largest_batch, request_bytes, run_capacity, working_bytes_per_row
 from linearize.cli import main
 from linearize.hub import build_tiny_llama
 
@@ -89,3 +91,55 @@ def test_random_models_are_built_in_the_asked_dtype_and_seeded():
     assert {p.dtype for p in a.parameters()} == {torch.bfloat16} and torch.get_default_dtype() == torch.float32
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
     assert {p.dtype for p in build_tiny_llama(3).parameters()} == {torch.float32}
+
+
+def _fits_up_to(limit: int, tried: list[int]):
+    def attempt(batch: int) -> str:
+        tried.append(batch)
+        if batch > limit:
+            e = torch.OutOfMemoryError(f"CUDA out of memory at {batch}\nsecond line")
+            e.stage = "prefill"
+            raise e
+        return f"ran {batch}"
+
+    return attempt
+
+
+@pytest.mark.parametrize(
+    ("start", "limit", "tolerance", "expected", "tries"),
+    [
+        (224, 500, 1 / 64, 224, [224]),  # the budget's batch runs: no search
+        (224, 171, 1 / 64, 171, [224, 196, 171, 183, 177, 174, 172]),  # 7/8 until one runs, then halves to within 2
+        (224, 171, 1 / 8, 171, [224, 196, 171, 183]),  # within 21 of 171
+        (14, 11, 1 / 64, 11, [14, 12, 10, 11]),  # 12 failed, 10 ran: 11 tried
+        (14, 10, 1 / 64, 10, [14, 12, 10, 11]),
+        (2, 1, 1 / 64, 1, [2, 1]),
+    ],
+)
+def test_largest_batch_searches_down_then_between_what_ran_and_what_did_not(start, limit, tolerance, expected, tries):
+    tried: list[int] = []
+    batch, result, attempts = largest_batch(_fits_up_to(limit, tried), start, tolerance=tolerance)
+    assert (batch, result, tried) == (expected, f"ran {expected}", tries)
+    assert [a["batch"] for a in attempts] == tries and [a["ran"] for a in attempts] == [b <= limit for b in tries]
+    failed = [a for a in attempts if not a["ran"]]
+    assert all(a["stage"] == "prefill" and a["error"] == f"CUDA out of memory at {a['batch']}" for a in failed)
+    assert all("attempt" in a["where"][-1] for a in failed)  # the frame it was raised in
+
+
+def test_largest_batch_raises_when_one_row_does_not_fit_and_names_bad_settings():
+    with pytest.raises(torch.OutOfMemoryError, match="at 1"):
+        largest_batch(_fits_up_to(0, []), 3)
+    with pytest.raises(ValueError, match="start must be an integer >= 1"):
+        largest_batch(_fits_up_to(5, []), 0)
+    with pytest.raises(ValueError, match="retry must lie in"):
+        largest_batch(_fits_up_to(5, []), 4, retry=1.0)
+
+
+def test_capacity_markdown_names_the_batches_that_ran_out_of_memory():
+    settings = {"budget_bytes": 2**30, "context": 8, "compile": False, "steps": 2, "position_limit_lifted_from": None}
+    row = {"bytes_per_request": 2**20, "batch_size": 10, "step_s": 0.02, "tokens_per_s": 500}
+    result = {"model": "m", "device": "d", "dtype": "bfloat16", "settings": settings, "throughput_ratio": 1.0,
+              "teacher": {**row, "side": "teacher", "attempts": [{"batch": 12, "ran": False, "stage": "prefill"}, {"batch": 10, "ran": True}]},
+              "converted": {**row, "side": "converted", "attempts": [{"batch": 10, "ran": True}]}}  # fmt: skip
+    md = capacity_markdown(result)
+    assert "teacher: batches tried 12 (out of memory in its prefill), 10" in md and "converted: batches tried" not in md
