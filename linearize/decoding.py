@@ -154,8 +154,10 @@ class StaticDecoder:
         self.flash = False  # whether the softmax layers read their buffers with the flash-decoding kernel (set at prefill)
         self.clock = DecodeClock(self.device)  # the tokens decoded since the prefill, read by the layers' static states
         self.padding = torch.zeros(batch_size, max_length, dtype=torch.bool, device=self.device)  # (B, L) prompt padding
-        self.logits = torch.zeros(batch_size, model.config.vocab_size, device=self.device)
-        """(B, vocab) float32: the logits the last token came from (prefill's or the last step's)."""
+        self.logits = torch.zeros(batch_size, model.config.vocab_size, device=self.device, dtype=model.dtype)
+        """(B, vocab) in the model's dtype: the logits the last token came from (prefill's or the last
+        step's). An uncompiled step's lm_head writes them here itself (``_head``): at a large batch a
+        copy of them, let alone one in float32, is a pass over the largest activation of the step."""
         self.memory: list[_SoftmaxMemory | StaticSlot] = []
         self.fused: list[FusedWeights] = []
         self.length = 0
@@ -208,7 +210,7 @@ class StaticDecoder:
             self.memory.append(mem)
         self.fused = [fused_weights(layer) if self.fuse_projections else FusedWeights() for layer in self.layers]
         self.length, self._steps, self._graph = t, 0, None
-        self.logits.copy_(out.logits[:, -1].float().expand(self.batch_size, -1))
+        self.logits.copy_(out.logits[:, -1].expand(self.batch_size, -1))
         self.token.copy_(self.logits.argmax(dim=-1, keepdim=True))
         self.position.copy_(mask.sum(dim=1).expand(self.batch_size))
         self.slot.fill_(t)
@@ -234,12 +236,22 @@ class StaticDecoder:
                 a = attn.o_proj(o.transpose(1, 2).reshape(self.batch_size, 1, -1).to(h.dtype))
             x = x + a
             x = x + fused.mlp(layer.mlp, layer.post_attention_layernorm(x))
-        logits = self.model.lm_head(base.norm(x))[:, 0]  # (B, vocab)
-        self.logits.copy_(logits)
-        self.token.copy_(logits.argmax(dim=-1, keepdim=True))
+        self._head(base.norm(x)[:, 0])
+        self.token.copy_(self.logits.argmax(dim=-1, keepdim=True))
         self.position.add_(1)
         self.slot.add_(1)
         self.clock.advance()
+
+    def _head(self, h: Tensor) -> None:
+        """``logits`` = lm_head(h) for the final hidden states ``h`` (B, hidden): a plain linear head
+        without a bias in the logits' dtype writes them in place (one GEMM, no copy) outside
+        ``torch.compile``; any other head (or a compiled step) is applied and its output copied."""
+        head = self.model.lm_head
+        if type(head) is torch.nn.Linear and head.bias is None and h.dtype == head.weight.dtype == self.logits.dtype \
+                and not torch.compiler.is_compiling():  # fmt: skip
+            torch.mm(h, head.weight.t(), out=self.logits)
+        else:
+            self.logits.copy_(head(h))
 
     @torch.inference_mode()
     def step(self) -> Tensor:

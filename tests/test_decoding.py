@@ -175,7 +175,7 @@ def test_bf16_dsla_steps_take_the_gates_down_projection_from_bf16_parts(monkeypa
     """A bfloat16 DSLA model (its gates' weights float32): with the gates' down projection in the
     inputs kernel, each step hands the kernel the weights' three bfloat16 parts (kept between
     tokens), and the logits are those of the steps with the float32 GEMM before the kernel; with
-    the features written in bfloat16 as well, exactly those of the float32 features."""
+    the features written in the other dtype (float32 or bfloat16), exactly the same."""
     downs = []
     kernel = fused_decode.dsla_decode_inputs
     monkeypatch.setattr(fused_decode, "dsla_decode_inputs", lambda *a: downs.append(a[3]) or kernel(*a))
@@ -206,7 +206,7 @@ def test_bf16_dsla_steps_take_the_gates_down_projection_from_bf16_parts(monkeypa
     torch.testing.assert_close(torch.stack(logits), torch.stack(runs[1][1]), atol=1e-2, rtol=0)
     assert [t.tolist() for t in tokens] == [t.tolist() for t in runs[1][0]]
     monkeypatch.setattr(fused_decode, "DSLA_DOWN_SPLIT_ROWS", None)
-    monkeypatch.setattr(fused_decode, "DSLA_FEATURES_IN_MAPS_DTYPE", True)
+    monkeypatch.setattr(fused_decode, "DSLA_FEATURES_IN_MAPS_DTYPE", not fused_decode.DSLA_FEATURES_IN_MAPS_DTYPE)
     decoder = StaticDecoder(model, batch_size=2, max_length=8, graphs=False)
     with fused_decode.use_fused(True):
         _, logits = _prefill_and_step(decoder, prompt, 2)

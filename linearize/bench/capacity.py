@@ -54,11 +54,12 @@ logger = logging.getLogger(__name__)
 
 
 def working_bytes_per_row(model) -> int:
-    """The decode step's transient memory per row: its logits in the model's dtype and in float32
-    (twice, for the argmax and the copy) and a few hidden-sized activations."""
+    """The decode step's transient memory per row: its logits once more in the model's dtype (a
+    compiled step's lm_head output before its copy into the decoder's logits) and a few
+    hidden-sized activations."""
     config = model.config
     elem = torch.tensor([], dtype=model.dtype).element_size()
-    return config.vocab_size * (elem + 8) + 8 * max(config.hidden_size, config.intermediate_size) * elem
+    return config.vocab_size * elem + 8 * max(config.hidden_size, config.intermediate_size) * elem
 
 
 def request_bytes(model, max_length: int) -> int:
