@@ -139,7 +139,9 @@ class StaticDecoder:
         self.graphs = graphs
         self.compiled = compile
         self.fuse_projections = fuse_projections
-        self._run_step = torch.compile(self._step, dynamic=False) if compile else self._step
+        # the compiled step takes the decoder as its argument: a bound method kept on the decoder would
+        # make a reference cycle, and a dropped decoder would hold its buffers until the cycle collector ran
+        self._compiled_step = torch.compile(_decode_step, dynamic=False) if compile else None
         self.layers = list(decoder_layers(model))
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -287,8 +289,15 @@ class StaticDecoder:
         except BackendCompilerFailed as err:
             logger.warning("torch.compile failed on the decode step (batch %d): %s; decoding uncompiled",
                            self.batch_size, str(err).splitlines()[0][:300])  # fmt: skip
-            self.compiled, self._run_step = False, self._step
+            self.compiled, self._compiled_step = False, None
             self._step()
+
+    def _run_step(self) -> None:
+        """The step, compiled or not."""
+        if self._compiled_step is None:
+            self._step()
+        else:
+            self._compiled_step(self)
 
     def _capture(self) -> None:
         """Record one step (nothing runs: the warm-up steps were real ones)."""
@@ -378,6 +387,11 @@ def lent_projections(layers: list[nn.Module], fused: list[FusedWeights]) -> Iter
     finally:
         for attn in lent:
             attn.__dict__.pop(FUSED_QKV, None)
+
+
+def _decode_step(decoder: StaticDecoder) -> None:
+    """``decoder``'s step, as a function of the decoder (what ``torch.compile`` compiles)."""
+    decoder._step()
 
 
 def cuda_graph(fn: Callable[[], object], device: torch.device, *, warmup: int = 2) -> torch.cuda.CUDAGraph:

@@ -398,13 +398,36 @@ def test_a_failed_compilation_falls_back_to_the_eager_step(caplog):
     want = StaticDecoder(model, batch_size=1, max_length=12).generate(prompt, max_new_tokens=5)
     decoder = StaticDecoder(model, batch_size=1, max_length=12, compile=True)
 
-    def failing():
+    def failing(_decoder):
         raise BackendCompilerFailed(lambda: None, RuntimeError("inductor failed"), None)
 
-    decoder._run_step = failing
+    decoder._compiled_step = failing
     with caplog.at_level("WARNING", logger="linearize.decoding"):
         assert torch.equal(decoder.generate(prompt, max_new_tokens=5), want)
     assert not decoder.compiled and "torch.compile failed on the decode step" in caplog.text
+
+
+@pytest.mark.parametrize("name", [None, "hybrid-joint", "dsla-nope", "lola-nope-sinks-weight"])
+def test_a_dropped_decoder_frees_its_buffers_at_once(name):
+    """A decoder holds no reference to itself: dropping it frees its buffers and states without the
+    cycle collector, so a larger decoder made next (a larger batch) has the memory back."""
+    import gc
+    import weakref
+
+    model = tiny() if name is None else _model(name)
+    prompt = torch.randint(3, model.config.vocab_size, (1, 4), generator=torch.Generator().manual_seed(3))
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        decoder = StaticDecoder(model, batch_size=2, max_length=10, graphs=False)
+        decoder.prefill(prompt)
+        decoder.step()
+        refs = [weakref.ref(decoder), weakref.ref(decoder.logits)]
+        del decoder
+        assert [r() for r in refs] == [None, None]
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @pytest.mark.parametrize("name", [None, "softmax", "hybrid-joint", "hybrid-nope", "dsla-nope", "lola-nope-sinks-weight"],
