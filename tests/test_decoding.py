@@ -316,7 +316,9 @@ def test_compiled_step_equals_the_eager_step(name, fused, monkeypatch):
                 assert m.options.keep_recalls is False  # the default
                 m.spec = replace(m.spec, options=replace(m.options, keep_recalls=keep))
     fused = bool(fused)
-    prompt = torch.randint(3, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(4))
+    device = "cuda" if fused and torch.cuda.is_available() else "cpu"  # without a GPU the kernels run in Triton's interpreter
+    model.to(device)
+    prompt = torch.randint(3, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(4)).to(device)
     runs = []
     for compile in (False, True):
         decoder = StaticDecoder(model, batch_size=2, max_length=16, compile=compile)
@@ -344,8 +346,9 @@ def test_lola_keep_recalls_option_reaches_the_decode_state():
 
     from linearize.layers.lola import LolaAttention
 
-    model = _model("lola-nope-sinks-weight")
-    prompt = torch.randint(3, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(8))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # without a GPU the kernels run in Triton's interpreter
+    model = _model("lola-nope-sinks-weight").to(device)
+    prompt = torch.randint(3, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(8)).to(device)
     runs = []
     for keep in (True, False):
         for m in model.modules():
