@@ -67,12 +67,12 @@ class _SoftmaxMemory:
     keys: Tensor
     values: Tensor
 
-    def step(self, attn: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, slot: Tensor, blocked: Tensor,
+    def step(self, attn: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, slot: Tensor, blocked: Tensor | None,
              flash: tuple[Tensor, Tensor] | None = None) -> Tensor:  # fmt: skip
         """The layer's attention output (B, 1, hidden) for ``h`` (B, 1, hidden) written at buffer
         ``slot`` (1,); ``blocked`` (B, 1, 1, max_length) marks the slots a row does not read (after
         ``slot``, and its prompt's padding). ``flash``: (rows (B,), lengths (B,)) to read each row's
-        first ``lengths`` slots with the flash-decoding kernel instead (no padding)."""
+        first ``lengths`` slots with the flash-decoding kernel instead (no padding; ``blocked`` None)."""
         q, k, v, _, _ = project_qkv(attn, h, (cos, sin))  # (B, Hq, 1, D), (B, Hkv, 1, D) x 2
         self.keys.index_copy_(2, slot, k.to(self.keys.dtype))
         self.values.index_copy_(2, slot, v.to(self.values.dtype))
@@ -226,8 +226,10 @@ class StaticDecoder:
         base = self.model.model
         x = base.embed_tokens(self.token)  # (B, 1, hidden)
         cos, sin = base.rotary_emb(x, self.position.clone().view(self.batch_size, 1))  # a copy, not a view of a buffer the step changes
-        blocked = ((self.slots > self.slot) | self.padding).view(self.batch_size, 1, 1, self.max_length)  # (B, 1, 1, L)
         flash = (self.rows, (self.slot + 1).expand(self.batch_size).contiguous()) if self.flash else None  # each row's keys: slots 0 .. slot
+        blocked = None  # the slots each row does not read, for softmax layers on the masked matmul only: (B, L), a pass of its own
+        if not self.flash and any(isinstance(mem, _SoftmaxMemory) for mem in self.memory):
+            blocked = ((self.slots > self.slot) | self.padding).view(self.batch_size, 1, 1, self.max_length)  # (B, 1, 1, L)
         for layer, mem, fused in zip(self.layers, self.memory, self.fused):
             h = layer.input_layernorm(x)
             attn = layer.self_attn
