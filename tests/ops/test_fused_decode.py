@@ -385,10 +385,10 @@ def test_dsla_decode_inputs_equal_the_torch_maps_and_gates(batch, rank, dtype, p
     z = torch.einsum("bsr,sor->bso", xr[..., :rank], up.float()) + up_bias.float()
     want_decay = log_gate(z).exp().view(b, 2, hq, nf)
     tol = 2e-6 if dtype == torch.float32 else 1e-2  # bf16: the projection's sum is rounded at a different point
-    torch.testing.assert_close(qf, want_q.float(), atol=tol, rtol=tol)
-    torch.testing.assert_close(kf, want_k.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(qf.float(), want_q.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(kf.float(), want_k.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(decay, want_decay, atol=2e-6, rtol=2e-6)
-    assert qf.dtype == kf.dtype == decay.dtype == torch.float32
+    assert qf.dtype == kf.dtype == weight.dtype and decay.dtype == torch.float32  # the features in the maps' dtype (the default)
     with pytest.raises(ValueError, match=r"x must have shape"):
         fused_decode.dsla_decode_inputs(q, k, x.view(b, hidden)[:, :8], down, weight, bias, u, c)
     with pytest.raises(ValueError, match=r"up must be torch.float32"):
