@@ -154,6 +154,7 @@ class StaticDecoder:
         self.slots = torch.arange(max_length, device=self.device)
         self.rows = torch.arange(batch_size, device=self.device)  # each row its own slot of the softmax buffers (flash-decoding)
         self.flash = False  # whether the softmax layers read their buffers with the flash-decoding kernel (set at prefill)
+        self._masked = False  # whether a softmax layer reads its buffers through the masked matmul (set at prefill)
         self.clock = DecodeClock(self.device)  # the tokens decoded since the prefill, read by the layers' static states
         self.padding = torch.zeros(batch_size, max_length, dtype=torch.bool, device=self.device)  # (B, L) prompt padding
         self.logits = torch.zeros(batch_size, model.config.vocab_size, device=self.device, dtype=model.dtype)
@@ -210,6 +211,7 @@ class StaticDecoder:
                     raise ValueError(f"layer {i} ({attn.spec.attention}) has no static decode step in mode {attn.mode!r}")
                 mem = StaticSlot(mem.decode_state)
             self.memory.append(mem)
+        self._masked = not self.flash and any(isinstance(mem, _SoftmaxMemory) for mem in self.memory)
         self.fused = [fused_weights(layer) if self.fuse_projections else FusedWeights() for layer in self.layers]
         self.length, self._steps, self._graph = t, 0, None
         self.logits.copy_(out.logits[:, -1].expand(self.batch_size, -1))
@@ -228,7 +230,7 @@ class StaticDecoder:
         cos, sin = base.rotary_emb(x, self.position.clone().view(self.batch_size, 1))  # a copy, not a view of a buffer the step changes
         flash = (self.rows, (self.slot + 1).expand(self.batch_size).contiguous()) if self.flash else None  # each row's keys: slots 0 .. slot
         blocked = None  # the slots each row does not read, for softmax layers on the masked matmul only: (B, L), a pass of its own
-        if not self.flash and any(isinstance(mem, _SoftmaxMemory) for mem in self.memory):
+        if self._masked:
             blocked = ((self.slots > self.slot) | self.padding).view(self.batch_size, 1, 1, self.max_length)  # (B, 1, 1, L)
         for layer, mem, fused in zip(self.layers, self.memory, self.fused):
             h = layer.input_layernorm(x)

@@ -417,7 +417,7 @@ def test_a_dropped_decoder_frees_its_buffers_at_once(name):
     import gc
     import weakref
 
-    model = tiny() if name is None else _model(name)
+    model = _model(name)
     prompt = torch.randint(3, model.config.vocab_size, (1, 4), generator=torch.Generator().manual_seed(3))
     enabled = gc.isenabled()
     gc.disable()

@@ -148,10 +148,11 @@ def _measure(model, side: str, *, context: int, steps: int, budget: int, max_bat
     def attempt(b: int) -> dict[str, Any]:
         """Time a batch of ``b``: its step's median and what the decoder ran with; on CUDA the memory
         it held after its prefill and at its peak. An out-of-memory error carries the stage it hit."""
+        # what the attempt before left: a failed one's decoder is freed only once its error was handled
+        _release_memory(device)
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
-        stage, decoder = "buffers", None
-        _release_memory(device)  # what an attempt before left in the cache
+        stage = "buffers"
         try:
             # the largest batch is memory-bound: no stacked copies of the projections' weights beside it
             decoder = StaticDecoder(model, batch_size=b, max_length=max_length, compile=compile, fuse_projections=False)
@@ -169,14 +170,12 @@ def _measure(model, side: str, *, context: int, steps: int, budget: int, max_bat
         except torch.OutOfMemoryError as e:
             e.stage = stage
             raise
-        finally:
-            decoder = None
-            _release_memory(device)
 
     if cuda:
         batch, out, attempts = largest_batch(attempt, batch, label=side)
     else:  # no out-of-memory error to search by: the budget's batch
         out, attempts = attempt(batch), [{"batch": batch, "ran": True}]
+    _release_memory(device)  # the last decoder's cached blocks
     median = out.pop("median")
     row.update(batch_size=batch, step_s=median, tokens_per_s=batch / median, held_bytes=batch * per_request, attempts=attempts, **out)
     if cuda:
