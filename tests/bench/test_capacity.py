@@ -84,7 +84,6 @@ def test_capacity_profiles_each_side_at_its_batch(tmp_path, capsys):
 
 
 def test_random_models_are_built_in_the_asked_dtype_and_seeded():
-
     a, b = build_tiny_llama(3, dtype=torch.bfloat16), build_tiny_llama(3, device="cpu", dtype=torch.bfloat16)
     assert {p.dtype for p in a.parameters()} == {torch.bfloat16} and torch.get_default_dtype() == torch.float32
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
