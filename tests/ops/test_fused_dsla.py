@@ -17,7 +17,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HQ, HKV, F, DV = 4, 2, 32, 16
 
 
-def _inputs(b: int, t: int, rank: int, gen: torch.Generator, normalize: bool, strength: float, shift: float | None = None):
+def _inputs(b: int, t: int, rank: int, gen: torch.Generator, normalize: bool, strength: float, shift: float | None = None, f: int = F):
     """Features (softmax rows with a normaliser: non-negative, as a feature map's), values, the gates'
     low-rank inputs and up projections (history near 0.999, recent near 0.9; ``strength`` scales the
     data-dependent part and, when large, pushes the recent gate's pre-activation far below 0, by
@@ -26,13 +26,13 @@ def _inputs(b: int, t: int, rank: int, gen: torch.Generator, normalize: bool, st
     def rand(*shape):
         return torch.randn(*shape, generator=gen)
 
-    qf, kf = rand(b, t, HQ, F), rand(b, t, HQ, F)
+    qf, kf = rand(b, t, HQ, f), rand(b, t, HQ, f)
     if normalize:
         qf, kf = qf.softmax(-1), (2 * kf).softmax(-1)
     v = rand(b, t, HKV, DV)
     xr = rand(b, t, 2, rank)
-    up = strength * rand(2, HQ * F, rank) / rank**0.5
-    bias = torch.stack([torch.full((HQ * F,), init_gate_bias(a)) for a in (0.999, 0.9)]) + rand(2, HQ * F)
+    up = strength * rand(2, HQ * f, rank) / rank**0.5
+    bias = torch.stack([torch.full((HQ * f,), init_gate_bias(a)) for a in (0.999, 0.9)]) + rand(2, HQ * f)
     if strength > 1 or shift is not None:
         bias[1] -= 20 * strength if shift is None else shift  # log gates far below -1 per token: decays the factored form could not hold
     return [x.to(DEVICE) for x in (qf, kf, v, xr, up, bias)]
@@ -99,6 +99,25 @@ def test_fused_dsla_prefill_equals_the_torch_kernel(case, normalize):
     tol = 1e-4 if strong else 2e-5
     torch.testing.assert_close(got, want, atol=2e-5, rtol=tol)
     _states_close(got_state, want_state, tol)
+
+
+@pytest.mark.parametrize("prior, t, strength", [(0, 150, 1.0), (40, 129, 6.0)])
+@torch.no_grad()
+def test_as_many_features_as_value_columns_equal_the_torch_kernel(prior, t, strength):
+    """A rectangular Hedgehog map's features (d' = d: as many features as value columns, LoLCATs'
+    8B size) take the same kernels and give the same outputs and states."""
+    gen = torch.Generator().manual_seed(t + prior)
+    gamma = torch.rand(HQ, generator=gen).to(DEVICE)
+    state = None
+    if prior:
+        _, state = _reference(*_inputs(2, prior, 16, gen, True, strength, f=DV), gamma, None, True)
+    args = _inputs(2, t, 16, gen, True, strength, f=DV)
+    want, want_state = _reference(*args, gamma, state, True)
+    got, got_state = _fused(*args, gamma, state, True)
+    tol = 1e-4 if strength > 1 else 2e-5
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=tol)
+    _states_close(got_state, want_state, tol)
+    assert got_state.history.shape[2] == DV  # (B, Hq, F, ...): d' = DV features
 
 
 @pytest.mark.parametrize("prior, t, block", [(0, 100, 64), (30, 150, 64), (0, 90, 32), (10, 140, 128)])

@@ -16,11 +16,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HQ, HKV, D = 4, 2, 16
 
 
-def _maps(seed: int):
+def _maps(seed: int, features: int = 2 * D):
     torch.manual_seed(seed)
     maps = []
     for _ in range(2):
-        m = HedgehogFeatureMap(HQ, D, 2 * D, seed=seed)
+        m = HedgehogFeatureMap(HQ, D, features, seed=seed)
         with torch.no_grad():
             m.weight.add_(0.3 * torch.randn_like(m.weight))  # away from the identity start
             m.bias.normal_()
@@ -68,6 +68,24 @@ def test_fused_prefill_equals_the_exact_hybrid(case, mix, separate):
         got, got_state = fused_prefill.hybrid_prefill(q, k, v, **args, state=state, **lin)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     _assert_states_equal(got_state, want_state, 2e-5)
+
+
+@pytest.mark.parametrize("mix", ["joint", "gate"])
+@torch.no_grad()
+def test_rectangular_maps_take_the_fused_prefill_exactly(mix):
+    """Hedgehog maps of d' = d features (a d x d/2 projection, LoLCATs' 8B size), continuing a state."""
+    gen = torch.Generator().manual_seed(11)
+    phi_q, phi_k = _maps(11, features=D)
+    factor = torch.rand(HQ, generator=gen).to(DEVICE)
+    args = dict(phi_q=phi_q, phi_k=phi_k, window=64, mix=mix, **({"window_factor": factor} if mix == "joint" else {"gate": factor}))
+    _, state = hybrid_attention(*_qkv(2, 70, gen), **args)
+    q, k, v = _qkv(2, 150, gen)
+    want, want_state = hybrid_attention(q, k, v, **args, state=state)
+    with fused_decode.use_fused(True):
+        got, got_state = fused_prefill.hybrid_prefill(q, k, v, **args, state=state)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    _assert_states_equal(got_state, want_state, 2e-5)
+    assert got_state.linear.kv.shape[2:] == (D, D)  # (B, Hq, F, Dv): d' = d features
 
 
 @torch.no_grad()
