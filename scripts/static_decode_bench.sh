@@ -12,7 +12,9 @@
 # (default "1 64"), PREFILL (the model's prefill lengths; default 256, 'none' to skip), COMPILE=1 (every part: compile each side's decode step with torch.compile first),
 # CAPACITY_CONTEXT (default 32768), PREFILL_LENGTHS (the layer's prefill lengths at batch 1; default
 # 2048,8192,32768,131072; PREFILL_KINDS default "hybrid dsla"),
-# PROFILE=1 (part prefill: each case's kernels, both sides, in layer.md). Kinds: hybrid, dsla, lola (window 64, 256
+# PROFILE=1 (part prefill: each case's kernels, both sides, in layer.md), FEATURE_DIM_8B (the Hedgehog
+# maps' features in the Llama-3-8B-shaped runs, layer, prefill and the 8B capacity: empty for the square
+# maps' 2 x 128, 128 for LoLCATs' 8B size, d x d/2 projections). Kinds: hybrid, dsla, lola (window 64, 256
 # sparse slots, chunk 64; decoding keeps the slots' recalls), lola-state (the same, each slot scored against the
 # state), lola64 and lola64-state (64 sparse slots).
 set -euo pipefail
@@ -32,10 +34,11 @@ spec() {  # the spec flags of a kind at the settings the shipped models use
   esac
 }
 C=$([ "${COMPILE:-0}" = 1 ] && echo "--compile" || true)
+F8=${FEATURE_DIM_8B:+--feature-dim $FEATURE_DIM_8B}
 if [ "$PART" = layer ] || [ "$PART" = all ]; then
   L="--layer llama3-8b --device cuda --graphs --batch-sizes ${LAYER_BATCHES:-1,64} --prefill-lengths none --decode-contexts ${LAYER_CONTEXTS:-4096,32768,131072}"
   for kind in ${LAYER_KINDS:-hybrid dsla lola}; do
-    $LINEARIZE bench $L $C $(spec "$kind") --out "$OUT/layer/$kind"
+    $LINEARIZE bench $L $C $(spec "$kind") $F8 --out "$OUT/layer/$kind"
   done
 fi
 contexts() { [ "$1" = 1 ] && echo "${B1_CONTEXTS:-1024,4096,8000}" || echo "${B64_CONTEXTS:-1024,4096,8000}"; }
@@ -58,13 +61,13 @@ fi
 if [ "$PART" = capacity ] || [ "$PART" = all ]; then
   for kind in ${MODEL_KINDS:-hybrid dsla}; do
     $LINEARIZE bench --capacity "${CAPACITY_CONTEXT:-32768}" --model smollm2-135m --device cuda $C $(spec "$kind") --out "$OUT/capacity/smollm2-$kind"
-    $LINEARIZE bench --capacity "${CAPACITY_CONTEXT:-32768}" --stack llama3-8b --device cuda $C $(spec "$kind") --out "$OUT/capacity/llama3-8b-$kind"
+    $LINEARIZE bench --capacity "${CAPACITY_CONTEXT:-32768}" --stack llama3-8b --device cuda $C $(spec "$kind") $F8 --out "$OUT/capacity/llama3-8b-$kind"
   done
 fi
 if [ "$PART" = prefill ]; then
   P="--layer llama3-8b --device cuda --batch-sizes 1 --decode-contexts none --prefill-lengths ${PREFILL_LENGTHS:-2048,8192,32768,131072}"
   [ "${PROFILE:-0}" = 1 ] && P="$P --profile"
   for kind in ${PREFILL_KINDS:-hybrid dsla}; do
-    $LINEARIZE bench $P $(spec "$kind") --out "$OUT/prefill/$kind"
+    $LINEARIZE bench $P $(spec "$kind") $F8 --out "$OUT/prefill/$kind"
   done
 fi
