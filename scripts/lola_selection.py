@@ -3,8 +3,11 @@ selection kernel alone, one launch over every chunk) and the whole prefill op at
 (CUDA, bfloat16), for each variant of kernel options, and check that every variant keeps the first
 variant's caches.
 
-    python scripts/lola_selection.py OUT_DIR [--shape smollm2-135m] [--length 8192] [--sparse 256]
+    python scripts/lola_selection.py OUT_DIR [--shape smollm2-135m] [--length 8192] [--sparse 256] [--features F]
         [--variant NAME=MODULE.NAME=VALUE[,MODULE.NAME=VALUE...]] ...
+
+``--features``: Hedgehog-like features a head (default 2 x head_dim, a square map's; head_dim: a
+rectangular map's, LoLCATs' 8B size).
 
 Default variants: ``VARIANTS`` (the selection's warps and blocks of candidates). A variant with no
 options runs the module's defaults. OUT_DIR/lola_selection.json holds, per variant, the selection's milliseconds
@@ -61,6 +64,7 @@ def main() -> None:
     ap.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
     ap.add_argument("--length", type=int, default=8192)
     ap.add_argument("--sparse", type=int, default=256)
+    ap.add_argument("--features", type=int, default=None, help="features a head, even (default: 2 x head_dim)")
     ap.add_argument("--device", default="cuda", help="cuda; cpu runs the kernels in Triton's interpreter (TRITON_INTERPRET=1), a check of the script")
     ap.add_argument("--variant", action="append", default=[], help="NAME=MODULE.NAME=VALUE[,...] or NAME=defaults (repeatable; default: VARIANTS)")
     args = ap.parse_args()
@@ -79,13 +83,16 @@ def main() -> None:
             ap.error(str(e))
     shape = SHAPES[args.shape]
     hq, hkv, d, t, lam, w = shape.heads, shape.kv_heads, shape.head_dim, args.length, args.sparse, 64
+    feats = 2 * d if args.features is None else args.features
+    if feats < 2 or feats % 2:
+        ap.error(f"--features must be an even number >= 2, got {feats}")
     dev, dt = args.device, torch.bfloat16
     torch.manual_seed(0)
     q, k = torch.randn(1, hq, t, d, device=dev, dtype=dt), torch.randn(1, hkv, t, d, device=dev, dtype=dt)
     v = torch.randn(1, hkv, t, d, device=dev, dtype=dt)
 
-    def features(x: torch.Tensor) -> torch.Tensor:  # Hedgehog-like: (softmax(p), softmax(-p)), 2 d features
-        p = x.float() @ (0.3 * torch.randn(d, d, device=dev))
+    def features(x: torch.Tensor) -> torch.Tensor:  # Hedgehog-like: (softmax(p), softmax(-p)), feats features
+        p = x.float() @ (0.3 * torch.randn(d, feats // 2, device=dev))
         return torch.cat([p.softmax(-1), (-p).softmax(-1)], -1).to(dt)
 
     qphi, kphi = features(q), features(k.repeat_interleave(hq // hkv, dim=1))
@@ -93,7 +100,7 @@ def main() -> None:
     opts = dict(window=w, sparse=lam, chunk=w, sinks=4, scale=d**-0.5, weight_tokens=0, read_state=True, read_sparse=True)
     kernels = tuple(LastLaunch(x) for x in fused_lola._prefill_kernels())
     fused_lola._prefill_kernels = lambda: kernels
-    report = {"shape": args.shape, "length": t, "heads": hq, "kv_heads": hkv, "head_dim": d, "features": 2 * d, "sparse": lam,
+    report = {"shape": args.shape, "length": t, "heads": hq, "kv_heads": hkv, "head_dim": d, "features": feats, "sparse": lam,
               "window": w, "chunk": w, "chunks": -(-t // w), "device": torch.cuda.get_device_name() if dev == "cuda" else dev, "variants": {}}  # fmt: skip
     reference = None
     for name, options in variants.items():
