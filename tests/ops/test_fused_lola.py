@@ -704,12 +704,13 @@ def test_fused_prefill_rejects_bad_arguments():
 
 
 @pytest.mark.parametrize("recall", ["state", "memory"])
-@pytest.mark.parametrize("shape", ["llama3-8b", "smollm2"])
+@pytest.mark.parametrize("shape", ["llama3-8b", "llama3-8b-rect", "smollm2"])
 @torch.no_grad()
 def test_fused_prefill_in_bfloat16(monkeypatch, recall, shape):
     """A bfloat16 model, on a GPU at the Llama-3-8B layer's sizes (D 128, f 128, window 64, lambda
     256, 32 query heads on 8 KV heads; its [S | z] read in tiles) and at SmolLM2's (D 64, f 64, 9
-    query heads on 3; [S | z] held in registers), 2,048 tokens in 4 segments (each read on the
+    query heads on 3; [S | z] held in registers; "llama3-8b-rect": the 8B sizes with a rectangular
+    map, f 64, LoLCATs' 128 features, [S | z] held in registers), 2,048 tokens in 4 segments (each read on the
     second stream beside the next one's selection); in Triton's interpreter (its bfloat16 mended by
     conftest) at D 16, lambda 24, 160 tokens in 3 segments, the state in tiles of 16 or in registers:
     the fused prefill keeps almost the same cache as the torch op (a near-tie at bfloat16 precision
@@ -717,16 +718,18 @@ def test_fused_prefill_in_bfloat16(monkeypatch, recall, shape):
     torch op's, with either recall rule."""
     if DEVICE == "cuda":
         monkeypatch.setattr(fused_lola, "PREFILL_SEGMENT_CHUNKS", 8)
-        hq, hkv, d, t, w, lam = (32, 8, 128, 2048, 64, 256) if shape == "llama3-8b" else (9, 3, 64, 2048, 64, 256)
-        assert (2 * d * d <= fused_lola.PREFILL_RESIDENT_FLOATS) == (shape == "smollm2")
+        hq, hkv, d, t, w, lam = (9, 3, 64, 2048, 64, 256) if shape == "smollm2" else (32, 8, 128, 2048, 64, 256)
+        f = d // 2 if shape == "llama3-8b-rect" else d
+        assert (2 * f * d <= fused_lola.PREFILL_RESIDENT_FLOATS) == (shape != "llama3-8b")
     else:
         hq, hkv, d, t, w, lam = 4, 2, 16, 160, 16, 24
+        f = d // 2 if shape == "llama3-8b-rect" else d
         monkeypatch.setattr(fused_lola, "PREFILL_SAVED_BYTES", 4 * 4 * hq * (2 * d * d + 2 * d))  # segments of 4 chunks
         if shape == "llama3-8b":  # [S | z] in tiles, several per axis
             for name in ("PREFILL_BLOCK_FEATURES", "PREFILL_BLOCK_VALUES", "PREFILL_BLOCK_CACHE", "PREFILL_READ_BLOCK_FEATURES"):
                 monkeypatch.setattr(fused_lola, name, 16)
             monkeypatch.setattr(fused_lola, "PREFILL_RESIDENT_FLOATS", 0)
-    (out_r, st_r), (out_g, st_g), calls = _prefill_pair(b=1, hq=hq, hkv=hkv, t=t, d=d, f=d, dv=d, w=w, lam=lam, chunk=w,
+    (out_r, st_r), (out_g, st_g), calls = _prefill_pair(b=1, hq=hq, hkv=hkv, t=t, d=d, f=f, dv=d, w=w, lam=lam, chunk=w,
                                                         dtype=torch.bfloat16, sinks=4, linear_weight=0.1, recall=recall)  # fmt: skip
     assert calls == [1]
     same = (st_g.sparse.positions == st_r.sparse.positions).float().mean().item()
