@@ -716,15 +716,16 @@ def test_fused_prefill_in_bfloat16(monkeypatch, recall, shape):
     the fused prefill keeps almost the same cache as the torch op (a near-tie at bfloat16 precision
     may go the other way, and the state then differs by that token) and its output follows the
     torch op's, with either recall rule."""
+    if DEVICE != "cuda":
+        hq, hkv, d, t, w, lam = 4, 2, 16, 160, 16, 24
+    else:
+        hq, hkv, d, t, w, lam = (9, 3, 64, 2048, 64, 256) if shape == "smollm2" else (32, 8, 128, 2048, 64, 256)
+    f = d // 2 if shape == "llama3-8b-rect" else d  # the maps' projection width: 2 f features
     if DEVICE == "cuda":
         monkeypatch.setattr(fused_lola, "PREFILL_SEGMENT_CHUNKS", 8)
-        hq, hkv, d, t, w, lam = (9, 3, 64, 2048, 64, 256) if shape == "smollm2" else (32, 8, 128, 2048, 64, 256)
-        f = d // 2 if shape == "llama3-8b-rect" else d
         assert (2 * f * d <= fused_lola.PREFILL_RESIDENT_FLOATS) == (shape != "llama3-8b")
     else:
-        hq, hkv, d, t, w, lam = 4, 2, 16, 160, 16, 24
-        f = d // 2 if shape == "llama3-8b-rect" else d
-        monkeypatch.setattr(fused_lola, "PREFILL_SAVED_BYTES", 4 * 4 * hq * (2 * d * d + 2 * d))  # segments of 4 chunks
+        monkeypatch.setattr(fused_lola, "PREFILL_SAVED_BYTES", 4 * 4 * hq * (2 * f * d + 2 * f))  # segments of 4 chunks
         if shape == "llama3-8b":  # [S | z] in tiles, several per axis
             for name in ("PREFILL_BLOCK_FEATURES", "PREFILL_BLOCK_VALUES", "PREFILL_BLOCK_CACHE", "PREFILL_READ_BLOCK_FEATURES"):
                 monkeypatch.setattr(fused_lola, name, 16)
